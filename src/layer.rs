@@ -1,0 +1,246 @@
+//! [`IdempotencyLayer`]: the configuration, shared by every service it wraps.
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Method, StatusCode, header, request::Parts};
+use tower_layer::Layer;
+
+use crate::{
+    Fingerprint, Idempotency, Scope,
+    fingerprint::Fingerprinter,
+    policy::{PolicyFn, default_storage_policy},
+    scope::ScopeFn,
+    store::{IntoStore, Store},
+};
+
+/// The default header name, `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The header set on replayed responses, `Idempotent-Replayed: true`.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Makes `Idempotency-Key` work: claims each key atomically before the handler runs,
+/// stores the response, and replays it to duplicates.
+///
+/// Requests on a guarded method (POST and PATCH by default) that carry the header are
+/// claimed in the store; everything else passes straight through. Cloning is cheap: the
+/// configuration is shared.
+///
+/// # Examples
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use std::time::Duration;
+/// use tower_idempotency::{IdempotencyLayer, IdempotencyKey, store::MemoryStore};
+///
+/// async fn create_payment(key: IdempotencyKey) -> String {
+///     format!("charged once for {key}")
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/payments", post(create_payment))
+///     .layer(
+///         IdempotencyLayer::new(MemoryStore::new())
+///             .require_key(true)
+///             .ttl(Duration::from_secs(24 * 3600)),
+///     );
+/// ```
+///
+/// With PostgreSQL, pass a [`PostgresStore`](crate::store::PostgresStore) (or a
+/// `deadpool_postgres::Pool`, for the default table) after running its `migrate()`.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    pub(crate) config: Arc<Config>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) header: HeaderName,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    pub(crate) request_body_limit: usize,
+    pub(crate) response_body_limit: usize,
+    pub(crate) store_timeout: Duration,
+    pub(crate) scope: ScopeFn,
+    pub(crate) fingerprinter: Fingerprinter,
+    pub(crate) policy: PolicyFn,
+    pub(crate) unreplayed_headers: Arc<[HeaderName]>,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` with the defaults: POST and PATCH guarded, key optional,
+    /// 30 s lease (renewed while the handler runs), 24 h TTL, 1 MiB request and stored
+    /// response limits, 5 s store timeout, scope from `Authorization`, fingerprint over
+    /// `Content-Type` and the body, `Set-Cookie` not stored.
+    pub fn new(store: impl IntoStore) -> Self {
+        Self {
+            config: Arc::new(Config {
+                store: store.into_store(),
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: false,
+                header: IDEMPOTENCY_KEY,
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(24 * 3600),
+                request_body_limit: 1024 * 1024,
+                response_body_limit: 1024 * 1024,
+                store_timeout: Duration::from_secs(5),
+                scope: Arc::new(Scope::from_authorization),
+                fingerprinter: Fingerprinter::default(),
+                policy: Arc::new(default_storage_policy),
+                unreplayed_headers: Arc::from([header::SET_COOKIE]),
+            }),
+        }
+    }
+
+    fn config(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The methods whose requests are guarded (default POST and PATCH). Requests with
+    /// other methods pass through untouched.
+    #[must_use]
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config().methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether guarded requests without a key get 400 (default `false`: they pass through).
+    #[must_use]
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config().require_key = required;
+        self
+    }
+
+    /// The header that carries the key (default `Idempotency-Key`).
+    #[must_use]
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config().header = name;
+        self
+    }
+
+    /// How long a claim holds before a retry may take it over if its holder stops
+    /// renewing it (default 30 s; at least 10 ms). A live handler's lease is renewed
+    /// every third of this, so it bounds how long a crashed request blocks its key, not
+    /// how long a handler may run.
+    #[must_use]
+    pub fn lease_duration(mut self, lease: Duration) -> Self {
+        self.config().lease = lease.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How long a stored response is replayed (default 24 h).
+    #[must_use]
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config().ttl = ttl;
+        self
+    }
+
+    /// The largest request body read for a guarded request (default 1 MiB); larger ones
+    /// get 413 and claim nothing.
+    #[must_use]
+    pub fn request_body_limit(mut self, bytes: usize) -> Self {
+        self.config().request_body_limit = bytes;
+        self
+    }
+
+    /// The largest response body stored (default 1 MiB). A larger response still goes
+    /// in full to its client; the key is completed with a `response-not-stored` problem,
+    /// so a retry never runs the handler a second time.
+    #[must_use]
+    pub fn response_body_limit(mut self, bytes: usize) -> Self {
+        self.config().response_body_limit = bytes;
+        self
+    }
+
+    /// How long to wait for the store on a claim before answering 503 (default 5 s).
+    #[must_use]
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.config().store_timeout = timeout;
+        self
+    }
+
+    /// Computes the scope of each request (default [`Scope::from_authorization`]).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Scope, store::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_with(|parts| {
+    ///     let tenant = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok());
+    ///     Scope::new(tenant.unwrap_or("public"))
+    /// });
+    /// ```
+    #[must_use]
+    pub fn scope_with(mut self, scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
+        self.config().scope = Arc::new(scope);
+        self
+    }
+
+    /// The request headers included in the fingerprint (default `Content-Type`).
+    #[must_use]
+    pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config().fingerprinter = Fingerprinter::Sha256 {
+            headers: headers.into_iter().collect(),
+        };
+        self
+    }
+
+    /// Replaces the fingerprint with a function of the app's own.
+    #[must_use]
+    pub fn fingerprint_with(
+        mut self,
+        f: impl Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.config().fingerprinter = Fingerprinter::Custom(Arc::new(f));
+        self
+    }
+
+    /// Which responses are stored for replay (default
+    /// [`default_storage_policy`](crate::default_storage_policy)); the others release
+    /// the key so that a retry runs again.
+    #[must_use]
+    pub fn store_response_if(
+        mut self,
+        policy: impl Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.config().policy = Arc::new(policy);
+        self
+    }
+
+    /// Response headers never stored, so never replayed (default `Set-Cookie`: a session
+    /// cookie belongs to the response that created it, not to every retry).
+    #[must_use]
+    pub fn unreplayed_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config().unreplayed_headers = headers.into_iter().collect();
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &c.methods)
+            .field("require_key", &c.require_key)
+            .field("header", &c.header)
+            .field("lease", &c.lease)
+            .field("ttl", &c.ttl)
+            .field("request_body_limit", &c.request_body_limit)
+            .field("response_body_limit", &c.response_body_limit)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,26 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod body;
+mod fingerprint;
+mod key;
+mod layer;
+mod outcome;
+mod policy;
+mod record;
+pub mod rejection;
+mod scope;
+mod service;
+pub mod store;
+
+pub use body::{BoxError, ResponseBody};
+pub use fingerprint::{Fingerprint, fingerprint};
+#[cfg(feature = "axum")]
+pub use key::MissingIdempotencyKey;
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
+pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer};
+pub use outcome::Outcome;
+pub use policy::default_storage_policy;
+pub use record::StoredResponse;
+pub use scope::Scope;
+pub use service::{Idempotency, ResponseFuture};

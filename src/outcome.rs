@@ -1,0 +1,56 @@
+//! What the layer did with a request, for metrics and logs.
+
+use std::fmt;
+
+/// The layer's decision for one request, put in the response extensions and recorded
+/// as the `outcome` field of the `idempotency` tracing span.
+///
+/// ```
+/// use tower_idempotency::Outcome;
+///
+/// # let response = http::Response::new(());
+/// match response.extensions().get::<Outcome>() {
+///     Some(Outcome::Replayed) => { /* count a replay */ }
+///     Some(other) => println!("{other}"),
+///     None => { /* the layer did not see this request */ }
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Not a guarded request (method not guarded, or no key and none required).
+    PassedThrough,
+    /// The key was claimed and the inner service ran.
+    Executed,
+    /// A stored response was returned.
+    Replayed,
+    /// The key is held by a request still running (409).
+    Conflict,
+    /// The key was used with a different request (422).
+    Mismatch,
+    /// The request was refused before any claim: bad or missing key, body too large (400, 413).
+    Rejected,
+    /// The store could not be reached; the inner service did not run (503).
+    StoreError,
+}
+
+impl Outcome {
+    /// A short lowercase name, stable for metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PassedThrough => "passed_through",
+            Self::Executed => "executed",
+            Self::Replayed => "replayed",
+            Self::Conflict => "conflict",
+            Self::Mismatch => "mismatch",
+            Self::Rejected => "rejected",
+            Self::StoreError => "store_error",
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

@@ -1,0 +1,137 @@
+//! The stored response: what a duplicate gets back, byte for byte.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+
+/// A response as stored for replay: status, end-to-end headers, body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status code.
+    pub status: StatusCode,
+    /// The stored headers (hop-by-hop and excluded headers already removed).
+    pub headers: HeaderMap,
+    /// The complete body.
+    pub body: Bytes,
+}
+
+/// Headers that describe one connection, not the response (RFC 9110 §7.6.1), plus
+/// `Content-Length`, which is recomputed from the stored body.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+impl StoredResponse {
+    /// Keeps the end-to-end headers of `headers`, minus those in `excluded`.
+    pub(crate) fn storable_headers(headers: &HeaderMap, excluded: &[HeaderName]) -> HeaderMap {
+        let connection_named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        let mut out = HeaderMap::with_capacity(headers.len());
+        for (name, value) in headers {
+            if HOP_BY_HOP.contains(name)
+                || name == header::CONTENT_LENGTH
+                || excluded.contains(name)
+                || connection_named.contains(name)
+            {
+                continue;
+            }
+            out.append(name.clone(), value.clone());
+        }
+        out
+    }
+
+    /// Encodes the headers for storage: a count, then length-prefixed names and values.
+    pub fn encode_headers(headers: &HeaderMap) -> Bytes {
+        let mut buf = BytesMut::with_capacity(4 + headers.len() * 48);
+        buf.put_u32(headers.len() as u32);
+        for (name, value) in headers {
+            buf.put_u32(name.as_str().len() as u32);
+            buf.put_slice(name.as_str().as_bytes());
+            buf.put_u32(value.len() as u32);
+            buf.put_slice(value.as_bytes());
+        }
+        buf.freeze()
+    }
+
+    /// Decodes what [`encode_headers`](Self::encode_headers) wrote; `None` if corrupt.
+    pub fn decode_headers(mut bytes: &[u8]) -> Option<HeaderMap> {
+        fn chunk<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
+            if bytes.remaining() < 4 {
+                return None;
+            }
+            let len = bytes.get_u32() as usize;
+            if bytes.len() < len {
+                return None;
+            }
+            let (head, tail) = bytes.split_at(len);
+            *bytes = tail;
+            Some(head)
+        }
+        if bytes.remaining() < 4 {
+            return None;
+        }
+        let count = bytes.get_u32() as usize;
+        let mut headers = HeaderMap::with_capacity(count.min(64));
+        for _ in 0..count {
+            let name = HeaderName::from_bytes(chunk(&mut bytes)?).ok()?;
+            let value = HeaderValue::from_bytes(chunk(&mut bytes)?).ok()?;
+            headers.append(name, value);
+        }
+        bytes.is_empty().then_some(headers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_in_order_with_repeats() {
+        let mut h = HeaderMap::new();
+        h.append("content-type", HeaderValue::from_static("application/json"));
+        h.append("x-a", HeaderValue::from_static("1"));
+        h.append("x-a", HeaderValue::from_static("2"));
+        h.append("x-bin", HeaderValue::from_bytes(b"\xff\x80").unwrap());
+        let decoded = StoredResponse::decode_headers(&StoredResponse::encode_headers(&h)).unwrap();
+        assert_eq!(decoded, h);
+        let xa: Vec<_> = decoded.get_all("x-a").iter().collect();
+        assert_eq!(xa, ["1", "2"]);
+    }
+
+    #[test]
+    fn corrupt_encodings_are_refused() {
+        let mut h = HeaderMap::new();
+        h.append("x-a", HeaderValue::from_static("1"));
+        let enc = StoredResponse::encode_headers(&h);
+        assert!(StoredResponse::decode_headers(&enc[..enc.len() - 1]).is_none());
+        let mut longer = enc.to_vec();
+        longer.push(0);
+        assert!(StoredResponse::decode_headers(&longer).is_none());
+        assert!(StoredResponse::decode_headers(b"").is_none());
+    }
+
+    #[test]
+    fn hop_by_hop_and_excluded_headers_are_not_stored() {
+        let mut h = HeaderMap::new();
+        h.append("connection", HeaderValue::from_static("close, x-conn"));
+        h.append("x-conn", HeaderValue::from_static("1"));
+        h.append("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.append("content-length", HeaderValue::from_static("10"));
+        h.append("set-cookie", HeaderValue::from_static("s=1"));
+        h.append("location", HeaderValue::from_static("/payments/1"));
+        let kept = StoredResponse::storable_headers(&h, &[header::SET_COOKIE]);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept["location"], "/payments/1");
+    }
+}

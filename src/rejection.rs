@@ -1,0 +1,160 @@
+//! Rejections: RFC 9457 problem documents with stable `type` URIs.
+//!
+//! Every answer the layer gives instead of the handler's is an
+//! `application/problem+json` body with `Cache-Control: no-store`. The `type` of each
+//! is a stable URI naming a section of this page, so clients can branch on it.
+//!
+#![doc = include_str!("../docs/problems.md")]
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde::Serialize;
+
+const TYPE_BASE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/rejection/index.html#";
+
+/// A reason the layer answered instead of the handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Problem {
+    /// 400: a key is required on this request and none was sent.
+    KeyMissing,
+    /// 400: the `Idempotency-Key` header is malformed or repeated.
+    KeyMalformed,
+    /// 413: the request body is over the configured limit.
+    BodyTooLarge,
+    /// 400: the request body could not be read.
+    BodyUnreadable,
+    /// 422: the key was already used with a different request.
+    KeyReused,
+    /// 409: a request with this key is still being processed.
+    InProgress,
+    /// 503: the idempotency store cannot be reached; nothing was run.
+    StoreUnavailable,
+    /// 500: the handler panicked or failed; its key was released.
+    HandlerFailed,
+    /// 500: the request ran, but its response was too large to store, so it cannot be replayed.
+    ResponseNotStored,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    #[serde(rename = "type")]
+    type_: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
+impl Problem {
+    /// The anchor of this problem on the documentation page, e.g. `key-reused`.
+    pub fn slug(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "key-missing",
+            Self::KeyMalformed => "key-malformed",
+            Self::BodyTooLarge => "body-too-large",
+            Self::BodyUnreadable => "body-unreadable",
+            Self::KeyReused => "key-reused",
+            Self::InProgress => "in-progress",
+            Self::StoreUnavailable => "store-unavailable",
+            Self::HandlerFailed => "handler-failed",
+            Self::ResponseNotStored => "response-not-stored",
+        }
+    }
+
+    /// The stable `type` URI.
+    ///
+    /// ```
+    /// use tower_idempotency::rejection::Problem;
+    /// assert!(Problem::KeyReused.type_uri().ends_with("#key-reused"));
+    /// ```
+    pub fn type_uri(self) -> String {
+        format!("{TYPE_BASE}{}", self.slug())
+    }
+
+    /// The HTTP status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyMalformed | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InProgress => StatusCode::CONFLICT,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::HandlerFailed | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A short human-readable summary; the same for every occurrence.
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency-Key required",
+            Self::KeyMalformed => "Malformed Idempotency-Key",
+            Self::BodyTooLarge => "Request body too large",
+            Self::BodyUnreadable => "Request body unreadable",
+            Self::KeyReused => "Idempotency-Key reused with a different request",
+            Self::InProgress => "Request with this Idempotency-Key in progress",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::HandlerFailed => "Request failed",
+            Self::ResponseNotStored => "Response not replayable",
+        }
+    }
+
+    /// The problem document with `detail` as a response.
+    pub fn response(self, detail: &str) -> Response<Bytes> {
+        let type_uri = self.type_uri();
+        let body = Body {
+            type_: &type_uri,
+            title: self.title(),
+            status: self.status().as_u16(),
+            detail,
+        };
+        let bytes = serde_json::to_vec(&body).map(Bytes::from).unwrap_or_default();
+        let mut res = Response::new(bytes);
+        *res.status_mut() = self.status();
+        let h = res.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        res.extensions_mut().insert(self);
+        res
+    }
+
+    /// Like [`response`](Self::response), with `Retry-After` in whole seconds (at least 1).
+    pub fn response_retry_after(self, detail: &str, after: std::time::Duration) -> Response<Bytes> {
+        let mut res = self.response(detail);
+        let secs = after.as_millis().div_ceil(1000).max(1);
+        res.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
+        res
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problem_documents_are_rfc9457() {
+        let res = Problem::InProgress.response_retry_after("busy", std::time::Duration::from_millis(1500));
+        assert_eq!(res.status(), 409);
+        assert_eq!(res.headers()["content-type"], "application/problem+json");
+        assert_eq!(res.headers()["cache-control"], "no-store");
+        assert_eq!(res.headers()["retry-after"], "2");
+        let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
+        assert_eq!(v["type"], Problem::InProgress.type_uri());
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["title"], Problem::InProgress.title());
+        assert_eq!(v["detail"], "busy");
+    }
+
+    #[test]
+    fn slugs_are_unique() {
+        let all = [
+            Problem::KeyMissing, Problem::KeyMalformed, Problem::BodyTooLarge, Problem::BodyUnreadable,
+            Problem::KeyReused, Problem::InProgress, Problem::StoreUnavailable, Problem::HandlerFailed,
+            Problem::ResponseNotStored,
+        ];
+        let mut slugs: Vec<_> = all.iter().map(|p| p.slug()).collect();
+        slugs.sort_unstable();
+        slugs.dedup();
+        assert_eq!(slugs.len(), all.len());
+    }
+}

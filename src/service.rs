@@ -1,0 +1,469 @@
+//! [`Idempotency`]: the service that claims, runs, stores and replays.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, Request, Response, header};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use pin_project_lite::pin_project;
+use tower_service::Service;
+use tracing::{Instrument, Span, field};
+
+use crate::{
+    IdempotencyKey, Outcome, StoredResponse,
+    body::{BoxError, ResponseBody},
+    key::{KeyError, key_from_headers},
+    layer::{Config, IDEMPOTENT_REPLAYED},
+    rejection::Problem,
+    store::{BoxFuture, Claim, ClaimRequest, Lease},
+};
+
+/// The middleware built by [`IdempotencyLayer`](crate::IdempotencyLayer).
+///
+/// The inner service must accept a request body built from bytes (`ReqBody: From<Bytes>`),
+/// as `axum::body::Body` and `http_body_util::Full<Bytes>` are: a guarded request's body
+/// is read (to fingerprint it) and handed on rebuilt. With hyper's `Incoming`, map the
+/// body first (e.g. `axum::body::Body::new`).
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    pub(crate) inner: S,
+    pub(crate) config: Arc<Config>,
+}
+
+impl<S> std::fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency").finish_non_exhaustive()
+    }
+}
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+pin_project! {
+    /// The response future of [`Idempotency`].
+    pub struct ResponseFuture<F, B, E> {
+        #[pin]
+        kind: Kind<F, B, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B, E> {
+        PassThrough { #[pin] future: F },
+        Guarded { future: BoxFuture<'static, Answer<B, E>> },
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Answer<B, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::PassThrough { future } => future.poll(cx).map_ok(|res| {
+                let mut res = res.map(ResponseBody::inner);
+                res.extensions_mut().insert(Outcome::PassedThrough);
+                res
+            }),
+            KindProj::Guarded { future } => future.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The ready instance is the one to call; keep a fresh clone for the next call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = &self.config;
+
+        if !config.methods.contains(req.method()) {
+            return pass_through(inner.call(req));
+        }
+        let key = match key_from_headers(req.headers(), &config.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if !config.require_key => return pass_through(inner.call(req)),
+            Ok(None) => return answered(reject(Problem::KeyMissing, &KeyError::Missing.to_string())),
+            Err(e) => return answered(reject(Problem::KeyMalformed, &e.to_string())),
+        };
+        let span = tracing::info_span!(
+            "idempotency",
+            key = %key,
+            scope = field::Empty,
+            outcome = field::Empty,
+        );
+        let config = config.clone();
+        let future = async move {
+            let res = guarded(config, inner, req, key).await;
+            if let Ok(res) = &res {
+                if let Some(outcome) = res.extensions().get::<Outcome>() {
+                    Span::current().record("outcome", outcome.as_str());
+                }
+            }
+            res
+        };
+        ResponseFuture {
+            kind: Kind::Guarded {
+                future: Box::pin(future.instrument(span)),
+            },
+        }
+    }
+}
+
+fn pass_through<F, B, E>(future: F) -> ResponseFuture<F, B, E> {
+    ResponseFuture {
+        kind: Kind::PassThrough { future },
+    }
+}
+
+fn answered<F, B: Send + 'static, E: Send + 'static>(res: Response<ResponseBody<B>>) -> ResponseFuture<F, B, E> {
+    ResponseFuture {
+        kind: Kind::Guarded {
+            future: Box::pin(std::future::ready(Ok(res))),
+        },
+    }
+}
+
+/// A rejection before anything was claimed.
+fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {
+    with_outcome(problem.response(detail).map(ResponseBody::full), Outcome::Rejected)
+}
+
+fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
+    res.extensions_mut().insert(outcome);
+    res
+}
+
+async fn guarded<S, ReqBody, ResBody>(
+    config: Arc<Config>,
+    inner: S,
+    req: Request<ReqBody>,
+    key: String,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let limit = config.request_body_limit;
+    let (mut parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Ok(too_large(limit));
+    }
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large(limit)),
+        Err(e) => return Ok(reject(Problem::BodyUnreadable, &format!("the request body could not be read: {e}"))),
+    };
+
+    let scope = (config.scope)(&parts);
+    Span::current().record("scope", scope.as_str());
+    let fingerprint = config.fingerprinter.compute(&parts, &body);
+    let claim_request = ClaimRequest {
+        scope: &scope,
+        key: &key,
+        fingerprint,
+        lease: config.lease,
+        ttl: config.ttl,
+    };
+    let claim = tokio::time::timeout(config.store_timeout, config.store.claim(&claim_request)).await;
+    let lease = match claim {
+        Ok(Ok(Claim::Acquired(lease))) => lease,
+        Ok(Ok(Claim::Completed { fingerprint: stored, response })) => {
+            if stored != fingerprint {
+                return Ok(mismatch());
+            }
+            return Ok(replay(response));
+        }
+        Ok(Ok(Claim::Running { fingerprint: holder, retry_after })) => {
+            if holder != fingerprint {
+                return Ok(mismatch());
+            }
+            let res = Problem::InProgress.response_retry_after(
+                "a request with this Idempotency-Key is still being processed; retry after the time given",
+                retry_after,
+            );
+            return Ok(with_outcome(res.map(ResponseBody::full), Outcome::Conflict));
+        }
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "claim failed; the handler was not run");
+            return Ok(unavailable());
+        }
+        Err(_) => {
+            tracing::error!(timeout = ?config.store_timeout, "claim timed out; the handler was not run");
+            return Ok(unavailable());
+        }
+    };
+
+    parts
+        .extensions
+        .insert(IdempotencyKey::new(scope, Arc::<str>::from(key)));
+    let req = Request::from_parts(parts, ReqBody::from(body));
+    // The handler and everything after it run in their own task: a client that hangs up
+    // does not cancel a half-done handler, and its result is still stored.
+    let supervisor = tokio::spawn(execute(config.clone(), inner, req, lease.clone()).in_current_span());
+    match supervisor.await {
+        Ok(answer) => answer,
+        Err(e) => {
+            tracing::error!(error = %e, "the idempotency task failed; releasing the key");
+            let _ = tokio::time::timeout(config.store_timeout, config.store.release(&lease)).await;
+            Ok(handler_failed())
+        }
+    }
+}
+
+fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
+    reject(
+        Problem::BodyTooLarge,
+        &format!("the request body is over the limit of {limit} bytes"),
+    )
+}
+
+fn mismatch<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::KeyReused.response(
+        "this Idempotency-Key was already used with a different request (method, path, query, headers or body)",
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Mismatch)
+}
+
+fn unavailable<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::StoreUnavailable.response_retry_after(
+        "the idempotency store could not be reached; the request was not processed",
+        Duration::from_secs(1),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}
+
+fn handler_failed<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::HandlerFailed.response(
+        "the request failed while being processed; its Idempotency-Key was released, so it may be retried",
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Executed)
+}
+
+fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    let mut res = Response::new(ResponseBody::full(stored.body));
+    *res.status_mut() = stored.status;
+    *res.headers_mut() = stored.headers;
+    res.headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    with_outcome(res, Outcome::Replayed)
+}
+
+/// What the inner service produced, read up to the storage limit.
+enum Produced<B, E> {
+    Buffered(http::response::Parts, Bytes),
+    TooLarge(http::response::Parts, Bytes, Pin<Box<B>>),
+    BodyFailed(BoxError),
+    ServiceFailed(E),
+}
+
+async fn run_inner<S, ReqBody, ResBody>(
+    mut inner: S,
+    req: Request<ReqBody>,
+    limit: usize,
+) -> Produced<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    let res = match inner.call(req).await {
+        Ok(res) => res,
+        Err(e) => return Produced::ServiceFailed(e),
+    };
+    let (parts, body) = res.into_parts();
+    let mut body = Box::pin(body);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => return Produced::BodyFailed(e.into()),
+        };
+        // Trailers are not stored.
+        let Ok(data) = frame.into_data() else { continue };
+        len += data.len();
+        chunks.push(data);
+        if len > limit {
+            return Produced::TooLarge(parts, concat(chunks, len), body);
+        }
+    }
+    Produced::Buffered(parts, concat(chunks, len))
+}
+
+fn concat(mut chunks: Vec<Bytes>, len: usize) -> Bytes {
+    if chunks.len() == 1 {
+        return chunks.pop().unwrap_or_default();
+    }
+    let mut buf = BytesMut::with_capacity(len);
+    for c in chunks {
+        buf.extend_from_slice(&c);
+    }
+    buf.freeze()
+}
+
+/// Runs the handler under `lease`, renewing it, then stores or releases.
+async fn execute<S, ReqBody, ResBody>(
+    config: Arc<Config>,
+    inner: S,
+    req: Request<ReqBody>,
+    lease: Lease,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let limit = config.response_body_limit;
+    let handler = tokio::spawn(run_inner(inner, req, limit).in_current_span());
+    let joined = renew_while(&config, &lease, handler).await;
+    let produced = match joined {
+        Ok(produced) => produced,
+        Err(e) => {
+            if e.is_panic() {
+                tracing::error!("the handler panicked; releasing the key");
+            } else {
+                tracing::error!(error = %e, "the handler task was cancelled; releasing the key");
+            }
+            release(&config, &lease).await;
+            return Ok(handler_failed());
+        }
+    };
+    match produced {
+        Produced::ServiceFailed(e) => {
+            release(&config, &lease).await;
+            Err(e)
+        }
+        Produced::BodyFailed(e) => {
+            tracing::error!(error = %e, "the response body failed; releasing the key");
+            release(&config, &lease).await;
+            Ok(handler_failed())
+        }
+        Produced::Buffered(parts, body) => {
+            if (config.policy)(parts.status, &parts.headers) {
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
+                    body: body.clone(),
+                };
+                complete(&config, &lease, &stored).await;
+            } else {
+                release(&config, &lease).await;
+            }
+            let mut res = Response::from_parts(parts, ResponseBody::full(body));
+            res.headers_mut().remove(header::CONTENT_LENGTH);
+            Ok(with_outcome(res, Outcome::Executed))
+        }
+        Produced::TooLarge(parts, prefix, rest) => {
+            tracing::warn!(limit, "the response is over the storage limit; retries will get response-not-stored");
+            let problem = Problem::ResponseNotStored.response(&format!(
+                "the request was processed once, but its response was over the {limit}-byte storage limit and cannot be replayed"
+            ));
+            let (p, b) = problem.into_parts();
+            let stored = StoredResponse {
+                status: p.status,
+                headers: p.headers,
+                body: b,
+            };
+            complete(&config, &lease, &stored).await;
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Ok(with_outcome(res, Outcome::Executed))
+        }
+    }
+}
+
+async fn renew_while<T>(
+    config: &Config,
+    lease: &Lease,
+    mut handler: tokio::task::JoinHandle<T>,
+) -> Result<T, tokio::task::JoinError> {
+    let period = config.lease / 3;
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lost = false;
+    loop {
+        tokio::select! {
+            biased;
+            joined = &mut handler => return joined,
+            _ = ticker.tick(), if !lost => {
+                match tokio::time::timeout(period, config.store.renew(lease, config.lease)).await {
+                    Ok(Ok(true)) => {}
+                    Ok(Ok(false)) => {
+                        lost = true;
+                        tracing::warn!(token = lease.token, "the lease was lost while the handler ran; its result will not be stored");
+                    }
+                    Ok(Err(e)) => tracing::warn!(error = %e, "lease renewal failed"),
+                    Err(_) => tracing::warn!("lease renewal timed out"),
+                }
+            }
+        }
+    }
+}
+
+/// Stores the response, retrying with backoff while it may still hold the lease. The
+/// client gets its response either way.
+async fn complete(config: &Config, lease: &Lease, stored: &StoredResponse) {
+    let mut backoff = Duration::from_millis(50);
+    for attempt in 1..=4 {
+        match tokio::time::timeout(config.store_timeout, config.store.complete(lease, stored, config.ttl)).await {
+            Ok(Ok(true)) => return,
+            Ok(Ok(false)) => {
+                tracing::warn!(token = lease.token, "the lease was taken over; this response was not stored");
+                return;
+            }
+            Ok(Err(e)) => tracing::warn!(attempt, error = %e, "storing the response failed"),
+            Err(_) => tracing::warn!(attempt, "storing the response timed out"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff *= 4;
+    }
+    tracing::error!(key = %lease.key, "the response could not be stored; the key stays claimed until its lease lapses");
+}
+
+async fn release(config: &Config, lease: &Lease) {
+    match tokio::time::timeout(config.store_timeout, config.store.release(lease)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "releasing the key failed; it frees when its lease lapses"),
+        Err(_) => tracing::warn!("releasing the key timed out; it frees when its lease lapses"),
+    }
+}

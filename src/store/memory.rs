@@ -1,0 +1,188 @@
+//! A store in this process's memory.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
+};
+
+use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError};
+use crate::{Fingerprint, Scope, StoredResponse};
+
+/// An in-memory [`Store`] for one process: examples, demos and tests of layer logic.
+///
+/// Claims are atomic within the process. Nothing survives a restart and nothing is
+/// shared between replicas: use [`PostgresStore`](super::PostgresStore) for that.
+/// Expired records are swept as new keys arrive, so memory is bounded by the keys of one
+/// TTL window.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new());
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<Inner>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    records: HashMap<(Scope, Arc<str>), Record>,
+    claims_since_sweep: usize,
+}
+
+struct Record {
+    fingerprint: Fingerprint,
+    token: i64,
+    expires_at: Instant,
+    state: State,
+}
+
+enum State {
+    Running { locked_until: Instant },
+    Completed(StoredResponse),
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore").field("records", &self.len()).finish()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The number of records held, expired ones included until swept.
+    pub fn len(&self) -> usize {
+        self.lock().records.len()
+    }
+
+    /// Whether the store holds no records.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes expired records now; returns how many.
+    pub fn purge_expired(&self) -> usize {
+        let mut inner = self.lock();
+        let before = inner.records.len();
+        let now = Instant::now();
+        inner.records.retain(|_, r| r.expires_at > now);
+        before - inner.records.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // No code path panics while holding the lock, but a poisoned map is still
+        // consistent: every mutation is a single insert, update or remove.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn claim_now(&self, req: &ClaimRequest<'_>) -> Claim {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        inner.claims_since_sweep += 1;
+        if inner.claims_since_sweep >= 1024 {
+            inner.claims_since_sweep = 0;
+            inner.records.retain(|_, r| r.expires_at > now);
+        }
+        let id = (req.scope.clone(), Arc::<str>::from(req.key));
+        let new_record = |token| Record {
+            fingerprint: req.fingerprint,
+            token,
+            expires_at: now + req.ttl,
+            state: State::Running {
+                locked_until: now + req.lease,
+            },
+        };
+        let lease = |token| Lease {
+            scope: req.scope.clone(),
+            key: id.1.clone(),
+            token,
+        };
+        let Some(record) = inner.records.get_mut(&id) else {
+            inner.records.insert(id.clone(), new_record(1));
+            return Claim::Acquired(lease(1));
+        };
+        let expired = record.expires_at <= now;
+        match &record.state {
+            _ if expired => {}
+            State::Running { locked_until }
+                if *locked_until <= now && record.fingerprint == req.fingerprint => {}
+            State::Running { locked_until } => {
+                return Claim::Running {
+                    fingerprint: record.fingerprint,
+                    retry_after: locked_until.saturating_duration_since(now),
+                };
+            }
+            State::Completed(response) => {
+                return Claim::Completed {
+                    fingerprint: record.fingerprint,
+                    response: response.clone(),
+                };
+            }
+        }
+        let token = record.token + 1;
+        *record = new_record(token);
+        Claim::Acquired(lease(token))
+    }
+
+    /// Runs `f` on the running record held by `lease`; `false` when the lease is lost.
+    fn with_held(&self, lease: &Lease, f: impl FnOnce(&mut Inner, (Scope, Arc<str>))) -> bool {
+        let mut inner = self.lock();
+        let id = (lease.scope.clone(), lease.key.clone());
+        let held = matches!(
+            inner.records.get(&id),
+            Some(r) if r.token == lease.token && matches!(r.state, State::Running { .. })
+        );
+        if held {
+            f(&mut inner, id);
+        }
+        held
+    }
+}
+
+impl Store for MemoryStore {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move { Ok(self.claim_now(request)) })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            Ok(self.with_held(lease, |inner, id| {
+                if let Some(r) = inner.records.get_mut(&id) {
+                    r.state = State::Completed(response.clone());
+                    r.expires_at = Instant::now() + ttl;
+                }
+            }))
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            Ok(self.with_held(lease, |inner, id| {
+                inner.records.remove(&id);
+            }))
+        })
+    }
+
+    fn renew<'a>(&'a self, lease: &'a Lease, duration: Duration) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            Ok(self.with_held(lease, |inner, id| {
+                if let Some(r) = inner.records.get_mut(&id) {
+                    r.state = State::Running {
+                        locked_until: Instant::now() + duration,
+                    };
+                }
+            }))
+        })
+    }
+}

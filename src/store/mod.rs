@@ -1,0 +1,206 @@
+//! Where claims and stored responses live.
+//!
+//! A [`Store`] does four things, each atomic: [`claim`](Store::claim) a key (or report
+//! what holds it), [`complete`](Store::complete) it with a response,
+//! [`release`](Store::release) it after a failure, and [`renew`](Store::renew) the lease
+//! of a running handler. Completion, release and renewal carry the fencing token the
+//! claim returned: a holder whose lease was taken over can no longer touch the key.
+//!
+//! [`PostgresStore`] is the product; [`MemoryStore`] serves a single process (examples,
+//! demos, tests of layer logic). Neither needs HTTP: a job runner can claim, run and
+//! complete directly.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_idempotency::{store::{Claim, ClaimRequest, MemoryStore, Store}, Fingerprint, Scope};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = MemoryStore::new();
+//! let scope = Scope::new("billing-worker");
+//! let request = ClaimRequest {
+//!     scope: &scope,
+//!     key: "message-1",
+//!     fingerprint: Fingerprint([0; 32]),
+//!     lease: Duration::from_secs(30),
+//!     ttl: Duration::from_secs(24 * 3600),
+//! };
+//! let Claim::Acquired(lease) = store.claim(&request).await? else { panic!("new key") };
+//! // ... run the job ...
+//! let response = tower_idempotency::StoredResponse {
+//!     status: http::StatusCode::OK, headers: Default::default(), body: "done".into(),
+//! };
+//! assert!(store.complete(&lease, &response, request.ttl).await?);
+//! assert!(matches!(store.claim(&request).await?, Claim::Completed { .. }));
+//! # Ok(()) }
+//! ```
+
+use std::{fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use crate::{Fingerprint, Scope, StoredResponse};
+
+mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+
+pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{ConfigError, PostgresStore, pool_for_url};
+
+/// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What [`Store::claim`] is asked for.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest<'a> {
+    /// The scope the key lives in.
+    pub scope: &'a Scope,
+    /// The key.
+    pub key: &'a str,
+    /// The fingerprint of the request claiming it.
+    pub fingerprint: Fingerprint,
+    /// How long the claim holds before another request may take it over.
+    pub lease: Duration,
+    /// How long the record is kept.
+    pub ttl: Duration,
+}
+
+/// The right to run the handler for one key, until the lease lapses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The scope of the key.
+    pub scope: Scope,
+    /// The key.
+    pub key: Arc<str>,
+    /// The fencing token: it grows by one on each takeover.
+    pub token: i64,
+}
+
+/// The result of a claim.
+#[derive(Debug, Clone)]
+pub enum Claim {
+    /// The key is ours: run the handler, then complete or release.
+    Acquired(Lease),
+    /// Another request holds the key and is still running.
+    Running {
+        /// The holder's fingerprint.
+        fingerprint: Fingerprint,
+        /// Time left on the holder's lease.
+        retry_after: Duration,
+    },
+    /// The key has a stored response.
+    Completed {
+        /// The fingerprint of the request that produced it.
+        fingerprint: Fingerprint,
+        /// The response to replay.
+        response: StoredResponse,
+    },
+}
+
+/// What went wrong talking to a store.
+#[derive(Debug)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// The class of a [`StoreError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The database could not be reached or dropped the connection.
+    Unavailable,
+    /// No answer within the bound (pool wait, lock wait, statement timeout).
+    Timeout,
+    /// The table is missing or has the wrong shape: run `migrate()`.
+    Misconfigured,
+    /// A stored record could not be decoded.
+    Corrupt,
+    /// Anything else the database reported.
+    Other,
+}
+
+impl StoreError {
+    /// An error of `kind` caused by `source`.
+    pub fn new(
+        kind: StoreErrorKind,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            kind,
+            source: source.into(),
+        }
+    }
+
+    /// The class of the error.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.kind {
+            StoreErrorKind::Unavailable => "idempotency store unavailable",
+            StoreErrorKind::Timeout => "idempotency store timed out",
+            StoreErrorKind::Misconfigured => "idempotency store misconfigured (was migrate() run?)",
+            StoreErrorKind::Corrupt => "idempotency record corrupt",
+            StoreErrorKind::Other => "idempotency store error",
+        };
+        write!(f, "{what}: {}", self.source)
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+/// Storage for idempotency records. Every method is one atomic step.
+pub trait Store: Send + Sync + 'static {
+    /// Claims `request.key` in its scope, atomically: acquire it when absent, expired, or
+    /// held by a lapsed lease with the same fingerprint; otherwise say what holds it.
+    fn claim<'a>(&'a self, request: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>>;
+
+    /// Stores `response` for the key if `lease` still holds it. `Ok(false)`: the lease
+    /// was lost (taken over or released) and nothing was written.
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Deletes the running claim so that a retry runs again. `Ok(false)`: lease lost.
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Extends the lease to `lease` from now. `Ok(false)`: lease lost.
+    fn renew<'a>(&'a self, lease: &'a Lease, duration: Duration) -> BoxFuture<'a, Result<bool, StoreError>>;
+}
+
+/// Anything [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) accepts as a store:
+/// a [`Store`], an `Arc<dyn Store>`, or a `deadpool_postgres::Pool` (used with the
+/// default table `public.idempotency_keys`).
+pub trait IntoStore {
+    /// The store, shared.
+    fn into_store(self) -> Arc<dyn Store>;
+}
+
+impl<S: Store> IntoStore for S {
+    fn into_store(self) -> Arc<dyn Store> {
+        Arc::new(self)
+    }
+}
+
+impl IntoStore for Arc<dyn Store> {
+    fn into_store(self) -> Arc<dyn Store> {
+        self
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl IntoStore for deadpool_postgres::Pool {
+    fn into_store(self) -> Arc<dyn Store> {
+        Arc::new(PostgresStore::new(self))
+    }
+}

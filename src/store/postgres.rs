@@ -1,0 +1,506 @@
+//! The PostgreSQL store: one table, single-row statements on its primary key.
+
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use http::StatusCode;
+use tokio_postgres::{NoTls, Row, error::SqlState, types::ToSql};
+
+use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
+use crate::{Fingerprint, StoredResponse};
+
+/// The migrations, in order, embedded from `migrations/`.
+const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../migrations/0001_create_idempotency_keys.sql"))];
+
+/// An advisory lock id shared by every process migrating this crate's tables.
+const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
+
+/// How many times a claim is re-read when the row changes under it.
+const CLAIM_ATTEMPTS: usize = 16;
+
+/// A [`Store`] in PostgreSQL, shared by every replica of the app.
+///
+/// Every statement is a single-row statement on the primary key `(scope, key)`, prepared
+/// once per connection (`prepare_cached`):
+///
+/// | step | statements |
+/// |---|---|
+/// | claim of a new key | 1 (`INSERT … ON CONFLICT DO NOTHING`, returning the existing row otherwise) |
+/// | replay, 409, 422 | 1 (the same statement) |
+/// | completion | 1 (`UPDATE … WHERE token = $lease`) |
+/// | takeover of a lapsed lease | 2 (the claim, then a token-checked `UPDATE`) |
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+///     .with_schema_name("billing")?
+///     .with_table_name("idempotency_keys")?;
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    schema: String,
+    table: String,
+    sql: Arc<Sql>,
+    statements: Arc<AtomicU64>,
+}
+
+/// A rejected store setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+struct Sql {
+    claim: String,
+    takeover: String,
+    complete: String,
+    release: String,
+    renew: String,
+    purge: String,
+    qualified: String,
+    expires_index: String,
+    migrations_table: String,
+}
+
+impl Sql {
+    fn new(schema: &str, table: &str) -> Self {
+        let t = format!("\"{schema}\".\"{table}\"");
+        let ms = "$ms::bigint * interval '1 millisecond'";
+        Self {
+            claim: format!(
+                "WITH ins AS (
+                    INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
+                    VALUES ($1, $2, $3, 'running', 1, now() + {l}, now() + {e})
+                    ON CONFLICT (scope, key) DO NOTHING
+                    RETURNING token
+                 )
+                 SELECT true AS acquired, token, NULL::bytea AS fingerprint, NULL::text AS state,
+                        false AS lapsed, 0::bigint AS lease_left_ms, false AS expired,
+                        NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body
+                 FROM ins
+                 UNION ALL
+                 SELECT false, t.token, t.fingerprint, t.state,
+                        coalesce(t.locked_until <= now(), false),
+                        coalesce(ceil(extract(epoch FROM t.locked_until - now()) * 1000), 0)::bigint,
+                        t.expires_at <= now(), t.status, t.headers, t.body
+                 FROM {t} t
+                 WHERE t.scope = $1 AND t.key = $2 AND NOT EXISTS (SELECT 1 FROM ins)",
+                l = ms.replace("$ms", "$4"),
+                e = ms.replace("$ms", "$5"),
+            ),
+            takeover: format!(
+                "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
+                        locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
+                        completed_at = NULL, status = NULL, headers = NULL, body = NULL
+                 WHERE scope = $1 AND key = $2 AND token = $3
+                   AND (expires_at <= now()
+                        OR (state = 'running' AND locked_until <= now() AND fingerprint = $4))
+                 RETURNING token",
+                l = ms.replace("$ms", "$5"),
+                e = ms.replace("$ms", "$6"),
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4, headers = $5,
+                        body = $6, completed_at = now(), expires_at = now() + {e}
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
+                e = ms.replace("$ms", "$7"),
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'"
+            ),
+            renew: format!(
+                "UPDATE {t} SET locked_until = now() + {l}
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
+                l = ms.replace("$ms", "$4"),
+            ),
+            purge: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                    SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))"
+            ),
+            migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
+            expires_index: format!("\"{table}_expires_at\""),
+            qualified: t,
+        }
+    }
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.sql.qualified)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks a schema or table name: 1–50 characters of `a-z`, `0-9`, `_`, not starting
+/// with a digit. Names are still quoted in SQL; the check keeps them unambiguous.
+fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigError> {
+    let ok = (1..=50).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError(format!(
+            "invalid {what} name {name:?}: use 1-50 characters of a-z, 0-9 and _, not starting with a digit"
+        )))
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Classifies a database error by its SQLSTATE, never by its message.
+fn classify(e: tokio_postgres::Error) -> StoreError {
+    let kind = match e.code() {
+        None => StoreErrorKind::Unavailable,
+        Some(code) if code.code().starts_with("08") => StoreErrorKind::Unavailable,
+        Some(code) => match *code {
+            SqlState::ADMIN_SHUTDOWN
+            | SqlState::CRASH_SHUTDOWN
+            | SqlState::CANNOT_CONNECT_NOW
+            | SqlState::TOO_MANY_CONNECTIONS
+            | SqlState::T_R_SERIALIZATION_FAILURE
+            | SqlState::T_R_DEADLOCK_DETECTED
+            | SqlState::READ_ONLY_SQL_TRANSACTION => StoreErrorKind::Unavailable,
+            SqlState::QUERY_CANCELED | SqlState::LOCK_NOT_AVAILABLE => StoreErrorKind::Timeout,
+            SqlState::UNDEFINED_TABLE
+            | SqlState::UNDEFINED_COLUMN
+            | SqlState::INVALID_SCHEMA_NAME
+            | SqlState::INSUFFICIENT_PRIVILEGE => StoreErrorKind::Misconfigured,
+            _ => StoreErrorKind::Other,
+        },
+    };
+    StoreError::new(kind, e)
+}
+
+fn classify_pool(e: PoolError) -> StoreError {
+    match e {
+        PoolError::Backend(e) => classify(e),
+        PoolError::Timeout(_) => StoreError::new(StoreErrorKind::Timeout, e),
+        PoolError::NoRuntimeSpecified => StoreError::new(StoreErrorKind::Misconfigured, e),
+        _ => StoreError::new(StoreErrorKind::Unavailable, e),
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::new(StoreErrorKind::Corrupt, what.to_owned())
+}
+
+impl PostgresStore {
+    /// A store over `pool`, using the table `public.idempotency_keys`.
+    ///
+    /// Run [`migrate`](Self::migrate) once before serving (it is safe to run from every
+    /// replica at start-up). Give the pool wait and create timeouts so that an exhausted
+    /// pool or an unreachable database answers 503 instead of hanging; [`connect`](Self::connect)
+    /// does.
+    pub fn new(pool: Pool) -> Self {
+        Self::with_names(pool, "public".into(), "idempotency_keys".into())
+    }
+
+    /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for one).
+    pub fn connect(url: &str) -> Result<Self, ConfigError> {
+        Ok(Self::new(pool_for_url(url, 16)?))
+    }
+
+    fn with_names(pool: Pool, schema: String, table: String) -> Self {
+        Self {
+            sql: Arc::new(Sql::new(&schema, &table)),
+            pool,
+            schema,
+            table,
+            statements: Arc::default(),
+        }
+    }
+
+    /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
+    pub fn with_schema_name(self, name: &str) -> Result<Self, ConfigError> {
+        validate_identifier("schema", name)?;
+        Ok(Self::with_names(self.pool, name.to_owned(), self.table))
+    }
+
+    /// Uses the table `name`.
+    pub fn with_table_name(self, name: &str) -> Result<Self, ConfigError> {
+        validate_identifier("table", name)?;
+        Ok(Self::with_names(self.pool, self.schema, name.to_owned()))
+    }
+
+    /// The pool this store uses.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The quoted, schema-qualified table name, for the app's own queries and reports.
+    pub fn table(&self) -> &str {
+        &self.sql.qualified
+    }
+
+    /// How many statements this store (and its clones) has executed, migrations aside.
+    pub fn statements_executed(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
+    }
+
+    /// Creates the schema and table and applies pending migrations.
+    ///
+    /// Safe to run from several processes at once: migrations are serialised by a
+    /// transaction-scoped advisory lock and recorded in `<table>_migrations`.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut client = self.pool.get().await.map_err(classify_pool)?;
+        let tx = client.transaction().await.map_err(classify)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(classify)?;
+        tx.batch_execute(&format!(
+            "CREATE SCHEMA IF NOT EXISTS \"{}\";
+             CREATE TABLE IF NOT EXISTS {} (
+                 version integer PRIMARY KEY,
+                 applied_at timestamptz NOT NULL DEFAULT now())",
+            self.schema, self.sql.migrations_table
+        ))
+        .await
+        .map_err(classify)?;
+        let applied: Vec<i32> = tx
+            .query(&format!("SELECT version FROM {}", self.sql.migrations_table), &[])
+            .await
+            .map_err(classify)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for (version, sql) in MIGRATIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            let sql = sql
+                .replace("{{table}}", &self.sql.qualified)
+                .replace("{{expires_index}}", &self.sql.expires_index);
+            tx.batch_execute(&sql).await.map_err(classify)?;
+            tx.execute(
+                &format!("INSERT INTO {} (version) VALUES ($1)", self.sql.migrations_table),
+                &[version],
+            )
+            .await
+            .map_err(classify)?;
+        }
+        tx.commit().await.map_err(classify)
+    }
+
+    /// Deletes up to `batch` expired records; returns how many. Run it in a loop (or on
+    /// a timer) until it returns less than `batch`. Rows locked by a concurrent purge are
+    /// skipped, so several purgers never wait on each other.
+    pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
+        self.execute(&self.sql.purge, &[&batch]).await
+    }
+
+    async fn query(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+        let client = self.pool.get().await.map_err(classify_pool)?;
+        let stmt = client.prepare_cached(sql).await.map_err(classify)?;
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        client.query(&stmt, params).await.map_err(classify)
+    }
+
+    async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
+        let client = self.pool.get().await.map_err(classify_pool)?;
+        let stmt = client.prepare_cached(sql).await.map_err(classify)?;
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        client.execute(&stmt, params).await.map_err(classify)
+    }
+
+    async fn claim_once(&self, req: &ClaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let lease_ms = ms(req.lease);
+        let ttl_ms = ms(req.ttl);
+        let fp: &[u8] = req.fingerprint.as_bytes();
+        let rows = self
+            .query(
+                &self.sql.claim,
+                &[&req.scope.as_str(), &req.key, &fp, &lease_ms, &ttl_ms],
+            )
+            .await?;
+        // No row: the conflicting row was committed after this statement's snapshot, or
+        // released in between. Either way, look again.
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let token: i64 = row.get("token");
+        let lease = |token| Lease {
+            scope: req.scope.clone(),
+            key: Arc::from(req.key),
+            token,
+        };
+        if row.get::<_, bool>("acquired") {
+            return Ok(Some(Claim::Acquired(lease(token))));
+        }
+        let fingerprint = Fingerprint::from_slice(row.get("fingerprint"))
+            .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+        let expired: bool = row.get("expired");
+        let lapsed: bool = row.get("lapsed");
+        let state: &str = row.get("state");
+        let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
+        if take_over {
+            let rows = self
+                .query(
+                    &self.sql.takeover,
+                    &[&req.scope.as_str(), &req.key, &token, &fp, &lease_ms, &ttl_ms],
+                )
+                .await?;
+            return Ok(rows.first().map(|r| Claim::Acquired(lease(r.get("token")))));
+        }
+        match state {
+            "running" => Ok(Some(Claim::Running {
+                fingerprint,
+                retry_after: Duration::from_millis(
+                    u64::try_from(row.get::<_, i64>("lease_left_ms")).unwrap_or(0),
+                ),
+            })),
+            "completed" => {
+                let status: i16 = row
+                    .try_get("status")
+                    .map_err(|_| corrupt("completed record without status"))?;
+                let status = u16::try_from(status)
+                    .ok()
+                    .and_then(|s| StatusCode::from_u16(s).ok())
+                    .ok_or_else(|| corrupt("stored status out of range"))?;
+                let headers = row
+                    .try_get::<_, &[u8]>("headers")
+                    .ok()
+                    .and_then(StoredResponse::decode_headers)
+                    .ok_or_else(|| corrupt("stored headers undecodable"))?;
+                let body: &[u8] = row
+                    .try_get("body")
+                    .map_err(|_| corrupt("completed record without body"))?;
+                Ok(Some(Claim::Completed {
+                    fingerprint,
+                    response: StoredResponse {
+                        status,
+                        headers,
+                        body: Bytes::copy_from_slice(body),
+                    },
+                }))
+            }
+            other => Err(corrupt(&format!("unknown state {other:?}"))),
+        }
+    }
+}
+
+/// A pool for `url` with bounded waits: 5 s to connect, 5 s to wait for a connection.
+///
+/// ```
+/// let pool = tower_idempotency::store::pool_for_url("postgres://postgres@127.0.0.1/postgres", 8)?;
+/// assert_eq!(pool.status().max_size, 8);
+/// # Ok::<(), tower_idempotency::store::ConfigError>(())
+/// ```
+pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| ConfigError(format!("invalid database URL: {e}")))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(5));
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(Duration::from_secs(5)))
+        .create_timeout(Some(Duration::from_secs(5)))
+        .recycle_timeout(Some(Duration::from_secs(5)))
+        .build()
+        .map_err(|e| ConfigError(format!("cannot build the pool: {e}")))
+}
+
+impl Store for PostgresStore {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            for _ in 0..CLAIM_ATTEMPTS {
+                if let Some(claim) = self.claim_once(request).await? {
+                    return Ok(claim);
+                }
+            }
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "the key kept changing while it was being claimed",
+            ))
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let status = response.status.as_u16() as i16;
+            let headers = StoredResponse::encode_headers(&response.headers);
+            let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
+            let n = self
+                .execute(
+                    &self.sql.complete,
+                    &[&lease.scope.as_str(), &&*lease.key, &lease.token, &status, &h, &b, &ms(ttl)],
+                )
+                .await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let n = self
+                .execute(&self.sql.release, &[&lease.scope.as_str(), &&*lease.key, &lease.token])
+                .await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn renew<'a>(&'a self, lease: &'a Lease, duration: Duration) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let n = self
+                .execute(
+                    &self.sql.renew,
+                    &[&lease.scope.as_str(), &&*lease.key, &lease.token, &ms(duration)],
+                )
+                .await?;
+            Ok(n == 1)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        for ok in ["idempotency_keys", "a", "t_1", "_x"] {
+            assert!(validate_identifier("table", ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "1abc", "Keys", "a-b", "a\"b", "a b", "x;drop table y", &"a".repeat(51)] {
+            assert!(validate_identifier("table", bad).is_err(), "{bad}");
+        }
+    }
+}
