@@ -1,0 +1,232 @@
+//! A payments service behind `IdempotencyLayer`: the crate's demo.
+//!
+//! ```text
+//! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
+//!     [--lease-ms N] [--schema NAME]
+//! ```
+//!
+//! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
+//! PostgreSQL (migrated on start; several processes may share one database). With
+//! neither it runs on the in-memory store.
+//!
+//! - `POST /payments` (Idempotency-Key required), body
+//!   `{"amount": 1250, "currency": "EUR", "delay_ms": 0}` → `201`
+//!   `{"payment_id", "charge_id", "amount", "currency"}`.
+//! - `GET /stats` → `{"handler_runs", "psp_calls", "charges", "payments"}`.
+
+mod backend;
+
+use std::{net::SocketAddr, process::ExitCode, time::Duration};
+
+use axum::{
+    Json, Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use serde_json::{Value, json};
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, store::MemoryStore};
+
+use backend::Backend;
+
+struct Args {
+    addr: SocketAddr,
+    database_url: Option<String>,
+    lease_ms: u64,
+    schema: String,
+}
+
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME]";
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        addr: SocketAddr::from(([127, 0, 0, 1], 3000)),
+        database_url: std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()),
+        lease_ms: 30_000,
+        schema: "payments_demo".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"));
+        match flag.as_str() {
+            "--addr" => {
+                let v = value("--addr")?;
+                args.addr = v.parse().map_err(|e| format!("--addr {v:?}: {e}"))?;
+            }
+            "--database-url" => args.database_url = Some(value("--database-url")?),
+            "--lease-ms" => {
+                let v = value("--lease-ms")?;
+                args.lease_ms = v
+                    .parse()
+                    .ok()
+                    .filter(|ms| *ms >= 10)
+                    .ok_or_else(|| format!("--lease-ms {v:?}: expected milliseconds, at least 10"))?;
+            }
+            "--schema" => args.schema = value("--schema")?,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,tower_idempotency=info".into()),
+        )
+        .init();
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("payments: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), backend::Error> {
+    let lease = Duration::from_millis(args.lease_ms);
+    let (backend, layer, store_name) = match &args.database_url {
+        Some(url) => {
+            let (backend, store) = Backend::postgres(url, &args.schema).await?;
+            let name = format!("postgres (schema {}, table {})", args.schema, store.table());
+            (backend, IdempotencyLayer::new(store), name)
+        }
+        None => (
+            Backend::memory(),
+            IdempotencyLayer::new(MemoryStore::new()),
+            "memory (in-process; set DATABASE_URL or --database-url to use PostgreSQL)".to_owned(),
+        ),
+    };
+    let layer = layer.require_key(true).lease_duration(lease);
+
+    let app = Router::new()
+        .route("/payments", post(create_payment).route_layer(layer))
+        .route("/stats", get(stats))
+        .with_state(backend);
+
+    let listener = tokio::net::TcpListener::bind(args.addr).await?;
+    let addr = listener.local_addr()?;
+    println!("payments demo listening on http://{addr}");
+    println!("store: {store_name}");
+    println!("lease: {} ms", args.lease_ms);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// A 422 for a body the demo cannot accept.
+fn invalid(detail: impl Into<String>) -> Response {
+    let body = json!({
+        "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-invalid-payment",
+        "title": "Invalid payment",
+        "status": 422,
+        "detail": detail.into(),
+    });
+    (
+        StatusCode::UNPROCESSABLE_ENTITY,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+struct Payment {
+    amount: i64,
+    currency: String,
+    delay_ms: u64,
+}
+
+fn parse_payment(body: &[u8]) -> Result<Payment, String> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    let obj = value.as_object().ok_or("the body must be a JSON object")?;
+    if let Some(unknown) = obj.keys().find(|k| !["amount", "currency", "delay_ms"].contains(&k.as_str())) {
+        return Err(format!("unknown field {unknown:?}; expected amount, currency, delay_ms"));
+    }
+    let amount = obj
+        .get("amount")
+        .and_then(Value::as_i64)
+        .filter(|a| *a > 0)
+        .ok_or("amount must be a positive integer (minor units)")?;
+    let currency = obj
+        .get("currency")
+        .and_then(Value::as_str)
+        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()))
+        .ok_or("currency must be 3 uppercase letters, e.g. \"EUR\"")?
+        .to_owned();
+    let delay_ms = match obj.get("delay_ms") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_u64()
+            .filter(|d| *d <= 60_000)
+            .ok_or("delay_ms must be an integer from 0 to 60000")?,
+    };
+    Ok(Payment { amount, currency, delay_ms })
+}
+
+async fn create_payment(State(backend): State<Backend>, key: IdempotencyKey, body: axum::body::Bytes) -> Response {
+    // Every attempt that reaches the handler is counted, on its own.
+    if let Err(e) = backend.count_handler_run().await {
+        return internal(e);
+    }
+    let payment = match parse_payment(&body) {
+        Ok(p) => p,
+        Err(detail) => return invalid(detail),
+    };
+    // The provider gets a key derived from the client's, so a retry cannot charge twice.
+    let charge_id = match backend.charge(&key.derive("psp"), payment.amount, &payment.currency).await {
+        Ok(id) => id,
+        Err(e) => return internal(e),
+    };
+    // The window in which a real service could crash after charging.
+    tokio::time::sleep(Duration::from_millis(payment.delay_ms)).await;
+    let payment_id = format!("pay_{}", &key.derive("payment")[..24]);
+    if let Err(e) = backend
+        .record_payment(&payment_id, &charge_id, payment.amount, &payment.currency)
+        .await
+    {
+        return internal(e);
+    }
+    (
+        StatusCode::CREATED,
+        Json(json!({
+            "payment_id": payment_id,
+            "charge_id": charge_id,
+            "amount": payment.amount,
+            "currency": payment.currency,
+        })),
+    )
+        .into_response()
+}
+
+fn internal(e: backend::Error) -> Response {
+    tracing::error!(error = %e, "payment failed");
+    (StatusCode::INTERNAL_SERVER_ERROR, format!("payment failed: {e}")).into_response()
+}
+
+async fn stats(State(backend): State<Backend>) -> Response {
+    match backend.stats().await {
+        Ok(s) => Json(json!({
+            "handler_runs": s.handler_runs,
+            "psp_calls": s.psp_calls,
+            "charges": s.charges,
+            "payments": s.payments,
+        }))
+        .into_response(),
+        Err(e) => internal(e),
+    }
+}
