@@ -1,0 +1,270 @@
+//! Support for the integration tests: a schema per test on the real PostgreSQL, a test
+//! app behind the layer, a wire-level proxy that counts and cuts, and the layer suite
+//! that runs against every store.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+pub mod proxy;
+pub mod suite;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::State,
+    http::{HeaderMap, Request, StatusCode},
+    response::{IntoResponse, Response},
+};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, Outcome,
+    store::{PostgresStore, pool_for_url},
+};
+
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A name no other test (in this or another process) uses.
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        nanos
+    )
+}
+
+/// A schema of its own for one test, dropped (with everything in it) when the test
+/// ends, whether it passed or panicked.
+pub struct TestSchema {
+    pub name: String,
+}
+
+impl TestSchema {
+    pub fn new() -> Self {
+        Self {
+            name: unique_name("ti_test"),
+        }
+    }
+
+    /// A migrated store on a pool of its own (a "replica").
+    pub async fn store(&self) -> PostgresStore {
+        self.store_at(&database_url(), 16).await
+    }
+
+    /// A migrated store on a pool of `size` connections to `url`.
+    pub async fn store_at(&self, url: &str, size: usize) -> PostgresStore {
+        let store = PostgresStore::new(pool_for_url(url, size).expect("pool"))
+            .with_schema_name(&self.name)
+            .expect("schema name");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    /// A store on `url` that has not been migrated (for stores that cannot connect).
+    pub fn unmigrated_store_at(&self, url: &str) -> PostgresStore {
+        PostgresStore::new(pool_for_url(url, 4).expect("pool"))
+            .with_schema_name(&self.name)
+            .expect("schema name")
+    }
+
+    /// Runs one query on a fresh connection, outside every pool under test.
+    pub async fn query(&self, sql: &str) -> Vec<tokio_postgres::Row> {
+        let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(conn);
+        client.query(sql, &[]).await.expect("query")
+    }
+}
+
+impl Drop for TestSchema {
+    fn drop(&mut self) {
+        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        // Runs on a thread of its own: Drop may run inside an async test.
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
+                tokio::spawn(conn);
+                client.batch_execute(&sql).await
+            })
+        })
+        .join();
+        if !matches!(done, Ok(Ok(()))) {
+            eprintln!("could not drop test schema {}: {done:?}", self.name);
+        }
+    }
+}
+
+/// A handler behind the layer that counts its runs, per key, and makes every run's
+/// response unique, so equal responses prove a single execution.
+#[derive(Clone, Default)]
+pub struct Counter {
+    runs: Arc<AtomicUsize>,
+    by_key: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Counter {
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    pub fn runs_of(&self, key: &str) -> usize {
+        self.by_key.lock().expect("lock").get(key).copied().unwrap_or(0)
+    }
+
+    fn count(&self, key: Option<&IdempotencyKey>) -> usize {
+        if let Some(key) = key {
+            *self
+                .by_key
+                .lock()
+                .expect("lock")
+                .entry(key.as_str().to_owned())
+                .or_default() += 1;
+        }
+        self.runs.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+async fn create(
+    State(counter): State<Counter>,
+    key: Option<IdempotencyKey>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let run = counter.count(key.as_ref());
+    if let Some(ms) = headers.get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    if headers.contains_key("x-panic") {
+        panic!("handler panicked on purpose");
+    }
+    let body = serde_json::json!({
+        "run": run,
+        "key": key.as_ref().map(|k| k.as_str()),
+        "echo": String::from_utf8_lossy(&body),
+    })
+    .to_string();
+    (
+        status,
+        [
+            ("content-type", "application/json".to_owned()),
+            ("x-run", run.to_string()),
+            ("set-cookie", format!("session={run}")),
+            ("location", format!("/payments/{run}")),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// `POST|PATCH|GET /payments` behind `layer`. Request headers steer the handler:
+/// `x-delay-ms`, `x-status`, `x-panic`.
+pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
+    let counter = Counter::default();
+    let router = Router::new()
+        .route("/payments", axum::routing::post(create).patch(create).get(create))
+        .layer(layer)
+        .with_state(counter.clone());
+    (router, counter)
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub outcome: Option<Outcome>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("json body")
+    }
+
+    /// The problem `type` anchor (`key-reused`, …) of a problem+json reply.
+    pub fn problem(&self) -> String {
+        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{:?}", self.body);
+        assert_eq!(self.header("cache-control"), Some("no-store"));
+        let v = self.json();
+        assert_eq!(v["status"], self.status.as_u16());
+        let t = v["type"].as_str().expect("type");
+        t.rsplit_once('#').expect("anchor").1.to_owned()
+    }
+}
+
+pub async fn send(router: &Router, req: Request<Body>) -> Reply {
+    let res = router.clone().oneshot(req).await.expect("infallible");
+    let outcome = res.extensions().get::<Outcome>().copied();
+    let (parts, body) = res.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.expect("body").to_bytes(),
+        outcome,
+    }
+}
+
+/// A request builder: `req("POST").key("k").body("{}")`.
+pub fn req(method: &str) -> axum::http::request::Builder {
+    Request::builder()
+        .method(method)
+        .uri("/payments")
+        .header("content-type", "application/json")
+}
+
+pub fn post(key: &str, body: &str) -> Request<Body> {
+    req("POST")
+        .header("idempotency-key", key)
+        .body(Body::from(body.to_owned()))
+        .expect("request")
+}
+
+/// A request body in chunks, with no length known in advance (as with chunked encoding).
+pub struct Chunked(std::collections::VecDeque<Bytes>);
+
+impl Chunked {
+    pub fn new(chunks: &[String]) -> Self {
+        Self(chunks.iter().map(|c| Bytes::from(c.clone())).collect())
+    }
+}
+
+impl http_body::Body for Chunked {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+    }
+}

@@ -1,0 +1,174 @@
+//! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
+//! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
+//! stall traffic or refuse new connections.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream, tcp::OwnedReadHalf, tcp::OwnedWriteHalf},
+};
+
+use super::database_url;
+
+#[derive(Default)]
+struct Shared {
+    executes: AtomicU64,
+    stalled: AtomicBool,
+    refusing: AtomicBool,
+}
+
+pub struct PgProxy {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for PgProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn upstream() -> (SocketAddr, tokio_postgres::Config) {
+    let config: tokio_postgres::Config = database_url().parse().expect("DATABASE_URL");
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        other => panic!("the proxy needs a TCP host in DATABASE_URL, got {other:?}"),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let host = if host == "localhost" { "127.0.0.1".to_owned() } else { host };
+    (format!("{host}:{port}").parse().expect("host:port"), config)
+}
+
+impl PgProxy {
+    pub async fn start() -> Self {
+        let (upstream, _) = upstream();
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let shared = Arc::new(Shared::default());
+        let s = shared.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if s.refusing.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(upstream).await else { return };
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let up = tokio::spawn(pump_frontend(cr, sw, s.clone()));
+                    let down = tokio::spawn(pump_backend(sr, cw, s));
+                    let _ = tokio::join!(up, down);
+                });
+            }
+        });
+        Self { addr, shared, task }
+    }
+
+    /// The database URL through this proxy.
+    pub fn url(&self) -> String {
+        let (_, config) = upstream();
+        let user = config.get_user().unwrap_or("postgres");
+        let db = config.get_dbname().unwrap_or(user);
+        let password = config
+            .get_password()
+            .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+            .unwrap_or_default();
+        format!("postgres://{user}{password}@{}/{db}?connect_timeout=2", self.addr)
+    }
+
+    /// Statements executed through the proxy so far.
+    pub fn executes(&self) -> u64 {
+        self.shared.executes.load(Ordering::SeqCst)
+    }
+
+    /// Holds every byte in both directions while `on`.
+    pub fn stall(&self, on: bool) {
+        self.shared.stalled.store(on, Ordering::SeqCst);
+    }
+
+    /// Closes new connections at once while `on`.
+    pub fn refuse(&self, on: bool) {
+        self.shared.refusing.store(on, Ordering::SeqCst);
+    }
+}
+
+async fn wait_while_stalled(s: &Shared) {
+    while s.stalled.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Client to server, parsed: an untyped start-up message (after any SSL/GSS request),
+/// then typed messages `type, int32 length, payload`.
+async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut pending: Vec<u8> = Vec::new();
+    let mut started = false;
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        wait_while_stalled(&s).await;
+        pending.extend_from_slice(&buf[..n]);
+        loop {
+            if !started {
+                if pending.len() < 8 {
+                    break;
+                }
+                let len = u32::from_be_bytes([pending[0], pending[1], pending[2], pending[3]]) as usize;
+                if pending.len() < len {
+                    break;
+                }
+                let code = u32::from_be_bytes([pending[4], pending[5], pending[6], pending[7]]);
+                // 80877103: SSLRequest, 80877104: GSSENCRequest; anything else starts up.
+                if code != 80_877_103 && code != 80_877_104 {
+                    started = true;
+                }
+                pending.drain(..len);
+            } else {
+                if pending.len() < 5 {
+                    break;
+                }
+                let len = u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
+                if pending.len() < 1 + len {
+                    break;
+                }
+                if pending[0] == b'E' || pending[0] == b'Q' {
+                    s.executes.fetch_add(1, Ordering::SeqCst);
+                }
+                pending.drain(..1 + len);
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+async fn pump_backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        wait_while_stalled(&s).await;
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
