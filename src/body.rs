@@ -89,7 +89,9 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Full { bytes } => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
+            Kind::Full { bytes } => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
             Kind::Inner { body } => body.size_hint(),
             Kind::Prefixed { prefix, rest } => {
                 let extra = prefix.as_ref().map_or(0, |b| b.len() as u64);

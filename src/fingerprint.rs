@@ -34,6 +34,9 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
+/// A fingerprint function of the app's own.
+pub(crate) type FingerprintFn = Arc<dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync>;
+
 /// How requests are fingerprinted; set with
 /// [`IdempotencyLayer::fingerprint_headers`](crate::IdempotencyLayer::fingerprint_headers)
 /// or replaced with [`IdempotencyLayer::fingerprint_with`](crate::IdempotencyLayer::fingerprint_with).
@@ -42,7 +45,7 @@ pub(crate) enum Fingerprinter {
     /// SHA-256 over method, path and query, these headers, and the body.
     Sha256 { headers: Arc<[HeaderName]> },
     /// A function of the app's own.
-    Custom(Arc<dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync>),
+    Custom(FingerprintFn),
 }
 
 impl Default for Fingerprinter {
@@ -129,14 +132,56 @@ mod tests {
     #[test]
     fn every_input_changes_the_fingerprint() {
         let h = [CONTENT_TYPE];
-        let base = fingerprint(&parts("POST", "/p?a=1", Some("application/json")), &h, b"{}");
-        assert_eq!(base, fingerprint(&parts("POST", "/p?a=1", Some("application/json")), &h, b"{}"));
-        assert_ne!(base, fingerprint(&parts("PATCH", "/p?a=1", Some("application/json")), &h, b"{}"));
-        assert_ne!(base, fingerprint(&parts("POST", "/q?a=1", Some("application/json")), &h, b"{}"));
-        assert_ne!(base, fingerprint(&parts("POST", "/p?a=2", Some("application/json")), &h, b"{}"));
-        assert_ne!(base, fingerprint(&parts("POST", "/p?a=1", Some("text/plain")), &h, b"{}"));
+        let base = fingerprint(
+            &parts("POST", "/p?a=1", Some("application/json")),
+            &h,
+            b"{}",
+        );
+        assert_eq!(
+            base,
+            fingerprint(
+                &parts("POST", "/p?a=1", Some("application/json")),
+                &h,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            fingerprint(
+                &parts("PATCH", "/p?a=1", Some("application/json")),
+                &h,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            fingerprint(
+                &parts("POST", "/q?a=1", Some("application/json")),
+                &h,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            fingerprint(
+                &parts("POST", "/p?a=2", Some("application/json")),
+                &h,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            fingerprint(&parts("POST", "/p?a=1", Some("text/plain")), &h, b"{}")
+        );
         assert_ne!(base, fingerprint(&parts("POST", "/p?a=1", None), &h, b"{}"));
-        assert_ne!(base, fingerprint(&parts("POST", "/p?a=1", Some("application/json")), &h, b"{ }"));
+        assert_ne!(
+            base,
+            fingerprint(
+                &parts("POST", "/p?a=1", Some("application/json")),
+                &h,
+                b"{ }"
+            )
+        );
         // Headers not selected do not count.
         assert_eq!(
             fingerprint(&parts("POST", "/p", Some("application/json")), &[], b"{}"),
@@ -147,11 +192,17 @@ mod tests {
     #[test]
     fn repeated_header_values_are_framed() {
         let mut a = parts("POST", "/", None);
-        a.headers.append(CONTENT_TYPE, HeaderValue::from_static("ab"));
+        a.headers
+            .append(CONTENT_TYPE, HeaderValue::from_static("ab"));
         let mut b = parts("POST", "/", None);
-        b.headers.append(CONTENT_TYPE, HeaderValue::from_static("a"));
-        b.headers.append(CONTENT_TYPE, HeaderValue::from_static("b"));
-        assert_ne!(fingerprint(&a, &[CONTENT_TYPE], b""), fingerprint(&b, &[CONTENT_TYPE], b""));
+        b.headers
+            .append(CONTENT_TYPE, HeaderValue::from_static("a"));
+        b.headers
+            .append(CONTENT_TYPE, HeaderValue::from_static("b"));
+        assert_ne!(
+            fingerprint(&a, &[CONTENT_TYPE], b""),
+            fingerprint(&b, &[CONTENT_TYPE], b"")
+        );
     }
 
     #[test]

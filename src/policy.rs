@@ -69,10 +69,16 @@ mod tests {
     fn statuses() {
         let h = HeaderMap::new();
         for s in [200, 201, 204, 302, 400, 404, 409, 422] {
-            assert!(default_storage_policy(StatusCode::from_u16(s).unwrap(), &h), "{s}");
+            assert!(
+                default_storage_policy(StatusCode::from_u16(s).unwrap(), &h),
+                "{s}"
+            );
         }
         for s in [408, 429, 500, 502, 503, 504] {
-            assert!(!default_storage_policy(StatusCode::from_u16(s).unwrap(), &h), "{s}");
+            assert!(
+                !default_storage_policy(StatusCode::from_u16(s).unwrap(), &h),
+                "{s}"
+            );
         }
     }
 }

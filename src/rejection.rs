@@ -10,7 +10,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
 
-const TYPE_BASE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/rejection/index.html#";
+const TYPE_BASE: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/rejection/index.html#";
 
 /// A reason the layer answered instead of the handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -107,11 +108,16 @@ impl Problem {
             status: self.status().as_u16(),
             detail,
         };
-        let bytes = serde_json::to_vec(&body).map(Bytes::from).unwrap_or_default();
+        let bytes = serde_json::to_vec(&body)
+            .map(Bytes::from)
+            .unwrap_or_default();
         let mut res = Response::new(bytes);
         *res.status_mut() = self.status();
         let h = res.headers_mut();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         res.extensions_mut().insert(self);
         res
@@ -133,7 +139,8 @@ mod tests {
 
     #[test]
     fn problem_documents_are_rfc9457() {
-        let res = Problem::InProgress.response_retry_after("busy", std::time::Duration::from_millis(1500));
+        let res = Problem::InProgress
+            .response_retry_after("busy", std::time::Duration::from_millis(1500));
         assert_eq!(res.status(), 409);
         assert_eq!(res.headers()["content-type"], "application/problem+json");
         assert_eq!(res.headers()["cache-control"], "no-store");
@@ -148,8 +155,14 @@ mod tests {
     #[test]
     fn slugs_are_unique() {
         let all = [
-            Problem::KeyMissing, Problem::KeyMalformed, Problem::BodyTooLarge, Problem::BodyUnreadable,
-            Problem::KeyReused, Problem::InProgress, Problem::StoreUnavailable, Problem::HandlerFailed,
+            Problem::KeyMissing,
+            Problem::KeyMalformed,
+            Problem::BodyTooLarge,
+            Problem::BodyUnreadable,
+            Problem::KeyReused,
+            Problem::InProgress,
+            Problem::StoreUnavailable,
+            Problem::HandlerFailed,
             Problem::ResponseNotStored,
         ];
         let mut slugs: Vec<_> = all.iter().map(|p| p.slug()).collect();

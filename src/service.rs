@@ -110,7 +110,9 @@ where
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !config.require_key => return pass_through(inner.call(req)),
-            Ok(None) => return answered(reject(Problem::KeyMissing, &KeyError::Missing.to_string())),
+            Ok(None) => {
+                return answered(reject(Problem::KeyMissing, &KeyError::Missing.to_string()));
+            }
             Err(e) => return answered(reject(Problem::KeyMalformed, &e.to_string())),
         };
         let span = tracing::info_span!(
@@ -143,7 +145,9 @@ fn pass_through<F, B, E>(future: F) -> ResponseFuture<F, B, E> {
     }
 }
 
-fn answered<F, B: Send + 'static, E: Send + 'static>(res: Response<ResponseBody<B>>) -> ResponseFuture<F, B, E> {
+fn answered<F, B: Send + 'static, E: Send + 'static>(
+    res: Response<ResponseBody<B>>,
+) -> ResponseFuture<F, B, E> {
     ResponseFuture {
         kind: Kind::Guarded {
             future: Box::pin(std::future::ready(Ok(res))),
@@ -153,7 +157,10 @@ fn answered<F, B: Send + 'static, E: Send + 'static>(res: Response<ResponseBody<
 
 /// A rejection before anything was claimed.
 fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {
-    with_outcome(problem.response(detail).map(ResponseBody::full), Outcome::Rejected)
+    with_outcome(
+        problem.response(detail).map(ResponseBody::full),
+        Outcome::Rejected,
+    )
 }
 
 fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
@@ -189,7 +196,12 @@ where
     let body = match Limited::new(body, limit).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large(limit)),
-        Err(e) => return Ok(reject(Problem::BodyUnreadable, &format!("the request body could not be read: {e}"))),
+        Err(e) => {
+            return Ok(reject(
+                Problem::BodyUnreadable,
+                &format!("the request body could not be read: {e}"),
+            ));
+        }
     };
 
     let scope = (config.scope)(&parts);
@@ -202,16 +214,23 @@ where
         lease: config.lease,
         ttl: config.ttl,
     };
-    let claim = tokio::time::timeout(config.store_timeout, config.store.claim(&claim_request)).await;
+    let claim =
+        tokio::time::timeout(config.store_timeout, config.store.claim(&claim_request)).await;
     let lease = match claim {
         Ok(Ok(Claim::Acquired(lease))) => lease,
-        Ok(Ok(Claim::Completed { fingerprint: stored, response })) => {
+        Ok(Ok(Claim::Completed {
+            fingerprint: stored,
+            response,
+        })) => {
             if stored != fingerprint {
                 return Ok(mismatch());
             }
             return Ok(replay(response));
         }
-        Ok(Ok(Claim::Running { fingerprint: holder, retry_after })) => {
+        Ok(Ok(Claim::Running {
+            fingerprint: holder,
+            retry_after,
+        })) => {
             if holder != fingerprint {
                 return Ok(mismatch());
             }
@@ -237,7 +256,8 @@ where
     let req = Request::from_parts(parts, ReqBody::from(body));
     // The handler and everything after it run in their own task: a client that hangs up
     // does not cancel a half-done handler, and its result is still stored.
-    let supervisor = tokio::spawn(execute(config.clone(), inner, req, lease.clone()).in_current_span());
+    let supervisor =
+        tokio::spawn(execute(config.clone(), inner, req, lease.clone()).in_current_span());
     match supervisor.await {
         Ok(answer) => answer,
         Err(e) => {
@@ -318,7 +338,9 @@ where
             Err(e) => return Produced::BodyFailed(e.into()),
         };
         // Trailers are not stored.
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         len += data.len();
         chunks.push(data);
         if len > limit {
@@ -383,7 +405,10 @@ where
             if (config.policy)(parts.status, &parts.headers) {
                 let stored = StoredResponse {
                     status: parts.status,
-                    headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
+                    headers: StoredResponse::storable_headers(
+                        &parts.headers,
+                        &config.unreplayed_headers,
+                    ),
                     body: body.clone(),
                 };
                 complete(&config, &lease, &stored).await;
@@ -395,7 +420,10 @@ where
             Ok(with_outcome(res, Outcome::Executed))
         }
         Produced::TooLarge(parts, prefix, rest) => {
-            tracing::warn!(limit, "the response is over the storage limit; retries will get response-not-stored");
+            tracing::warn!(
+                limit,
+                "the response is over the storage limit; retries will get response-not-stored"
+            );
             let problem = Problem::ResponseNotStored.response(&format!(
                 "the request was processed once, but its response was over the {limit}-byte storage limit and cannot be replayed"
             ));
@@ -445,10 +473,18 @@ async fn renew_while<T>(
 async fn complete(config: &Config, lease: &Lease, stored: &StoredResponse) {
     let mut backoff = Duration::from_millis(50);
     for attempt in 1..=4 {
-        match tokio::time::timeout(config.store_timeout, config.store.complete(lease, stored, config.ttl)).await {
+        match tokio::time::timeout(
+            config.store_timeout,
+            config.store.complete(lease, stored, config.ttl),
+        )
+        .await
+        {
             Ok(Ok(true)) => return,
             Ok(Ok(false)) => {
-                tracing::warn!(token = lease.token, "the lease was taken over; this response was not stored");
+                tracing::warn!(
+                    token = lease.token,
+                    "the lease was taken over; this response was not stored"
+                );
                 return;
             }
             Ok(Err(e)) => tracing::warn!(attempt, error = %e, "storing the response failed"),
@@ -463,7 +499,9 @@ async fn complete(config: &Config, lease: &Lease, stored: &StoredResponse) {
 async fn release(config: &Config, lease: &Lease) {
     match tokio::time::timeout(config.store_timeout, config.store.release(lease)).await {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "releasing the key failed; it frees when its lease lapses"),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "releasing the key failed; it frees when its lease lapses")
+        }
         Err(_) => tracing::warn!("releasing the key timed out; it frees when its lease lapses"),
     }
 }

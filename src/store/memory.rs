@@ -46,7 +46,9 @@ enum State {
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryStore").field("records", &self.len()).finish()
+        f.debug_struct("MemoryStore")
+            .field("records", &self.len())
+            .finish()
     }
 }
 
@@ -146,7 +148,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest<'a>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move { Ok(self.claim_now(request)) })
     }
 
@@ -174,7 +179,11 @@ impl Store for MemoryStore {
         })
     }
 
-    fn renew<'a>(&'a self, lease: &'a Lease, duration: Duration) -> BoxFuture<'a, Result<bool, StoreError>> {
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             Ok(self.with_held(lease, |inner, id| {
                 if let Some(r) = inner.records.get_mut(&id) {

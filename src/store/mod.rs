@@ -160,7 +160,10 @@ impl std::error::Error for StoreError {
 pub trait Store: Send + Sync + 'static {
     /// Claims `request.key` in its scope, atomically: acquire it when absent, expired, or
     /// held by a lapsed lease with the same fingerprint; otherwise say what holds it.
-    fn claim<'a>(&'a self, request: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>>;
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest<'a>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
 
     /// Stores `response` for the key if `lease` still holds it. `Ok(false)`: the lease
     /// was lost (taken over or released) and nothing was written.
@@ -175,7 +178,11 @@ pub trait Store: Send + Sync + 'static {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     /// Extends the lease to `lease` from now. `Ok(false)`: lease lost.
-    fn renew<'a>(&'a self, lease: &'a Lease, duration: Duration) -> BoxFuture<'a, Result<bool, StoreError>>;
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
 }
 
 /// Anything [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) accepts as a store:

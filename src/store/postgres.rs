@@ -18,7 +18,10 @@ use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreError
 use crate::{Fingerprint, StoredResponse};
 
 /// The migrations, in order, embedded from `migrations/`.
-const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../migrations/0001_create_idempotency_keys.sql"))];
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    include_str!("../../migrations/0001_create_idempotency_keys.sql"),
+)];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
@@ -156,7 +159,9 @@ impl fmt::Debug for PostgresStore {
 /// with a digit. Names are still quoted in SQL; the check keeps them unambiguous.
 fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigError> {
     let ok = (1..=50).contains(&name.len())
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
         && !name.as_bytes()[0].is_ascii_digit();
     if ok {
         Ok(())
@@ -281,7 +286,10 @@ impl PostgresStore {
         .await
         .map_err(classify)?;
         let applied: Vec<i32> = tx
-            .query(&format!("SELECT version FROM {}", self.sql.migrations_table), &[])
+            .query(
+                &format!("SELECT version FROM {}", self.sql.migrations_table),
+                &[],
+            )
             .await
             .map_err(classify)?
             .iter()
@@ -296,7 +304,10 @@ impl PostgresStore {
                 .replace("{{expires_index}}", &self.sql.expires_index);
             tx.batch_execute(&sql).await.map_err(classify)?;
             tx.execute(
-                &format!("INSERT INTO {} (version) VALUES ($1)", self.sql.migrations_table),
+                &format!(
+                    "INSERT INTO {} (version) VALUES ($1)",
+                    self.sql.migrations_table
+                ),
                 &[version],
             )
             .await
@@ -312,7 +323,11 @@ impl PostgresStore {
         self.execute(&self.sql.purge, &[&batch]).await
     }
 
-    async fn query(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
         let client = self.pool.get().await.map_err(classify_pool)?;
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
@@ -360,7 +375,14 @@ impl PostgresStore {
             let rows = self
                 .query(
                     &self.sql.takeover,
-                    &[&req.scope.as_str(), &req.key, &token, &fp, &lease_ms, &ttl_ms],
+                    &[
+                        &req.scope.as_str(),
+                        &req.key,
+                        &token,
+                        &fp,
+                        &lease_ms,
+                        &ttl_ms,
+                    ],
                 )
                 .await?;
             return Ok(rows.first().map(|r| Claim::Acquired(lease(r.get("token")))));
@@ -434,7 +456,10 @@ pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
 }
 
 impl Store for PostgresStore {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest<'a>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             for _ in 0..CLAIM_ATTEMPTS {
                 if let Some(claim) = self.claim_once(request).await? {
@@ -461,7 +486,15 @@ impl Store for PostgresStore {
             let n = self
                 .execute(
                     &self.sql.complete,
-                    &[&lease.scope.as_str(), &&*lease.key, &lease.token, &status, &h, &b, &ms(ttl)],
+                    &[
+                        &lease.scope.as_str(),
+                        &&*lease.key,
+                        &lease.token,
+                        &status,
+                        &h,
+                        &b,
+                        &ms(ttl),
+                    ],
                 )
                 .await?;
             Ok(n == 1)
@@ -471,18 +504,30 @@ impl Store for PostgresStore {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let n = self
-                .execute(&self.sql.release, &[&lease.scope.as_str(), &&*lease.key, &lease.token])
+                .execute(
+                    &self.sql.release,
+                    &[&lease.scope.as_str(), &&*lease.key, &lease.token],
+                )
                 .await?;
             Ok(n == 1)
         })
     }
 
-    fn renew<'a>(&'a self, lease: &'a Lease, duration: Duration) -> BoxFuture<'a, Result<bool, StoreError>> {
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let n = self
                 .execute(
                     &self.sql.renew,
-                    &[&lease.scope.as_str(), &&*lease.key, &lease.token, &ms(duration)],
+                    &[
+                        &lease.scope.as_str(),
+                        &&*lease.key,
+                        &lease.token,
+                        &ms(duration),
+                    ],
                 )
                 .await?;
             Ok(n == 1)
@@ -499,7 +544,16 @@ mod tests {
         for ok in ["idempotency_keys", "a", "t_1", "_x"] {
             assert!(validate_identifier("table", ok).is_ok(), "{ok}");
         }
-        for bad in ["", "1abc", "Keys", "a-b", "a\"b", "a b", "x;drop table y", &"a".repeat(51)] {
+        for bad in [
+            "",
+            "1abc",
+            "Keys",
+            "a-b",
+            "a\"b",
+            "a b",
+            "x;drop table y",
+            &"a".repeat(51),
+        ] {
             assert!(validate_identifier("table", bad).is_err(), "{bad}");
         }
     }
