@@ -11,7 +11,10 @@ use tower_idempotency::{IdempotencyLayer, Outcome, store::PostgresStore};
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_replicas_with_their_own_pools_run_each_key_once() {
     let schema = TestSchema::new();
-    let (a, b) = (schema.store_at(&common::database_url(), 8).await, schema.store_at(&common::database_url(), 8).await);
+    let (a, b) = (
+        schema.store_at(&common::database_url(), 8).await,
+        schema.store_at(&common::database_url(), 8).await,
+    );
     let (router_a, counter_a) = app(IdempotencyLayer::new(a));
     let (router_b, counter_b) = app(IdempotencyLayer::new(b));
     let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
@@ -19,11 +22,18 @@ async fn two_replicas_with_their_own_pools_run_each_key_once() {
     let mut tasks = Vec::new();
     for key in &keys {
         for i in 0..10 {
-            let router = if i % 2 == 0 { router_a.clone() } else { router_b.clone() };
+            let router = if i % 2 == 0 {
+                router_a.clone()
+            } else {
+                router_b.clone()
+            };
             let (key, barrier) = (key.clone(), barrier.clone());
             tasks.push(tokio::spawn(async move {
-                let r = req("POST").header("idempotency-key", key.as_str()).header("x-delay-ms", "100")
-                    .body(Body::from("{}")).unwrap();
+                let r = req("POST")
+                    .header("idempotency-key", key.as_str())
+                    .header("x-delay-ms", "100")
+                    .body(Body::from("{}"))
+                    .unwrap();
                 barrier.wait().await;
                 (key, send(&router, r).await)
             }));
@@ -31,16 +41,27 @@ async fn two_replicas_with_their_own_pools_run_each_key_once() {
     }
     for t in tasks {
         let (key, r) = t.await.unwrap();
-        assert!(matches!(r.status.as_u16(), 201 | 409), "{key}: {}", r.status);
+        assert!(
+            matches!(r.status.as_u16(), 201 | 409),
+            "{key}: {}",
+            r.status
+        );
     }
     for key in &keys {
-        assert_eq!(counter_a.runs_of(key) + counter_b.runs_of(key), 1, "{key} ran more than once");
+        assert_eq!(
+            counter_a.runs_of(key) + counter_b.runs_of(key),
+            1,
+            "{key} ran more than once"
+        );
     }
     // Every key ends completed, once, in the shared table.
     let rows = schema
         .query(&format!("SELECT count(*) FILTER (WHERE state = 'completed'), count(*) FROM \"{}\".idempotency_keys", schema.name))
         .await;
-    assert_eq!((rows[0].get::<_, i64>(0), rows[0].get::<_, i64>(1)), (20, 20));
+    assert_eq!(
+        (rows[0].get::<_, i64>(0), rows[0].get::<_, i64>(1)),
+        (20, 20)
+    );
 }
 
 #[tokio::test]
@@ -53,25 +74,55 @@ async fn a_new_key_costs_two_statements_and_a_replay_one() {
     // first measurement free of connection set-up all the same.
     send(&router, post("warm-up", "{}")).await;
 
-    let counted = |proxy: &PgProxy, store: &PostgresStore| (proxy.executes(), store.statements_executed());
+    let counted =
+        |proxy: &PgProxy, store: &PostgresStore| (proxy.executes(), store.statements_executed());
     let before = counted(&proxy, &store);
-    assert_eq!(send(&router, post("k", "{}")).await.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        send(&router, post("k", "{}")).await.outcome,
+        Some(Outcome::Executed)
+    );
     let after_new = counted(&proxy, &store);
-    assert_eq!(after_new.0 - before.0, 2, "statements on the wire for a new key");
-    assert_eq!(after_new.1 - before.1, 2, "statements the store counted for a new key");
+    assert_eq!(
+        after_new.0 - before.0,
+        2,
+        "statements on the wire for a new key"
+    );
+    assert_eq!(
+        after_new.1 - before.1,
+        2,
+        "statements the store counted for a new key"
+    );
 
-    assert_eq!(send(&router, post("k", "{}")).await.outcome, Some(Outcome::Replayed));
+    assert_eq!(
+        send(&router, post("k", "{}")).await.outcome,
+        Some(Outcome::Replayed)
+    );
     let after_replay = counted(&proxy, &store);
-    assert_eq!(after_replay.0 - after_new.0, 1, "statements on the wire for a replay");
+    assert_eq!(
+        after_replay.0 - after_new.0,
+        1,
+        "statements on the wire for a replay"
+    );
     assert_eq!(after_replay.1 - after_new.1, 1);
 
     assert_eq!(send(&router, post("k", "{\"other\":1}")).await.status, 422);
-    assert_eq!(proxy.executes() - after_replay.0, 1, "a mismatch is one statement too");
+    assert_eq!(
+        proxy.executes() - after_replay.0,
+        1,
+        "a mismatch is one statement too"
+    );
 
     // Pass-through costs nothing.
     let before = proxy.executes();
     send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
-    send(&router, req("GET").header("idempotency-key", "k").body(Body::empty()).unwrap()).await;
+    send(
+        &router,
+        req("GET")
+            .header("idempotency-key", "k")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     assert_eq!(proxy.executes(), before);
 }
 
@@ -82,7 +133,8 @@ async fn an_unreachable_database_is_503_and_the_handler_does_not_run() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let store = schema.unmigrated_store_at(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"));
+    let store =
+        schema.unmigrated_store_at(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"));
     let (router, counter) = app(IdempotencyLayer::new(store));
     let r = send(&router, post("k", "{}")).await;
     assert_eq!(r.status, 503);
@@ -138,12 +190,21 @@ async fn migrations_run_concurrently_from_many_processes_pools() {
     let stores: Vec<PostgresStore> = (0..8)
         .map(|_| schema.unmigrated_store_at(&common::database_url()))
         .collect();
-    let results = futures_join_all(stores.iter().cloned().map(|s| async move { s.migrate().await })).await;
+    let results = futures_join_all(
+        stores
+            .iter()
+            .cloned()
+            .map(|s| async move { s.migrate().await }),
+    )
+    .await;
     for r in results {
         r.expect("concurrent migrate");
     }
     let rows = schema
-        .query(&format!("SELECT count(*) FROM \"{}\".idempotency_keys_migrations", schema.name))
+        .query(&format!(
+            "SELECT count(*) FROM \"{}\".idempotency_keys_migrations",
+            schema.name
+        ))
         .await;
     assert_eq!(rows[0].get::<_, i64>(0), 1);
     // And once more, idempotently.
@@ -185,7 +246,10 @@ async fn purge_deletes_expired_records_in_batches() {
     let layer = IdempotencyLayer::new(store.clone()).ttl(Duration::from_millis(50));
     let (router, _) = app(layer);
     for i in 0..5 {
-        assert_eq!(send(&router, post(&format!("k{i}"), "{}")).await.status, 201);
+        assert_eq!(
+            send(&router, post(&format!("k{i}"), "{}")).await.status,
+            201
+        );
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(store.purge_expired(3).await.unwrap(), 3);

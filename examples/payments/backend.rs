@@ -19,7 +19,10 @@ pub(crate) struct Stats {
 #[derive(Clone)]
 pub(crate) enum Backend {
     Memory(Arc<Mutex<Memory>>),
-    Postgres { pool: deadpool_postgres::Pool, schema: String },
+    Postgres {
+        pool: deadpool_postgres::Pool,
+        schema: String,
+    },
 }
 
 #[derive(Default)]
@@ -43,7 +46,8 @@ impl Backend {
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         // Several demo processes may start at once; one sets up, the others wait.
-        tx.execute("SELECT pg_advisory_xact_lock(7242)", &[]).await?;
+        tx.execute("SELECT pg_advisory_xact_lock(7242)", &[])
+            .await?;
         tx.batch_execute(&format!(
             "CREATE TABLE IF NOT EXISTS \"{schema}\".demo_counters (
                  name text PRIMARY KEY, value bigint NOT NULL);
@@ -102,13 +106,21 @@ impl Backend {
     }
 
     /// The fake payment provider: one charge per provider key, whatever the retries.
-    pub(crate) async fn charge(&self, psp_key: &str, amount: i64, currency: &str) -> Result<String, Error> {
+    pub(crate) async fn charge(
+        &self,
+        psp_key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<String, Error> {
         self.bump("psp_calls").await?;
         let fresh_id = format!("ch_{:016x}", rand_u64());
         match self {
             Self::Memory(m) => {
                 let mut m = Self::lock(m);
-                Ok(m.charges.entry(psp_key.to_owned()).or_insert(fresh_id).clone())
+                Ok(m.charges
+                    .entry(psp_key.to_owned())
+                    .or_insert(fresh_id)
+                    .clone())
             }
             Self::Postgres { pool, schema } => {
                 let client = pool.get().await?;
@@ -124,7 +136,9 @@ impl Backend {
                     ))
                     .await?;
                 for _ in 0..8 {
-                    let rows = client.query(&stmt, &[&psp_key, &fresh_id, &amount, &currency]).await?;
+                    let rows = client
+                        .query(&stmt, &[&psp_key, &fresh_id, &amount, &currency])
+                        .await?;
                     if let Some(row) = rows.first() {
                         return Ok(row.get(0));
                     }
@@ -157,7 +171,9 @@ impl Backend {
                          VALUES ($1, $2, $3, $4) ON CONFLICT (payment_id) DO NOTHING"
                     ))
                     .await?;
-                client.execute(&stmt, &[&payment_id, &charge_id, &amount, &currency]).await?;
+                client
+                    .execute(&stmt, &[&payment_id, &charge_id, &amount, &currency])
+                    .await?;
             }
         }
         Ok(())
@@ -203,6 +219,10 @@ impl Backend {
 fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
     h.finish()
 }

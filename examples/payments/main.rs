@@ -37,7 +37,8 @@ struct Args {
     schema: String,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME]";
+const USAGE: &str =
+    "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -48,7 +49,10 @@ fn parse_args() -> Result<Args, String> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"));
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
+        };
         match flag.as_str() {
             "--addr" => {
                 let v = value("--addr")?;
@@ -57,11 +61,9 @@ fn parse_args() -> Result<Args, String> {
             "--database-url" => args.database_url = Some(value("--database-url")?),
             "--lease-ms" => {
                 let v = value("--lease-ms")?;
-                args.lease_ms = v
-                    .parse()
-                    .ok()
-                    .filter(|ms| *ms >= 10)
-                    .ok_or_else(|| format!("--lease-ms {v:?}: expected milliseconds, at least 10"))?;
+                args.lease_ms = v.parse().ok().filter(|ms| *ms >= 10).ok_or_else(|| {
+                    format!("--lease-ms {v:?}: expected milliseconds, at least 10")
+                })?;
             }
             "--schema" => args.schema = value("--schema")?,
             "-h" | "--help" => return Err(USAGE.into()),
@@ -152,10 +154,16 @@ struct Payment {
 }
 
 fn parse_payment(body: &[u8]) -> Result<Payment, String> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let obj = value.as_object().ok_or("the body must be a JSON object")?;
-    if let Some(unknown) = obj.keys().find(|k| !["amount", "currency", "delay_ms"].contains(&k.as_str())) {
-        return Err(format!("unknown field {unknown:?}; expected amount, currency, delay_ms"));
+    if let Some(unknown) = obj
+        .keys()
+        .find(|k| !["amount", "currency", "delay_ms"].contains(&k.as_str()))
+    {
+        return Err(format!(
+            "unknown field {unknown:?}; expected amount, currency, delay_ms"
+        ));
     }
     let amount = obj
         .get("amount")
@@ -175,10 +183,18 @@ fn parse_payment(body: &[u8]) -> Result<Payment, String> {
             .filter(|d| *d <= 60_000)
             .ok_or("delay_ms must be an integer from 0 to 60000")?,
     };
-    Ok(Payment { amount, currency, delay_ms })
+    Ok(Payment {
+        amount,
+        currency,
+        delay_ms,
+    })
 }
 
-async fn create_payment(State(backend): State<Backend>, key: IdempotencyKey, body: axum::body::Bytes) -> Response {
+async fn create_payment(
+    State(backend): State<Backend>,
+    key: IdempotencyKey,
+    body: axum::body::Bytes,
+) -> Response {
     // Every attempt that reaches the handler is counted, on its own.
     if let Err(e) = backend.count_handler_run().await {
         return internal(e);
@@ -188,7 +204,10 @@ async fn create_payment(State(backend): State<Backend>, key: IdempotencyKey, bod
         Err(detail) => return invalid(detail),
     };
     // The provider gets a key derived from the client's, so a retry cannot charge twice.
-    let charge_id = match backend.charge(&key.derive("psp"), payment.amount, &payment.currency).await {
+    let charge_id = match backend
+        .charge(&key.derive("psp"), payment.amount, &payment.currency)
+        .await
+    {
         Ok(id) => id,
         Err(e) => return internal(e),
     };
@@ -215,7 +234,11 @@ async fn create_payment(State(backend): State<Backend>, key: IdempotencyKey, bod
 
 fn internal(e: backend::Error) -> Response {
     tracing::error!(error = %e, "payment failed");
-    (StatusCode::INTERNAL_SERVER_ERROR, format!("payment failed: {e}")).into_response()
+    (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("payment failed: {e}"),
+    )
+        .into_response()
 }
 
 async fn stats(State(backend): State<Backend>) -> Response {

@@ -104,7 +104,8 @@ impl Drop for TestSchema {
                 .build()
                 .expect("runtime");
             rt.block_on(async move {
-                let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
+                let (client, conn) =
+                    tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
                 tokio::spawn(conn);
                 client.batch_execute(&sql).await
             })
@@ -130,7 +131,12 @@ impl Counter {
     }
 
     pub fn runs_of(&self, key: &str) -> usize {
-        self.by_key.lock().expect("lock").get(key).copied().unwrap_or(0)
+        self.by_key
+            .lock()
+            .expect("lock")
+            .get(key)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn count(&self, key: Option<&IdempotencyKey>) -> usize {
@@ -153,7 +159,10 @@ async fn create(
     body: Bytes,
 ) -> Response {
     let run = counter.count(key.as_ref());
-    if let Some(ms) = headers.get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()) {
+    if let Some(ms) = headers
+        .get("x-delay-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+    {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     let status = headers
@@ -188,7 +197,10 @@ async fn create(
 pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
     let counter = Counter::default();
     let router = Router::new()
-        .route("/payments", axum::routing::post(create).patch(create).get(create))
+        .route(
+            "/payments",
+            axum::routing::post(create).patch(create).get(create),
+        )
         .layer(layer)
         .with_state(counter.clone());
     (router, counter)
@@ -212,7 +224,12 @@ impl Reply {
 
     /// The problem `type` anchor (`key-reused`, …) of a problem+json reply.
     pub fn problem(&self) -> String {
-        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{:?}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{:?}",
+            self.body
+        );
         assert_eq!(self.header("cache-control"), Some("no-store"));
         let v = self.json();
         assert_eq!(v["status"], self.status.as_u16());

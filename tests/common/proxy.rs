@@ -44,7 +44,11 @@ fn upstream() -> (SocketAddr, tokio_postgres::Config) {
         other => panic!("the proxy needs a TCP host in DATABASE_URL, got {other:?}"),
     };
     let port = config.get_ports().first().copied().unwrap_or(5432);
-    let host = if host == "localhost" { "127.0.0.1".to_owned() } else { host };
+    let host = if host == "localhost" {
+        "127.0.0.1".to_owned()
+    } else {
+        host
+    };
     (format!("{host}:{port}").parse().expect("host:port"), config)
 }
 
@@ -63,7 +67,9 @@ impl PgProxy {
                 }
                 let s = s.clone();
                 tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(upstream).await else { return };
+                    let Ok(server) = TcpStream::connect(upstream).await else {
+                        return;
+                    };
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     let up = tokio::spawn(pump_frontend(cr, sw, s.clone()));
@@ -84,7 +90,10 @@ impl PgProxy {
             .get_password()
             .map(|p| format!(":{}", String::from_utf8_lossy(p)))
             .unwrap_or_default();
-        format!("postgres://{user}{password}@{}/{db}?connect_timeout=2", self.addr)
+        format!(
+            "postgres://{user}{password}@{}/{db}?connect_timeout=2",
+            self.addr
+        )
     }
 
     /// Statements executed through the proxy so far.
@@ -127,7 +136,8 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
                 if pending.len() < 8 {
                     break;
                 }
-                let len = u32::from_be_bytes([pending[0], pending[1], pending[2], pending[3]]) as usize;
+                let len =
+                    u32::from_be_bytes([pending[0], pending[1], pending[2], pending[3]]) as usize;
                 if pending.len() < len {
                     break;
                 }
@@ -141,7 +151,8 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
                 if pending.len() < 5 {
                     break;
                 }
-                let len = u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
+                let len =
+                    u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
                 if pending.len() < 1 + len {
                     break;
                 }

@@ -7,395 +7,543 @@
 macro_rules! layer_suite {
     ($make:ident) => {
         mod suite {
-        use std::{sync::Arc, time::Duration};
+            use std::{sync::Arc, time::Duration};
 
-        use axum::body::Body;
-        use tower_idempotency::{
-            Fingerprint, IdempotencyLayer, Outcome, Scope, StoredResponse,
-            store::{Claim, ClaimRequest, Store},
-        };
-
-        use $crate::common::{app, post, req, send};
-
-        async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
-            let (store, guard) = super::$make().await;
-            (IdempotencyLayer::new(store.clone()), store, guard)
-        }
-
-        /// Polls until `f` holds, at most ~10 s; a bounded wait, not a timing claim.
-        async fn eventually(mut f: impl FnMut() -> bool) {
-            for _ in 0..1000 {
-                if f() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            panic!("condition not reached");
-        }
-
-        #[tokio::test]
-        async fn executes_then_replays_byte_for_byte() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let first = send(&router, post("k1", "{\"amount\":1}")).await;
-            assert_eq!(first.status, 201);
-            assert_eq!(first.outcome, Some(Outcome::Executed));
-            assert_eq!(first.header("idempotent-replayed"), None);
-            assert_eq!(first.header("set-cookie"), Some("session=1"));
-
-            let second = send(&router, post("k1", "{\"amount\":1}")).await;
-            assert_eq!(counter.runs(), 1);
-            assert_eq!(second.outcome, Some(Outcome::Replayed));
-            assert_eq!(second.status, first.status);
-            assert_eq!(second.body, first.body);
-            assert_eq!(second.header("idempotent-replayed"), Some("true"));
-            let mut expected = first.headers.clone();
-            expected.remove("set-cookie");
-            let mut replayed = second.headers.clone();
-            replayed.remove("idempotent-replayed");
-            assert_eq!(replayed, expected);
-            assert_eq!(replayed["x-run"], "1");
-        }
-
-        #[tokio::test]
-        async fn quoted_and_bare_forms_are_one_key() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            assert_eq!(send(&router, post("\"k\"", "{}")).await.outcome, Some(Outcome::Executed));
-            assert_eq!(send(&router, post("k", "{}")).await.outcome, Some(Outcome::Replayed));
-            assert_eq!(counter.runs(), 1);
-        }
-
-        #[tokio::test]
-        async fn a_key_reused_with_another_request_is_422() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            assert_eq!(send(&router, post("k", "{\"amount\":1}")).await.status, 201);
-            let other_body = send(&router, post("k", "{\"amount\":2}")).await;
-            assert_eq!(other_body.status, 422);
-            assert_eq!(other_body.problem(), "key-reused");
-            assert_eq!(other_body.outcome, Some(Outcome::Mismatch));
-            let other_query = send(
-                &router,
-                req("POST").uri("/payments?x=1").header("idempotency-key", "k").body(Body::from("{\"amount\":1}")).unwrap(),
-            )
-            .await;
-            assert_eq!(other_query.status, 422);
-            let other_method = send(
-                &router,
-                req("PATCH").header("idempotency-key", "k").body(Body::from("{\"amount\":1}")).unwrap(),
-            )
-            .await;
-            assert_eq!(other_method.status, 422);
-            let other_type = send(
-                &router,
-                req("POST").header("idempotency-key", "k").header("content-type", "text/plain")
-                    .body(Body::from("{\"amount\":1}")).unwrap(),
-            )
-            .await;
-            // Two content-type values now: still a different fingerprint.
-            assert_eq!(other_type.status, 422);
-            assert_eq!(counter.runs(), 1);
-        }
-
-        #[tokio::test]
-        async fn a_duplicate_in_flight_gets_409_with_retry_after() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let slow = req("POST").header("idempotency-key", "k").header("x-delay-ms", "600")
-                .body(Body::from("{}")).unwrap();
-            let r = router.clone();
-            let first = tokio::spawn(async move { send(&r, slow).await });
-            eventually(|| counter.runs() == 1).await;
-            let dup = send(&router, post("k", "{}")).await;
-            assert_eq!(dup.status, 409);
-            assert_eq!(dup.problem(), "in-progress");
-            assert_eq!(dup.outcome, Some(Outcome::Conflict));
-            let retry_after: u64 = dup.header("retry-after").expect("retry-after").parse().unwrap();
-            assert!((1..=30).contains(&retry_after), "{retry_after}");
-            // A different request under the running key is a mismatch, not a conflict.
-            assert_eq!(send(&router, post("k", "{\"x\":1}")).await.status, 422);
-            let first = first.await.unwrap();
-            assert_eq!(first.status, 201);
-            let after = send(&router, post("k", "{}")).await;
-            assert_eq!(after.outcome, Some(Outcome::Replayed));
-            assert_eq!(after.body, first.body);
-            assert_eq!(counter.runs(), 1);
-        }
-
-        #[tokio::test]
-        async fn malformed_keys_are_400_and_claim_nothing() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let long = "k".repeat(256);
-            for bad in ["", "\"\"", "a b", "\"abc", "\"a\\nb\"", "\"a\";x=1", "a\"b", long.as_str()] {
-                let r = send(&router, post(bad, "{}")).await;
-                assert_eq!(r.status, 400, "{bad:?}");
-                assert_eq!(r.problem(), "key-malformed", "{bad:?}");
-                assert_eq!(r.outcome, Some(Outcome::Rejected));
-            }
-            let non_ascii = req("POST")
-                .header("idempotency-key", axum::http::HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap())
-                .body(Body::from("{}")).unwrap();
-            assert_eq!(send(&router, non_ascii).await.status, 400);
-            let two = req("POST").header("idempotency-key", "a").header("idempotency-key", "a")
-                .body(Body::from("{}")).unwrap();
-            let r = send(&router, two).await;
-            assert_eq!(r.status, 400);
-            assert!(r.json()["detail"].as_str().unwrap().contains("more than one"));
-            assert_eq!(counter.runs(), 0);
-            // Nothing was claimed: the same key now executes.
-            assert_eq!(send(&router, post(&long[..255], "{}")).await.status, 201);
-        }
-
-        #[tokio::test]
-        async fn a_missing_key_passes_through_or_is_400_when_required() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer.clone());
-            for _ in 0..2 {
-                let r = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
-                assert_eq!(r.status, 201);
-                assert_eq!(r.outcome, Some(Outcome::PassedThrough));
-            }
-            assert_eq!(counter.runs(), 2);
-
-            let (router, counter) = app(layer.require_key(true));
-            let r = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
-            assert_eq!(r.status, 400);
-            assert_eq!(r.problem(), "key-missing");
-            assert_eq!(counter.runs(), 0);
-        }
-
-        #[tokio::test]
-        async fn unguarded_methods_pass_through_even_with_a_key() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer.require_key(true));
-            for _ in 0..2 {
-                let r = send(&router, req("GET").header("idempotency-key", "k").body(Body::empty()).unwrap()).await;
-                assert_eq!(r.status, 201);
-                assert_eq!(r.outcome, Some(Outcome::PassedThrough));
-            }
-            assert_eq!(counter.runs(), 2);
-        }
-
-        #[tokio::test]
-        async fn a_body_over_the_limit_is_413_and_claims_nothing() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer.request_body_limit(16));
-            let big = "x".repeat(17);
-            let declared = send(&router, post("k", &big)).await;
-            assert_eq!(declared.status, 413);
-            assert_eq!(declared.problem(), "body-too-large");
-            // No Content-Length: the limit holds while reading.
-            let streamed = req("POST").header("idempotency-key", "k")
-                .body(Body::new($crate::common::Chunked::new(&["x".repeat(10), "x".repeat(10)]))).unwrap();
-            let streamed = send(&router, streamed).await;
-            assert_eq!(streamed.status, 413);
-            assert_eq!(counter.runs(), 0);
-            assert_eq!(send(&router, post("k", &big[..16])).await.status, 201);
-        }
-
-        #[tokio::test]
-        async fn server_errors_release_the_key_client_errors_are_stored() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let failing = || req("POST").header("idempotency-key", "k5").header("x-status", "503").body(Body::from("{}")).unwrap();
-            assert_eq!(send(&router, failing()).await.status, 503);
-            assert_eq!(send(&router, failing()).await.status, 503);
-            assert_eq!(counter.runs_of("k5"), 2);
-            let rejected = || req("POST").header("idempotency-key", "k4").header("x-status", "400").body(Body::from("{}")).unwrap();
-            let first = send(&router, rejected()).await;
-            let again = send(&router, rejected()).await;
-            assert_eq!((first.status, again.status), (axum::http::StatusCode::BAD_REQUEST, axum::http::StatusCode::BAD_REQUEST));
-            assert_eq!(again.outcome, Some(Outcome::Replayed));
-            assert_eq!(counter.runs_of("k4"), 1);
-        }
-
-        #[tokio::test]
-        async fn the_storage_policy_is_a_setting() {
-            let (layer, _store, _g) = layer().await;
-            // Store everything, 5xx included, as Stripe does.
-            let (router, counter) = app(layer.store_response_if(|_, _| true));
-            let failing = || req("POST").header("idempotency-key", "k").header("x-status", "500").body(Body::from("{}")).unwrap();
-            assert_eq!(send(&router, failing()).await.outcome, Some(Outcome::Executed));
-            assert_eq!(send(&router, failing()).await.outcome, Some(Outcome::Replayed));
-            assert_eq!(counter.runs(), 1);
-        }
-
-        #[tokio::test]
-        async fn a_panicking_handler_releases_its_key() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let panicking = req("POST").header("idempotency-key", "k").header("x-panic", "1").body(Body::from("{}")).unwrap();
-            let r = send(&router, panicking).await;
-            assert_eq!(r.status, 500);
-            assert_eq!(r.problem(), "handler-failed");
-            let retry = send(&router, post("k", "{}")).await;
-            assert_eq!(retry.status, 201);
-            assert_eq!(retry.outcome, Some(Outcome::Executed));
-            assert_eq!(counter.runs(), 2);
-        }
-
-        #[tokio::test]
-        async fn a_response_over_the_storage_limit_never_runs_twice() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer.response_body_limit(8));
-            let first = send(&router, post("k", "{\"a\":1}")).await;
-            assert_eq!(first.status, 201);
-            assert!(first.body.len() > 8);
-            assert!(first.json()["echo"].is_string(), "the client gets the whole body");
-            let retry = send(&router, post("k", "{\"a\":1}")).await;
-            assert_eq!(retry.status, 500);
-            assert_eq!(retry.problem(), "response-not-stored");
-            assert_eq!(counter.runs(), 1);
-        }
-
-        #[tokio::test]
-        async fn scopes_isolate_callers() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let as_user = |who: &str| {
-                req("POST").header("idempotency-key", "shared").header("authorization", format!("Bearer {who}"))
-                    .body(Body::from("{}")).unwrap()
+            use axum::body::Body;
+            use tower_idempotency::{
+                Fingerprint, IdempotencyLayer, Outcome, Scope, StoredResponse,
+                store::{Claim, ClaimRequest, Store},
             };
-            let alice = send(&router, as_user("alice")).await;
-            let bob = send(&router, as_user("bob")).await;
-            assert_eq!(counter.runs(), 2);
-            assert_ne!(alice.body, bob.body);
-            assert_eq!(send(&router, as_user("alice")).await.body, alice.body);
-            assert_eq!(send(&router, as_user("bob")).await.body, bob.body);
-            assert_eq!(counter.runs(), 2);
-        }
 
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn two_hundred_concurrent_duplicates_run_once() {
-            let (layer, _store, _g) = layer().await;
-            let (router, counter) = app(layer);
-            let barrier = Arc::new(tokio::sync::Barrier::new(200));
-            let tasks: Vec<_> = (0..200)
-                .map(|_| {
-                    let (router, barrier) = (router.clone(), barrier.clone());
-                    tokio::spawn(async move {
-                        let r = req("POST").header("idempotency-key", "race").header("x-delay-ms", "200")
-                            .body(Body::from("{\"amount\":100}")).unwrap();
-                        barrier.wait().await;
-                        send(&router, r).await
-                    })
-                })
-                .collect();
-            let mut successes = Vec::new();
-            let mut conflicts = 0;
-            for t in tasks {
-                let r = t.await.unwrap();
-                match r.status.as_u16() {
-                    201 => successes.push(r.body),
-                    409 => {
-                        assert!(r.header("retry-after").is_some());
-                        assert_eq!(r.problem(), "in-progress");
-                        conflicts += 1;
+            use $crate::common::{app, post, req, send};
+
+            async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
+                let (store, guard) = super::$make().await;
+                (IdempotencyLayer::new(store.clone()), store, guard)
+            }
+
+            /// Polls until `f` holds, at most ~10 s; a bounded wait, not a timing claim.
+            async fn eventually(mut f: impl FnMut() -> bool) {
+                for _ in 0..1000 {
+                    if f() {
+                        return;
                     }
-                    other => panic!("unexpected status {other}: {:?}", r.body),
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                panic!("condition not reached");
+            }
+
+            #[tokio::test]
+            async fn executes_then_replays_byte_for_byte() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let first = send(&router, post("k1", "{\"amount\":1}")).await;
+                assert_eq!(first.status, 201);
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                assert_eq!(first.header("idempotent-replayed"), None);
+                assert_eq!(first.header("set-cookie"), Some("session=1"));
+
+                let second = send(&router, post("k1", "{\"amount\":1}")).await;
+                assert_eq!(counter.runs(), 1);
+                assert_eq!(second.outcome, Some(Outcome::Replayed));
+                assert_eq!(second.status, first.status);
+                assert_eq!(second.body, first.body);
+                assert_eq!(second.header("idempotent-replayed"), Some("true"));
+                let mut expected = first.headers.clone();
+                expected.remove("set-cookie");
+                let mut replayed = second.headers.clone();
+                replayed.remove("idempotent-replayed");
+                assert_eq!(replayed, expected);
+                assert_eq!(replayed["x-run"], "1");
+            }
+
+            #[tokio::test]
+            async fn quoted_and_bare_forms_are_one_key() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                assert_eq!(
+                    send(&router, post("\"k\"", "{}")).await.outcome,
+                    Some(Outcome::Executed)
+                );
+                assert_eq!(
+                    send(&router, post("k", "{}")).await.outcome,
+                    Some(Outcome::Replayed)
+                );
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn a_key_reused_with_another_request_is_422() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                assert_eq!(send(&router, post("k", "{\"amount\":1}")).await.status, 201);
+                let other_body = send(&router, post("k", "{\"amount\":2}")).await;
+                assert_eq!(other_body.status, 422);
+                assert_eq!(other_body.problem(), "key-reused");
+                assert_eq!(other_body.outcome, Some(Outcome::Mismatch));
+                let other_query = send(
+                    &router,
+                    req("POST")
+                        .uri("/payments?x=1")
+                        .header("idempotency-key", "k")
+                        .body(Body::from("{\"amount\":1}"))
+                        .unwrap(),
+                )
+                .await;
+                assert_eq!(other_query.status, 422);
+                let other_method = send(
+                    &router,
+                    req("PATCH")
+                        .header("idempotency-key", "k")
+                        .body(Body::from("{\"amount\":1}"))
+                        .unwrap(),
+                )
+                .await;
+                assert_eq!(other_method.status, 422);
+                let other_type = send(
+                    &router,
+                    req("POST")
+                        .header("idempotency-key", "k")
+                        .header("content-type", "text/plain")
+                        .body(Body::from("{\"amount\":1}"))
+                        .unwrap(),
+                )
+                .await;
+                // Two content-type values now: still a different fingerprint.
+                assert_eq!(other_type.status, 422);
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn a_duplicate_in_flight_gets_409_with_retry_after() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let slow = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "600")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = router.clone();
+                let first = tokio::spawn(async move { send(&r, slow).await });
+                eventually(|| counter.runs() == 1).await;
+                let dup = send(&router, post("k", "{}")).await;
+                assert_eq!(dup.status, 409);
+                assert_eq!(dup.problem(), "in-progress");
+                assert_eq!(dup.outcome, Some(Outcome::Conflict));
+                let retry_after: u64 = dup
+                    .header("retry-after")
+                    .expect("retry-after")
+                    .parse()
+                    .unwrap();
+                assert!((1..=30).contains(&retry_after), "{retry_after}");
+                // A different request under the running key is a mismatch, not a conflict.
+                assert_eq!(send(&router, post("k", "{\"x\":1}")).await.status, 422);
+                let first = first.await.unwrap();
+                assert_eq!(first.status, 201);
+                let after = send(&router, post("k", "{}")).await;
+                assert_eq!(after.outcome, Some(Outcome::Replayed));
+                assert_eq!(after.body, first.body);
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn malformed_keys_are_400_and_claim_nothing() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let long = "k".repeat(256);
+                for bad in [
+                    "",
+                    "\"\"",
+                    "a b",
+                    "\"abc",
+                    "\"a\\nb\"",
+                    "\"a\";x=1",
+                    "a\"b",
+                    long.as_str(),
+                ] {
+                    let r = send(&router, post(bad, "{}")).await;
+                    assert_eq!(r.status, 400, "{bad:?}");
+                    assert_eq!(r.problem(), "key-malformed", "{bad:?}");
+                    assert_eq!(r.outcome, Some(Outcome::Rejected));
+                }
+                let non_ascii = req("POST")
+                    .header(
+                        "idempotency-key",
+                        axum::http::HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+                    )
+                    .body(Body::from("{}"))
+                    .unwrap();
+                assert_eq!(send(&router, non_ascii).await.status, 400);
+                let two = req("POST")
+                    .header("idempotency-key", "a")
+                    .header("idempotency-key", "a")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = send(&router, two).await;
+                assert_eq!(r.status, 400);
+                assert!(
+                    r.json()["detail"]
+                        .as_str()
+                        .unwrap()
+                        .contains("more than one")
+                );
+                assert_eq!(counter.runs(), 0);
+                // Nothing was claimed: the same key now executes.
+                assert_eq!(send(&router, post(&long[..255], "{}")).await.status, 201);
+            }
+
+            #[tokio::test]
+            async fn a_missing_key_passes_through_or_is_400_when_required() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.clone());
+                for _ in 0..2 {
+                    let r = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
+                    assert_eq!(r.status, 201);
+                    assert_eq!(r.outcome, Some(Outcome::PassedThrough));
+                }
+                assert_eq!(counter.runs(), 2);
+
+                let (router, counter) = app(layer.require_key(true));
+                let r = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
+                assert_eq!(r.status, 400);
+                assert_eq!(r.problem(), "key-missing");
+                assert_eq!(counter.runs(), 0);
+            }
+
+            #[tokio::test]
+            async fn unguarded_methods_pass_through_even_with_a_key() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.require_key(true));
+                for _ in 0..2 {
+                    let r = send(
+                        &router,
+                        req("GET")
+                            .header("idempotency-key", "k")
+                            .body(Body::empty())
+                            .unwrap(),
+                    )
+                    .await;
+                    assert_eq!(r.status, 201);
+                    assert_eq!(r.outcome, Some(Outcome::PassedThrough));
+                }
+                assert_eq!(counter.runs(), 2);
+            }
+
+            #[tokio::test]
+            async fn a_body_over_the_limit_is_413_and_claims_nothing() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.request_body_limit(16));
+                let big = "x".repeat(17);
+                let declared = send(&router, post("k", &big)).await;
+                assert_eq!(declared.status, 413);
+                assert_eq!(declared.problem(), "body-too-large");
+                // No Content-Length: the limit holds while reading.
+                let streamed = req("POST")
+                    .header("idempotency-key", "k")
+                    .body(Body::new($crate::common::Chunked::new(&[
+                        "x".repeat(10),
+                        "x".repeat(10),
+                    ])))
+                    .unwrap();
+                let streamed = send(&router, streamed).await;
+                assert_eq!(streamed.status, 413);
+                assert_eq!(counter.runs(), 0);
+                assert_eq!(send(&router, post("k", &big[..16])).await.status, 201);
+            }
+
+            #[tokio::test]
+            async fn server_errors_release_the_key_client_errors_are_stored() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let failing = || {
+                    req("POST")
+                        .header("idempotency-key", "k5")
+                        .header("x-status", "503")
+                        .body(Body::from("{}"))
+                        .unwrap()
+                };
+                assert_eq!(send(&router, failing()).await.status, 503);
+                assert_eq!(send(&router, failing()).await.status, 503);
+                assert_eq!(counter.runs_of("k5"), 2);
+                let rejected = || {
+                    req("POST")
+                        .header("idempotency-key", "k4")
+                        .header("x-status", "400")
+                        .body(Body::from("{}"))
+                        .unwrap()
+                };
+                let first = send(&router, rejected()).await;
+                let again = send(&router, rejected()).await;
+                assert_eq!(
+                    (first.status, again.status),
+                    (
+                        axum::http::StatusCode::BAD_REQUEST,
+                        axum::http::StatusCode::BAD_REQUEST
+                    )
+                );
+                assert_eq!(again.outcome, Some(Outcome::Replayed));
+                assert_eq!(counter.runs_of("k4"), 1);
+            }
+
+            #[tokio::test]
+            async fn the_storage_policy_is_a_setting() {
+                let (layer, _store, _g) = layer().await;
+                // Store everything, 5xx included, as Stripe does.
+                let (router, counter) = app(layer.store_response_if(|_, _| true));
+                let failing = || {
+                    req("POST")
+                        .header("idempotency-key", "k")
+                        .header("x-status", "500")
+                        .body(Body::from("{}"))
+                        .unwrap()
+                };
+                assert_eq!(
+                    send(&router, failing()).await.outcome,
+                    Some(Outcome::Executed)
+                );
+                assert_eq!(
+                    send(&router, failing()).await.outcome,
+                    Some(Outcome::Replayed)
+                );
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn a_panicking_handler_releases_its_key() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let panicking = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-panic", "1")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = send(&router, panicking).await;
+                assert_eq!(r.status, 500);
+                assert_eq!(r.problem(), "handler-failed");
+                let retry = send(&router, post("k", "{}")).await;
+                assert_eq!(retry.status, 201);
+                assert_eq!(retry.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 2);
+            }
+
+            #[tokio::test]
+            async fn a_response_over_the_storage_limit_never_runs_twice() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.response_body_limit(8));
+                let first = send(&router, post("k", "{\"a\":1}")).await;
+                assert_eq!(first.status, 201);
+                assert!(first.body.len() > 8);
+                assert!(
+                    first.json()["echo"].is_string(),
+                    "the client gets the whole body"
+                );
+                let retry = send(&router, post("k", "{\"a\":1}")).await;
+                assert_eq!(retry.status, 500);
+                assert_eq!(retry.problem(), "response-not-stored");
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn scopes_isolate_callers() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let as_user = |who: &str| {
+                    req("POST")
+                        .header("idempotency-key", "shared")
+                        .header("authorization", format!("Bearer {who}"))
+                        .body(Body::from("{}"))
+                        .unwrap()
+                };
+                let alice = send(&router, as_user("alice")).await;
+                let bob = send(&router, as_user("bob")).await;
+                assert_eq!(counter.runs(), 2);
+                assert_ne!(alice.body, bob.body);
+                assert_eq!(send(&router, as_user("alice")).await.body, alice.body);
+                assert_eq!(send(&router, as_user("bob")).await.body, bob.body);
+                assert_eq!(counter.runs(), 2);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn two_hundred_concurrent_duplicates_run_once() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let barrier = Arc::new(tokio::sync::Barrier::new(200));
+                let tasks: Vec<_> = (0..200)
+                    .map(|_| {
+                        let (router, barrier) = (router.clone(), barrier.clone());
+                        tokio::spawn(async move {
+                            let r = req("POST")
+                                .header("idempotency-key", "race")
+                                .header("x-delay-ms", "200")
+                                .body(Body::from("{\"amount\":100}"))
+                                .unwrap();
+                            barrier.wait().await;
+                            send(&router, r).await
+                        })
+                    })
+                    .collect();
+                let mut successes = Vec::new();
+                let mut conflicts = 0;
+                for t in tasks {
+                    let r = t.await.unwrap();
+                    match r.status.as_u16() {
+                        201 => successes.push(r.body),
+                        409 => {
+                            assert!(r.header("retry-after").is_some());
+                            assert_eq!(r.problem(), "in-progress");
+                            conflicts += 1;
+                        }
+                        other => panic!("unexpected status {other}: {:?}", r.body),
+                    }
+                }
+                assert_eq!(counter.runs(), 1, "the inner service ran more than once");
+                assert!(!successes.is_empty());
+                assert!(
+                    successes.iter().all(|b| *b == successes[0]),
+                    "successes differ"
+                );
+                assert_eq!(successes.len() + conflicts, 200);
+            }
+
+            #[tokio::test]
+            async fn a_slow_live_handler_keeps_its_lease() {
+                let (layer, _store, _g) = layer().await;
+                // The handler runs five leases long; renewal must keep duplicates out.
+                let (router, counter) = app(layer.lease_duration(Duration::from_millis(150)));
+                let slow = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "750")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = router.clone();
+                let first = tokio::spawn(async move { send(&r, slow).await });
+                eventually(|| counter.runs() == 1).await;
+                let mut dups = Vec::new();
+                while !first.is_finished() {
+                    dups.push(send(&router, post("k", "{}")).await.status.as_u16());
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                assert_eq!(first.await.unwrap().status, 201);
+                assert!(dups.iter().all(|s| *s == 409 || *s == 201), "{dups:?}");
+                assert_eq!(counter.runs(), 1);
+            }
+
+            fn claim_request<'a>(scope: &'a Scope, lease: Duration, fp: u8) -> ClaimRequest<'a> {
+                ClaimRequest {
+                    scope,
+                    key: "job-1",
+                    fingerprint: Fingerprint([fp; 32]),
+                    lease,
+                    ttl: Duration::from_secs(60),
                 }
             }
-            assert_eq!(counter.runs(), 1, "the inner service ran more than once");
-            assert!(!successes.is_empty());
-            assert!(successes.iter().all(|b| *b == successes[0]), "successes differ");
-            assert_eq!(successes.len() + conflicts, 200);
-        }
 
-        #[tokio::test]
-        async fn a_slow_live_handler_keeps_its_lease() {
-            let (layer, _store, _g) = layer().await;
-            // The handler runs five leases long; renewal must keep duplicates out.
-            let (router, counter) = app(layer.lease_duration(Duration::from_millis(150)));
-            let slow = req("POST").header("idempotency-key", "k").header("x-delay-ms", "750").body(Body::from("{}")).unwrap();
-            let r = router.clone();
-            let first = tokio::spawn(async move { send(&r, slow).await });
-            eventually(|| counter.runs() == 1).await;
-            let mut dups = Vec::new();
-            while !first.is_finished() {
-                dups.push(send(&router, post("k", "{}")).await.status.as_u16());
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            fn stored(body: &'static str) -> StoredResponse {
+                StoredResponse {
+                    status: axum::http::StatusCode::OK,
+                    headers: Default::default(),
+                    body: body.into(),
+                }
             }
-            assert_eq!(first.await.unwrap().status, 201);
-            assert!(dups.iter().all(|s| *s == 409 || *s == 201), "{dups:?}");
-            assert_eq!(counter.runs(), 1);
-        }
 
-        fn claim_request<'a>(scope: &'a Scope, lease: Duration, fp: u8) -> ClaimRequest<'a> {
-            ClaimRequest {
-                scope,
-                key: "job-1",
-                fingerprint: Fingerprint([fp; 32]),
-                lease,
-                ttl: Duration::from_secs(60),
+            #[tokio::test]
+            async fn a_lapsed_lease_is_taken_over_and_the_old_holder_is_fenced() {
+                let (_layer, store, _g) = layer().await;
+                let scope = Scope::new("workers");
+                let lease = Duration::from_millis(100);
+                let Claim::Acquired(old) =
+                    store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
+                else {
+                    panic!("first claim must acquire")
+                };
+                assert!(matches!(
+                    store.claim(&claim_request(&scope, lease, 1)).await.unwrap(),
+                    Claim::Running { .. }
+                ));
+                tokio::time::sleep(lease * 2).await;
+                // A different request may not take over a lapsed key: it is still a mismatch.
+                let Claim::Running { fingerprint, .. } =
+                    store.claim(&claim_request(&scope, lease, 2)).await.unwrap()
+                else {
+                    panic!("a different fingerprint must not take over")
+                };
+                assert_eq!(fingerprint, Fingerprint([1; 32]));
+                let Claim::Acquired(new) =
+                    store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
+                else {
+                    panic!("a lapsed lease must be taken over")
+                };
+                assert_eq!(new.token, old.token + 1);
+                assert!(!store.renew(&old, lease).await.unwrap());
+                assert!(
+                    !store
+                        .complete(&old, &stored("old"), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+                assert!(!store.release(&old).await.unwrap());
+                assert!(
+                    store
+                        .complete(&new, &stored("new"), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+                let Claim::Completed { response, .. } =
+                    store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
+                else {
+                    panic!("completed")
+                };
+                assert_eq!(response.body, "new");
+                // A completed record is never overwritten, not even by its own holder.
+                assert!(
+                    !store
+                        .complete(&new, &stored("again"), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+            }
+
+            #[tokio::test]
+            async fn an_expired_record_is_claimed_afresh() {
+                let (_layer, store, _g) = layer().await;
+                let scope = Scope::new("s");
+                let mut request = claim_request(&scope, Duration::from_secs(10), 1);
+                request.ttl = Duration::from_millis(100);
+                let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
+                    panic!()
+                };
+                assert!(
+                    store
+                        .complete(&lease, &stored("x"), request.ttl)
+                        .await
+                        .unwrap()
+                );
+                assert!(matches!(
+                    store.claim(&request).await.unwrap(),
+                    Claim::Completed { .. }
+                ));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                request.fingerprint = Fingerprint([9; 32]);
+                let Claim::Acquired(again) = store.claim(&request).await.unwrap() else {
+                    panic!("expired records are gone")
+                };
+                assert_eq!(again.token, lease.token + 1);
+            }
+
+            #[tokio::test]
+            async fn release_frees_the_key() {
+                let (_layer, store, _g) = layer().await;
+                let scope = Scope::new("s");
+                let request = claim_request(&scope, Duration::from_secs(10), 1);
+                let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
+                    panic!()
+                };
+                assert!(store.release(&lease).await.unwrap());
+                assert!(matches!(
+                    store.claim(&request).await.unwrap(),
+                    Claim::Acquired(_)
+                ));
             }
         }
-
-        fn stored(body: &'static str) -> StoredResponse {
-            StoredResponse { status: axum::http::StatusCode::OK, headers: Default::default(), body: body.into() }
-        }
-
-        #[tokio::test]
-        async fn a_lapsed_lease_is_taken_over_and_the_old_holder_is_fenced() {
-            let (_layer, store, _g) = layer().await;
-            let scope = Scope::new("workers");
-            let lease = Duration::from_millis(100);
-            let Claim::Acquired(old) = store.claim(&claim_request(&scope, lease, 1)).await.unwrap() else {
-                panic!("first claim must acquire")
-            };
-            assert!(matches!(
-                store.claim(&claim_request(&scope, lease, 1)).await.unwrap(),
-                Claim::Running { .. }
-            ));
-            tokio::time::sleep(lease * 2).await;
-            // A different request may not take over a lapsed key: it is still a mismatch.
-            let Claim::Running { fingerprint, .. } = store.claim(&claim_request(&scope, lease, 2)).await.unwrap() else {
-                panic!("a different fingerprint must not take over")
-            };
-            assert_eq!(fingerprint, Fingerprint([1; 32]));
-            let Claim::Acquired(new) = store.claim(&claim_request(&scope, lease, 1)).await.unwrap() else {
-                panic!("a lapsed lease must be taken over")
-            };
-            assert_eq!(new.token, old.token + 1);
-            assert!(!store.renew(&old, lease).await.unwrap());
-            assert!(!store.complete(&old, &stored("old"), Duration::from_secs(60)).await.unwrap());
-            assert!(!store.release(&old).await.unwrap());
-            assert!(store.complete(&new, &stored("new"), Duration::from_secs(60)).await.unwrap());
-            let Claim::Completed { response, .. } = store.claim(&claim_request(&scope, lease, 1)).await.unwrap() else {
-                panic!("completed")
-            };
-            assert_eq!(response.body, "new");
-            // A completed record is never overwritten, not even by its own holder.
-            assert!(!store.complete(&new, &stored("again"), Duration::from_secs(60)).await.unwrap());
-        }
-
-        #[tokio::test]
-        async fn an_expired_record_is_claimed_afresh() {
-            let (_layer, store, _g) = layer().await;
-            let scope = Scope::new("s");
-            let mut request = claim_request(&scope, Duration::from_secs(10), 1);
-            request.ttl = Duration::from_millis(100);
-            let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else { panic!() };
-            assert!(store.complete(&lease, &stored("x"), request.ttl).await.unwrap());
-            assert!(matches!(store.claim(&request).await.unwrap(), Claim::Completed { .. }));
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            request.fingerprint = Fingerprint([9; 32]);
-            let Claim::Acquired(again) = store.claim(&request).await.unwrap() else {
-                panic!("expired records are gone")
-            };
-            assert_eq!(again.token, lease.token + 1);
-        }
-
-        #[tokio::test]
-        async fn release_frees_the_key() {
-            let (_layer, store, _g) = layer().await;
-            let scope = Scope::new("s");
-            let request = claim_request(&scope, Duration::from_secs(10), 1);
-            let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else { panic!() };
-            assert!(store.release(&lease).await.unwrap());
-            assert!(matches!(store.claim(&request).await.unwrap(), Claim::Acquired(_)));
-        }
-    }
     };
 }
