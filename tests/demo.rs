@@ -1,0 +1,473 @@
+//! End to end: the payments demo (`examples/payments`) as real processes, over HTTP,
+//! against a real PostgreSQL (`DATABASE_URL`, by default
+//! `postgres://postgres@127.0.0.1:5432/postgres`).
+//!
+//! The demo binary is the one `cargo test` builds into `target/<profile>/examples/`
+//! (`cargo build --example payments` builds it too). Each test runs the demo in a schema
+//! of its own and drops that schema when it ends, whether it passed or panicked.
+
+#![cfg(all(feature = "postgres", feature = "axum"))]
+
+use std::{
+    io::{BufRead, BufReader},
+    net::{SocketAddr, TcpListener},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+use serde_json::{Value, json};
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The payment of the acceptance check: its 300 ms delay keeps the first request
+/// running while the others arrive.
+const SLOW_PAYMENT: &str = r#"{"amount":1250,"currency":"EUR","delay_ms":300}"#;
+
+/// How many times to poll for something before giving up, and how long between polls.
+const POLL_ATTEMPTS: u32 = 300;
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// `target/<profile>/examples/payments`, next to this test's `target/<profile>/deps/`.
+fn demo_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the path of the test binary");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test binary lives in target/<profile>/deps/");
+    let bin = profile_dir
+        .join("examples")
+        .join(format!("payments{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "the payments demo is not built at {}: run `cargo build --example payments` \
+         (or `cargo test`, which builds the examples) first",
+        bin.display()
+    );
+    bin
+}
+
+/// A port nobody listens on right now.
+fn free_addr() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener
+        .local_addr()
+        .expect("the address of the bound listener")
+}
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// A fresh schema for one test, dropped (with everything the demo created in it) when
+/// this guard goes out of scope, also during a panic.
+struct Schema {
+    name: String,
+    url: String,
+}
+
+impl Schema {
+    fn new() -> Self {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        Self {
+            name: format!("demo_t_{}_{nanos}_{seq}", std::process::id()),
+            url: database_url(),
+        }
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        let url = self.url.clone();
+        // A thread of its own with its own runtime: the test's runtime may be the one
+        // unwinding, and a runtime cannot be blocked on from inside another.
+        let dropped = std::thread::spawn(move || -> Result<(), BoxError> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async {
+                let (client, connection) =
+                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                let connection = tokio::spawn(connection);
+                client.batch_execute(&sql).await?;
+                drop(client);
+                let _ = connection.await;
+                Ok(())
+            })
+        })
+        .join();
+        match dropped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("could not drop schema {}: {e}", self.name),
+            Err(_) => eprintln!(
+                "could not drop schema {}: the cleanup thread panicked",
+                self.name
+            ),
+        }
+    }
+}
+
+/// A running demo process, killed when this guard goes out of scope.
+struct Demo {
+    child: Child,
+    addr: SocketAddr,
+    /// The lines the demo prints on stdout, as they come.
+    stdout: mpsc::Receiver<String>,
+}
+
+impl Demo {
+    /// Starts the demo on a free port, on `schema` in PostgreSQL, or on the memory store
+    /// when `schema` is `None` (then `DATABASE_URL` is removed from its environment).
+    fn start(schema: Option<&Schema>) -> Self {
+        let addr = free_addr();
+        let mut cmd = Command::new(demo_binary());
+        cmd.arg("--addr").arg(addr.to_string());
+        match schema {
+            Some(schema) => {
+                cmd.arg("--database-url").arg(&schema.url);
+                cmd.arg("--schema").arg(&schema.name);
+            }
+            None => {
+                cmd.env_remove("DATABASE_URL");
+            }
+        }
+        cmd.env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("start the payments demo");
+        let out = child.stdout.take().expect("the demo's stdout");
+        let (tx, rx) = mpsc::channel();
+        // Drains stdout until the process ends, so the demo never blocks on a full pipe.
+        // The lines also go to the test's captured output, shown when a test fails.
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("[demo {addr}] {line}");
+                let _ = tx.send(line);
+            }
+        });
+        Self {
+            child,
+            addr,
+            stdout: rx,
+        }
+    }
+
+    /// The first line of stdout (from those not read yet) that starts with `prefix`.
+    fn line_starting_with(&self, prefix: &str) -> String {
+        for _ in 0..POLL_ATTEMPTS {
+            match self.stdout.recv_timeout(POLL_INTERVAL) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!(
+            "the demo at {} printed no line starting with {prefix:?}",
+            self.addr
+        );
+    }
+
+    /// Polls `GET /stats` until the demo answers 200.
+    async fn wait_ready(&mut self, client: &HttpClient) {
+        for _ in 0..POLL_ATTEMPTS {
+            if let Some(status) = self.child.try_wait().expect("the demo's status") {
+                panic!("the demo at {} exited before serving: {status}", self.addr);
+            }
+            if let Ok(reply) = request(client, Method::GET, self.addr, "/stats", None, "").await {
+                if reply.status == StatusCode::OK {
+                    return;
+                }
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+        panic!("the demo at {} did not become ready", self.addr);
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A response, read in full.
+#[derive(Debug, Clone)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// Asserts a problem document of `status` whose `type` ends with `#slug`.
+    fn assert_problem(&self, status: StatusCode, slug: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let ty = self.json()["type"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_default();
+        assert!(
+            ty.ends_with(&format!("#{slug}")),
+            "type {ty:?}, expected #{slug}"
+        );
+    }
+}
+
+async fn request(
+    client: &HttpClient,
+    method: Method,
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+) -> Result<Reply, BoxError> {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    if let Some(key) = key {
+        req = req.header("idempotency-key", key);
+    }
+    if !body.is_empty() {
+        req = req.header(header::CONTENT_TYPE, "application/json");
+    }
+    let res = client
+        .request(req.body(Full::new(Bytes::from(body.to_owned())))?)
+        .await?;
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await?.to_bytes();
+    Ok(Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
+
+async fn post_payment(
+    client: &HttpClient,
+    addr: SocketAddr,
+    key: Option<&str>,
+    body: &str,
+) -> Reply {
+    request(client, Method::POST, addr, "/payments", key, body)
+        .await
+        .unwrap_or_else(|e| panic!("POST /payments on {addr}: {e}"))
+}
+
+async fn stats(client: &HttpClient, addr: SocketAddr) -> Value {
+    let reply = request(client, Method::GET, addr, "/stats", None, "")
+        .await
+        .unwrap_or_else(|e| panic!("GET /stats on {addr}: {e}"));
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    reply.json()
+}
+
+/// The acceptance check: 100 concurrent requests with one key, over two processes that
+/// share one database, charge once and all get the same answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_key_over_two_processes_charges_once() {
+    let schema = Schema::new();
+    let mut a = Demo::start(Some(&schema));
+    let mut b = Demo::start(Some(&schema));
+    let client = client();
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+
+    const KEY: &str = "acceptance-payment-1";
+    const REQUESTS: usize = 100;
+    let start = Arc::new(tokio::sync::Barrier::new(REQUESTS));
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let addr = if i % 2 == 0 { a.addr } else { b.addr };
+            let (client, start) = (client.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                post_payment(&client, addr, Some(KEY), SLOW_PAYMENT).await
+            })
+        })
+        .collect();
+    let mut replies = Vec::with_capacity(REQUESTS);
+    for task in tasks {
+        replies.push(task.await.expect("a request task"));
+    }
+
+    let mut created = Vec::new();
+    for reply in &replies {
+        match reply.status {
+            StatusCode::CREATED => created.push(reply),
+            StatusCode::CONFLICT => {
+                assert!(
+                    reply.header("retry-after").is_some(),
+                    "409 without Retry-After: {reply:?}"
+                );
+                reply.assert_problem(StatusCode::CONFLICT, "in-progress");
+            }
+            _ => panic!("expected 201 or 409, got {reply:?}"),
+        }
+    }
+    println!(
+        "{} x 201, {} x 409",
+        created.len(),
+        replies.len() - created.len()
+    );
+    assert!(
+        !created.is_empty(),
+        "no 201 among {} replies",
+        replies.len()
+    );
+    let first = created[0].body.clone();
+    assert!(
+        created.iter().all(|r| r.body == first),
+        "the 201 bodies differ: {:?}",
+        created
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.body))
+            .collect::<Vec<_>>()
+    );
+    // One execution; every other 201 is a replay of it.
+    assert_eq!(
+        created.iter().filter(|r| !r.replayed()).count(),
+        1,
+        "{created:?}"
+    );
+    let payment = created[0].json();
+    assert_eq!(payment["amount"], 1250);
+    assert_eq!(payment["currency"], "EUR");
+
+    // A retry, as a client answered 409 would make it, gets the stored response.
+    let mut retried = None;
+    for _ in 0..POLL_ATTEMPTS {
+        let reply = post_payment(&client, b.addr, Some(KEY), SLOW_PAYMENT).await;
+        if reply.status == StatusCode::CREATED {
+            retried = Some(reply);
+            break;
+        }
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+    let retried = retried.expect("a retry answered 201");
+    assert_eq!(retried.body, first);
+    assert!(
+        retried.replayed(),
+        "the retry was not a replay: {retried:?}"
+    );
+
+    // Both processes read the same database.
+    let once = json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1});
+    assert_eq!(stats(&client, a.addr).await, once);
+    assert_eq!(stats(&client, b.addr).await, once);
+}
+
+/// Requests the layer or the handler refuse.
+#[tokio::test]
+async fn invalid_requests_are_refused() {
+    let schema = Schema::new();
+    let mut demo = Demo::start(Some(&schema));
+    let client = client();
+    demo.wait_ready(&client).await;
+    let payment = r#"{"amount":1250,"currency":"EUR"}"#;
+
+    // Refused by the layer: the handler does not run.
+    post_payment(&client, demo.addr, None, payment)
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    let long_key = "k".repeat(256);
+    post_payment(&client, demo.addr, Some(&long_key), payment)
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST, "key-malformed");
+
+    // Refused by the handler: it ran, and its 422 is stored like any other answer.
+    let bad_body = r#"{"amount":0,"currency":"EUR"}"#;
+    let refused = post_payment(&client, demo.addr, Some("bad-body-1"), bad_body).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{refused:?}"
+    );
+    assert_eq!(
+        refused.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert!(!refused.replayed());
+    let replayed = post_payment(&client, demo.addr, Some("bad-body-1"), bad_body).await;
+    assert_eq!(
+        replayed.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{replayed:?}"
+    );
+    assert!(replayed.replayed(), "{replayed:?}");
+    assert_eq!(replayed.body, refused.body);
+
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 1, "psp_calls": 0, "charges": 0, "payments": 0})
+    );
+}
+
+/// Without a database the demo runs on the memory store, and still replays.
+#[tokio::test]
+async fn without_a_database_the_demo_uses_the_memory_store() {
+    let mut demo = Demo::start(None);
+    let store = demo.line_starting_with("store:");
+    assert!(store.starts_with("store: memory"), "{store:?}");
+    let client = client();
+    demo.wait_ready(&client).await;
+
+    let payment = r#"{"amount":500,"currency":"USD"}"#;
+    let first = post_payment(&client, demo.addr, Some("memory-1"), payment).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    let again = post_payment(&client, demo.addr, Some("memory-1"), payment).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
