@@ -1,0 +1,62 @@
+//! Micro-benchmarks of the layer's own work per request: parsing the key,
+//! fingerprinting the request, encoding and decoding stored headers.
+//!
+//! `cargo bench --bench micro`
+#![allow(missing_docs)] // criterion_group! generates an undocumented function
+
+use std::hint::black_box;
+
+use bytes::Bytes;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use http::{HeaderMap, HeaderValue, Request, header::CONTENT_TYPE};
+use tower_idempotency::{StoredResponse, fingerprint, parse_key};
+
+fn key_parsing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("parse_key");
+    g.bench_function("bare uuid", |b| {
+        b.iter(|| parse_key(black_box(b"8e03978e-40d5-43e8-bc93-6894a57f9324")))
+    });
+    g.bench_function("sf-string uuid", |b| {
+        b.iter(|| parse_key(black_box(b"\"8e03978e-40d5-43e8-bc93-6894a57f9324\"")))
+    });
+    g.finish();
+}
+
+fn fingerprinting(c: &mut Criterion) {
+    let (parts, ()) = Request::post("/payments?currency=EUR")
+        .header(CONTENT_TYPE, "application/json")
+        .body(())
+        .expect("request")
+        .into_parts();
+    let mut g = c.benchmark_group("fingerprint");
+    for (name, size) in [("1 KiB", 1024), ("1 MiB", 1024 * 1024)] {
+        let body = Bytes::from(vec![b'x'; size]);
+        g.throughput(Throughput::Bytes(size as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| fingerprint(black_box(&parts), &[CONTENT_TYPE], black_box(&body)))
+        });
+    }
+    g.finish();
+}
+
+fn stored_headers(c: &mut Criterion) {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert("location", HeaderValue::from_static("/payments/pay_123"));
+    headers.insert(
+        "x-request-id",
+        HeaderValue::from_static("0f0e0d0c-0b0a-0908-0706-050403020100"),
+    );
+    let encoded = StoredResponse::encode_headers(&headers);
+    let mut g = c.benchmark_group("stored headers");
+    g.bench_function("encode", |b| {
+        b.iter(|| StoredResponse::encode_headers(black_box(&headers)))
+    });
+    g.bench_function("decode", |b| {
+        b.iter(|| StoredResponse::decode_headers(black_box(&encoded)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, key_parsing, fingerprinting, stored_headers);
+criterion_main!(benches);
