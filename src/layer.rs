@@ -7,7 +7,7 @@ use http::{HeaderMap, HeaderName, Method, StatusCode, header, request::Parts};
 use tower_layer::Layer;
 
 use crate::{
-    Fingerprint, Idempotency, Scope,
+    Fingerprint, Idempotency, Scope, ShutdownHandle,
     fingerprint::Fingerprinter,
     policy::{PolicyFn, default_storage_policy},
     scope::ScopeFn,
@@ -69,6 +69,7 @@ pub(crate) struct Config {
     pub(crate) fingerprinter: Fingerprinter,
     pub(crate) policy: PolicyFn,
     pub(crate) unreplayed_headers: Arc<[HeaderName]>,
+    pub(crate) shutdown: ShutdownHandle,
 }
 
 impl IdempotencyLayer {
@@ -92,6 +93,7 @@ impl IdempotencyLayer {
                 fingerprinter: Fingerprinter::default(),
                 policy: Arc::new(default_storage_policy),
                 unreplayed_headers: Arc::from([header::SET_COOKIE]),
+                shutdown: ShutdownHandle::default(),
             }),
         }
     }
@@ -216,6 +218,14 @@ impl IdempotencyLayer {
     pub fn unreplayed_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config().unreplayed_headers = headers.into_iter().collect();
         self
+    }
+}
+
+impl IdempotencyLayer {
+    /// The handle that shuts this layer down gracefully: every service built from this
+    /// layer (and its clones) stops claiming and reports its in-flight requests to it.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.config.shutdown.clone()
     }
 }
 

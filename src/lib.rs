@@ -11,6 +11,7 @@ mod record;
 pub mod rejection;
 mod scope;
 mod service;
+mod shutdown;
 pub mod store;
 
 pub use body::{BoxError, ResponseBody};
@@ -24,3 +25,4 @@ pub use policy::default_storage_policy;
 pub use record::StoredResponse;
 pub use scope::Scope;
 pub use service::{Idempotency, ResponseFuture};
+pub use shutdown::ShutdownHandle;

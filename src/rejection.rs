@@ -31,6 +31,8 @@ pub enum Problem {
     InProgress,
     /// 503: the idempotency store cannot be reached; nothing was run.
     StoreUnavailable,
+    /// 503: this instance is shutting down and claims no new keys; nothing was run.
+    ShuttingDown,
     /// 500: the handler panicked or failed; its key was released.
     HandlerFailed,
     /// 500: the request ran, but its response was too large to store, so it cannot be replayed.
@@ -57,6 +59,7 @@ impl Problem {
             Self::KeyReused => "key-reused",
             Self::InProgress => "in-progress",
             Self::StoreUnavailable => "store-unavailable",
+            Self::ShuttingDown => "shutting-down",
             Self::HandlerFailed => "handler-failed",
             Self::ResponseNotStored => "response-not-stored",
         }
@@ -79,7 +82,7 @@ impl Problem {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InProgress => StatusCode::CONFLICT,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::HandlerFailed | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -94,6 +97,7 @@ impl Problem {
             Self::KeyReused => "Idempotency-Key reused with a different request",
             Self::InProgress => "Request with this Idempotency-Key in progress",
             Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::ShuttingDown => "Shutting down",
             Self::HandlerFailed => "Request failed",
             Self::ResponseNotStored => "Response not replayable",
         }
@@ -162,6 +166,7 @@ mod tests {
             Problem::KeyReused,
             Problem::InProgress,
             Problem::StoreUnavailable,
+            Problem::ShuttingDown,
             Problem::HandlerFailed,
             Problem::ResponseNotStored,
         ];

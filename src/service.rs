@@ -22,6 +22,7 @@ use crate::{
     key::{KeyError, key_from_headers},
     layer::{Config, IDEMPOTENT_REPLAYED},
     rejection::Problem,
+    shutdown::InFlight,
     store::{BoxFuture, Claim, ClaimRequest, Lease},
 };
 
@@ -204,6 +205,9 @@ where
         }
     };
 
+    let Some(in_flight) = config.shutdown.enter() else {
+        return Ok(shutting_down());
+    };
     let scope = (config.scope)(&parts);
     Span::current().record("scope", scope.as_str());
     let fingerprint = config.fingerprinter.compute(&parts, &body);
@@ -256,8 +260,9 @@ where
     let req = Request::from_parts(parts, ReqBody::from(body));
     // The handler and everything after it run in their own task: a client that hangs up
     // does not cancel a half-done handler, and its result is still stored.
-    let supervisor =
-        tokio::spawn(execute(config.clone(), inner, req, lease.clone()).in_current_span());
+    let supervisor = tokio::spawn(
+        execute(config.clone(), inner, req, lease.clone(), in_flight).in_current_span(),
+    );
     match supervisor.await {
         Ok(answer) => answer,
         Err(e) => {
@@ -288,6 +293,14 @@ fn unavailable<B>() -> Response<ResponseBody<B>> {
         Duration::from_secs(1),
     );
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}
+
+fn shutting_down<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::ShuttingDown.response_retry_after(
+        "this server is shutting down and takes no new requests; retry, another instance will serve it",
+        Duration::from_secs(1),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Rejected)
 }
 
 fn handler_failed<B>() -> Response<ResponseBody<B>> {
@@ -367,6 +380,7 @@ async fn execute<S, ReqBody, ResBody>(
     inner: S,
     req: Request<ReqBody>,
     lease: Lease,
+    in_flight: InFlight,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -411,7 +425,7 @@ where
                     ),
                     body: body.clone(),
                 };
-                complete(&config, &lease, &stored).await;
+                store_result(&config, &lease, stored, in_flight).await;
             } else {
                 release(&config, &lease).await;
             }
@@ -433,7 +447,7 @@ where
                 headers: p.headers,
                 body: b,
             };
-            complete(&config, &lease, &stored).await;
+            store_result(&config, &lease, stored, in_flight).await;
             let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
             Ok(with_outcome(res, Outcome::Executed))
         }
@@ -468,32 +482,75 @@ async fn renew_while<T>(
     }
 }
 
-/// Stores the response, retrying with backoff while it may still hold the lease. The
-/// client gets its response either way.
-async fn complete(config: &Config, lease: &Lease, stored: &StoredResponse) {
-    let mut backoff = Duration::from_millis(50);
-    for attempt in 1..=4 {
-        match tokio::time::timeout(
-            config.store_timeout,
-            config.store.complete(lease, stored, config.ttl),
-        )
-        .await
-        {
-            Ok(Ok(true)) => return,
-            Ok(Ok(false)) => {
-                tracing::warn!(
-                    token = lease.token,
-                    "the lease was taken over; this response was not stored"
-                );
-                return;
-            }
-            Ok(Err(e)) => tracing::warn!(attempt, error = %e, "storing the response failed"),
-            Err(_) => tracing::warn!(attempt, "storing the response timed out"),
-        }
-        tokio::time::sleep(backoff).await;
-        backoff *= 4;
+/// Stores the response. The first attempt is made before answering; if it fails, the
+/// client gets its response at once and the attempts go on in the background, with
+/// backoff, for one more lease: completion is token-checked, so a late attempt can never
+/// overwrite a successor's result.
+async fn store_result(
+    config: &Arc<Config>,
+    lease: &Lease,
+    stored: StoredResponse,
+    in_flight: InFlight,
+) {
+    if try_complete(config, lease, &stored, 1).await {
+        return;
     }
-    tracing::error!(key = %lease.key, "the response could not be stored; the key stays claimed until its lease lapses");
+    let (config, lease) = (config.clone(), lease.clone());
+    tokio::spawn(
+        async move {
+            let _in_flight = in_flight;
+            let deadline = tokio::time::Instant::now() + config.lease;
+            let mut backoff = Duration::from_millis(50);
+            let mut attempt = 2;
+            while tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                if try_complete(&config, &lease, &stored, attempt).await {
+                    return;
+                }
+                attempt += 1;
+            }
+            tracing::error!(
+                key = %lease.key,
+                token = lease.token,
+                "the response could not be stored; the key stays claimed until its lease lapses, then a retry runs again"
+            );
+        }
+        .in_current_span(),
+    );
+}
+
+/// One completion attempt; `true` when there is nothing left to do (stored, or fenced).
+async fn try_complete(
+    config: &Config,
+    lease: &Lease,
+    stored: &StoredResponse,
+    attempt: u32,
+) -> bool {
+    match tokio::time::timeout(
+        config.store_timeout,
+        config.store.complete(lease, stored, config.ttl),
+    )
+    .await
+    {
+        Ok(Ok(true)) => true,
+        Ok(Ok(false)) => {
+            tracing::warn!(
+                key = %lease.key,
+                token = lease.token,
+                "the lease was taken over by another request; this response went to its own client and was not stored"
+            );
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(key = %lease.key, attempt, error = %e, "storing the response failed");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(key = %lease.key, attempt, "storing the response timed out");
+            false
+        }
+    }
 }
 
 async fn release(config: &Config, lease: &Lease) {

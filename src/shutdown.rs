@@ -1,0 +1,127 @@
+//! Graceful shutdown: stop claiming, let running handlers finish and store their results.
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, AtomicUsize, Ordering},
+};
+
+use tokio::sync::Notify;
+
+/// Stops a layer from claiming new keys and waits for the requests it is running.
+///
+/// Get it from [`IdempotencyLayer::shutdown_handle`](crate::IdempotencyLayer::shutdown_handle).
+/// After [`close`](Self::close) (or during [`drain`](Self::drain)), guarded requests are
+/// answered `503 shutting-down` with `Retry-After` before anything is claimed, so a
+/// load balancer can send the retry to another replica; requests already claimed run to
+/// the end and store their responses. Requests that pass through are not affected.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = IdempotencyLayer::new(MemoryStore::new());
+/// let shutdown = layer.shutdown_handle();
+/// // ... serve with `layer`; on SIGTERM, after the server stops accepting:
+/// shutdown.drain().await;
+/// assert_eq!(shutdown.in_flight(), 0);
+/// # }
+/// ```
+#[derive(Clone, Default)]
+pub struct ShutdownHandle {
+    state: Arc<State>,
+}
+
+#[derive(Default)]
+struct State {
+    closing: AtomicBool,
+    in_flight: AtomicUsize,
+    idle: Notify,
+}
+
+/// Held while a claimed request runs and stores its result.
+pub(crate) struct InFlight(Arc<State>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl ShutdownHandle {
+    /// Registers a request about to claim a key; `None` once closing.
+    pub(crate) fn enter(&self) -> Option<InFlight> {
+        self.state.in_flight.fetch_add(1, Ordering::AcqRel);
+        let guard = InFlight(self.state.clone());
+        // Checked after counting, so `drain` cannot miss a request that got in.
+        (!self.state.closing.load(Ordering::Acquire)).then_some(guard)
+    }
+
+    /// Stops claiming new keys. Idempotent.
+    pub fn close(&self) {
+        self.state.closing.store(true, Ordering::Release);
+    }
+
+    /// Whether [`close`](Self::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.state.closing.load(Ordering::Acquire)
+    }
+
+    /// How many claimed requests are still running or storing their results.
+    pub fn in_flight(&self) -> usize {
+        self.state.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Closes, then waits until every claimed request has finished and its result is
+    /// stored (or its key released). Bound it with `tokio::time::timeout` if needed:
+    /// whatever is cut short is recovered by lease expiry.
+    pub async fn drain(&self) {
+        self.close();
+        loop {
+            let idle = self.state.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.in_flight() == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+impl std::fmt::Debug for ShutdownHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShutdownHandle")
+            .field("closed", &self.is_closed())
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn drain_waits_for_every_guard() {
+        let handle = ShutdownHandle::default();
+        let a = handle.enter().expect("open");
+        let b = handle.enter().expect("open");
+        let drained = tokio::spawn({
+            let handle = handle.clone();
+            async move { handle.drain().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(
+            handle.enter().is_none(),
+            "closed handles refuse new requests"
+        );
+        drop(a);
+        tokio::task::yield_now().await;
+        assert!(!drained.is_finished());
+        drop(b);
+        drained.await.expect("drained");
+        assert_eq!(handle.in_flight(), 0);
+    }
+}
