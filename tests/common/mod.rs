@@ -122,12 +122,18 @@ impl Drop for TestSchema {
 #[derive(Clone, Default)]
 pub struct Counter {
     runs: Arc<AtomicUsize>,
+    finished: Arc<AtomicUsize>,
     by_key: Arc<Mutex<HashMap<String, usize>>>,
 }
 
 impl Counter {
     pub fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
+    }
+
+    /// Runs that got past their delay and produced a response.
+    pub fn finished(&self) -> usize {
+        self.finished.load(Ordering::SeqCst)
     }
 
     pub fn runs_of(&self, key: &str) -> usize {
@@ -137,6 +143,11 @@ impl Counter {
             .get(key)
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Counts a run of a handler of the test's own.
+    pub fn count_run(&self) -> usize {
+        self.count(None)
     }
 
     fn count(&self, key: Option<&IdempotencyKey>) -> usize {
@@ -165,6 +176,7 @@ async fn create(
     {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
+    counter.finished.fetch_add(1, Ordering::SeqCst);
     let status = headers
         .get("x-status")
         .and_then(|v| v.to_str().ok()?.parse().ok())
@@ -204,6 +216,17 @@ pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
         .layer(layer)
         .with_state(counter.clone());
     (router, counter)
+}
+
+/// Polls until `f` holds, at most ~10 s: a bounded wait, not a timing claim.
+pub async fn eventually(mut f: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition not reached within the bound");
 }
 
 pub struct Reply {

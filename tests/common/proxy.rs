@@ -18,11 +18,12 @@ use tokio::{
 
 use super::database_url;
 
-#[derive(Default)]
 struct Shared {
     executes: AtomicU64,
     stalled: AtomicBool,
     refusing: AtomicBool,
+    /// Bumped to close every open connection at once.
+    cuts: tokio::sync::watch::Sender<u64>,
 }
 
 pub struct PgProxy {
@@ -57,7 +58,12 @@ impl PgProxy {
         let (upstream, _) = upstream();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            executes: AtomicU64::new(0),
+            stalled: AtomicBool::new(false),
+            refusing: AtomicBool::new(false),
+            cuts: tokio::sync::watch::channel(0).0,
+        });
         let s = shared.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -72,9 +78,19 @@ impl PgProxy {
                     };
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
+                    let mut cut = s.cuts.subscribe();
                     let up = tokio::spawn(pump_frontend(cr, sw, s.clone()));
                     let down = tokio::spawn(pump_backend(sr, cw, s));
-                    let _ = tokio::join!(up, down);
+                    let (up_abort, down_abort) = (up.abort_handle(), down.abort_handle());
+                    tokio::select! {
+                        _ = async { let _ = tokio::join!(up, down); } => {}
+                        _ = cut.changed() => {
+                            // Both sockets are dropped with their tasks: the pool sees
+                            // its connections die, as when the server restarts.
+                            up_abort.abort();
+                            down_abort.abort();
+                        }
+                    }
                 });
             }
         });
@@ -104,6 +120,11 @@ impl PgProxy {
     /// Holds every byte in both directions while `on`.
     pub fn stall(&self, on: bool) {
         self.shared.stalled.store(on, Ordering::SeqCst);
+    }
+
+    /// Closes every open connection now.
+    pub fn cut(&self) {
+        self.shared.cuts.send_modify(|n| *n += 1);
     }
 
     /// Closes new connections at once while `on`.

@@ -15,22 +15,11 @@ macro_rules! layer_suite {
                 store::{Claim, ClaimRequest, Store},
             };
 
-            use $crate::common::{app, post, req, send};
+            use $crate::common::{app, eventually, post, req, send};
 
             async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
                 let (store, guard) = super::$make().await;
                 (IdempotencyLayer::new(store.clone()), store, guard)
-            }
-
-            /// Polls until `f` holds, at most ~10 s; a bounded wait, not a timing claim.
-            async fn eventually(mut f: impl FnMut() -> bool) {
-                for _ in 0..1000 {
-                    if f() {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                panic!("condition not reached");
             }
 
             #[tokio::test]

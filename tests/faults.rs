@@ -1,0 +1,352 @@
+//! Failure modes of lease mode, each proven by really failing something: connections
+//! cut under the pool, a stalled database, a zombie holder whose renewals cannot reach
+//! the database, a client that hangs up, a graceful shutdown.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{Router, body::Body, extract::State, routing::post as post_route};
+use common::{TestSchema, app, eventually, post, proxy::PgProxy, req, send};
+use tokio::io::AsyncWriteExt;
+use tower_idempotency::{IdempotencyLayer, Outcome};
+
+/// The state of `key` in the test's table: (state, token).
+async fn row(schema: &TestSchema, key: &str) -> Option<(String, i64)> {
+    schema
+        .query(&format!(
+            "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+            schema.name
+        ))
+        .await
+        .first()
+        .map(|r| (r.get(0), r.get(1)))
+}
+
+async fn wait_for_state(schema: &TestSchema, key: &str, state: &str) {
+    for _ in 0..500 {
+        if row(schema, key).await.is_some_and(|(s, _)| s == state) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{key} never reached {state}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cut_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 4).await;
+    let (router, counter) = app(IdempotencyLayer::new(store));
+    for i in 0..4 {
+        assert_eq!(
+            send(&router, post(&format!("k{i}"), "{}")).await.status,
+            201
+        );
+    }
+    proxy.cut();
+    // Every key, old and new, is retried until it answers 201; whatever the cut did to
+    // the first attempts (503 on a dead connection), nothing runs twice.
+    for i in 0..8 {
+        let key = format!("k{i}");
+        let mut answers = Vec::new();
+        loop {
+            let r = send(&router, post(&key, "{}")).await;
+            answers.push(r.status.as_u16());
+            if r.status == 201 {
+                break;
+            }
+            assert_eq!(r.status, 503, "{key}: {answers:?}");
+            assert_eq!(r.problem(), "store-unavailable");
+            assert!(answers.len() < 20, "{key} never recovered: {answers:?}");
+        }
+        assert_eq!(counter.runs_of(&key), 1, "{key}: {answers:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cut_while_the_handler_runs_still_stores_its_response() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 4).await;
+    let (router, counter) = app(IdempotencyLayer::new(store));
+    let slow = req("POST")
+        .header("idempotency-key", "k")
+        .header("x-delay-ms", "300")
+        .body(Body::from("{}"))
+        .unwrap();
+    let r = router.clone();
+    let first = tokio::spawn(async move { send(&r, slow).await });
+    eventually(|| counter.runs() == 1).await;
+    proxy.cut();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    wait_for_state(&schema, "k", "completed").await;
+    let replay = send(&router, post("k", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_stalled_database_is_a_bounded_503_then_recovers() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 2).await;
+    let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
+    let (router, counter) = app(layer);
+    proxy.stall(true);
+    let r = send(&router, post("k", "{}")).await;
+    assert_eq!(r.status, 503);
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(counter.runs(), 0);
+    proxy.stall(false);
+    // The stalled claim may land once the proxy lets it through; either way the key is
+    // then run exactly once.
+    let mut statuses = Vec::new();
+    loop {
+        let r = send(&router, post("k", "{}")).await;
+        statuses.push(r.status.as_u16());
+        if r.status == 201 {
+            break;
+        }
+        assert!(statuses.len() < 100, "{statuses:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(counter.runs() <= 1, "{statuses:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 4).await;
+    let layer = IdempotencyLayer::new(store)
+        .store_timeout(Duration::from_millis(200))
+        .lease_duration(Duration::from_secs(10));
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer);
+    let slow = req("POST")
+        .header("idempotency-key", "k")
+        .header("x-delay-ms", "300")
+        .body(Body::from("{}"))
+        .unwrap();
+    let r = router.clone();
+    let first = tokio::spawn(async move { send(&r, slow).await });
+    eventually(|| counter.runs() == 1).await;
+    proxy.stall(true);
+    // The database cannot be reached when the handler finishes: the client is answered
+    // all the same, and the key is still running in the table.
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        row(&schema, "k").await.map(|r| r.0).as_deref(),
+        Some("running")
+    );
+    assert_eq!(
+        shutdown.in_flight(),
+        1,
+        "the completion is still being retried"
+    );
+    proxy.stall(false);
+    wait_for_state(&schema, "k", "completed").await;
+    eventually(|| shutdown.in_flight() == 0).await;
+    let replay = send(&router, post("k", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
+/// A handler that waits for the test to let it finish, then answers with `name`.
+fn gated_app(
+    layer: IdempotencyLayer,
+    name: &'static str,
+) -> (Router, Arc<tokio::sync::Semaphore>, common::Counter) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let counter = common::Counter::default();
+    let (g, c) = (gate.clone(), counter.clone());
+    let router = Router::new()
+        .route(
+            "/payments",
+            post_route(move |State(()): State<()>| {
+                let (g, c) = (g.clone(), c.clone());
+                async move {
+                    c.count_run();
+                    let _permit = g.acquire().await.expect("gate");
+                    (axum::http::StatusCode::CREATED, name)
+                }
+            }),
+        )
+        .layer(layer)
+        .with_state(());
+    (router, gate, counter)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_zombie_holder_is_fenced_and_the_stored_response_is_its_successors() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let lease = Duration::from_millis(300);
+    // Replica A reaches the database through the proxy; replica B directly.
+    let layer_a = IdempotencyLayer::new(schema.store_at(&proxy.url(), 4).await)
+        .lease_duration(lease)
+        .store_timeout(Duration::from_millis(200));
+    let layer_b = IdempotencyLayer::new(schema.store().await).lease_duration(lease);
+    let shutdown_a = layer_a.shutdown_handle();
+    let (router_a, gate_a, runs_a) = gated_app(layer_a, "from A");
+    let (router_b, gate_b, runs_b) = gated_app(layer_b, "from B");
+    gate_b.add_permits(1000);
+
+    let r = router_a.clone();
+    let zombie = tokio::spawn(async move { send(&r, post("k", "{}")).await });
+    eventually(|| runs_a.runs() == 1).await;
+    // A's renewals can no longer reach the database: its lease lapses while it runs.
+    proxy.stall(true);
+    let mut answers = Vec::new();
+    let taken_over = loop {
+        let r = send(&router_b, post("k", "{}")).await;
+        answers.push(r.status.as_u16());
+        if r.status == 201 {
+            break r;
+        }
+        assert_eq!(r.status, 409, "{answers:?}");
+        assert!(answers.len() < 200, "never taken over: {answers:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_eq!(taken_over.outcome, Some(Outcome::Executed));
+    assert_eq!(&taken_over.body[..], b"from B");
+    assert_eq!(row(&schema, "k").await, Some(("completed".into(), 2)));
+
+    // The zombie wakes up, finishes, and tries to complete with token 1.
+    proxy.stall(false);
+    gate_a.add_permits(1);
+    let zombie = zombie.await.unwrap();
+    assert_eq!(zombie.status, 201);
+    assert_eq!(
+        &zombie.body[..],
+        b"from A",
+        "the zombie's client gets its own response"
+    );
+    // Its completion attempt is over once nothing is in flight.
+    eventually(|| shutdown_a.in_flight() == 0).await;
+
+    // The stored response is still B's, for every later retry, on either replica.
+    for router in [&router_a, &router_b] {
+        let replay = send(router, post("k", "{}")).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(&replay.body[..], b"from B");
+    }
+    assert_eq!(row(&schema, "k").await, Some(("completed".into(), 2)));
+    assert_eq!(
+        (runs_a.runs(), runs_b.runs()),
+        (1, 1),
+        "once per lease epoch"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_hangs_up_does_not_cancel_the_handler() {
+    let schema = TestSchema::new();
+    let (router, counter) = app(IdempotencyLayer::new(schema.store().await));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+
+    let hang_up = |key: Option<&str>| {
+        let key_line = key
+            .map(|k| format!("idempotency-key: {k}\r\n"))
+            .unwrap_or_default();
+        format!(
+            "POST /payments HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             x-delay-ms: 400\r\n{key_line}content-length: 2\r\n\r\n{{}}"
+        )
+    };
+    // Control: without a key the handler is the server's own future, and hanging up
+    // cancels it half-way.
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(hang_up(None).as_bytes()).await.unwrap();
+    eventually(|| counter.runs() == 1).await;
+    drop(conn);
+    // With a key, the handler runs in its own task and finishes.
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(hang_up(Some("k")).as_bytes()).await.unwrap();
+    eventually(|| counter.runs() == 2).await;
+    drop(conn);
+    eventually(|| counter.finished() >= 1).await;
+    wait_for_state(&schema, "k", "completed").await;
+    assert_eq!(
+        counter.finished(),
+        1,
+        "the unguarded handler was cancelled, the guarded one finished"
+    );
+
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<axum::body::Bytes>>();
+    let retry = axum::http::Request::post(format!("http://{addr}/payments"))
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(axum::body::Bytes::from_static(
+            b"{}",
+        )))
+        .unwrap();
+    let res = client.request(retry).await.unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(res.headers()["idempotent-replayed"], "true");
+    assert_eq!(counter.runs_of("k"), 1);
+    server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let layer = IdempotencyLayer::new(store.clone());
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer);
+    let slow = req("POST")
+        .header("idempotency-key", "running")
+        .header("x-delay-ms", "400")
+        .body(Body::from("{}"))
+        .unwrap();
+    let r = router.clone();
+    let running = tokio::spawn(async move { send(&r, slow).await });
+    eventually(|| counter.runs() == 1).await;
+
+    let drained = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { shutdown.drain().await }
+    });
+    eventually(|| shutdown.is_closed()).await;
+    let refused = send(&router, post("new", "{}")).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.problem(), "shutting-down");
+    assert!(refused.header("retry-after").is_some());
+    // Requests that pass through are not the layer's to refuse.
+    assert_eq!(
+        send(&router, req("POST").body(Body::from("{}")).unwrap())
+            .await
+            .status,
+        201
+    );
+
+    drained.await.unwrap();
+    // Drained means stored: the running request's row is complete.
+    assert_eq!(
+        row(&schema, "running").await.map(|r| r.0).as_deref(),
+        Some("completed")
+    );
+    assert_eq!(
+        row(&schema, "new").await,
+        None,
+        "a refused request claims nothing"
+    );
+    assert_eq!(running.await.unwrap().status, 201);
+    // Another instance on the same table replays it.
+    let (other, other_counter) = app(IdempotencyLayer::new(store));
+    assert_eq!(
+        send(&other, post("running", "{}")).await.outcome,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(other_counter.runs(), 0);
+}
