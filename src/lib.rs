@@ -26,3 +26,8 @@ pub use record::StoredResponse;
 pub use scope::Scope;
 pub use service::{Idempotency, ResponseFuture};
 pub use shutdown::ShutdownHandle;
+
+/// The examples in `docs/` are compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/failure-modes.md")]
+struct FailureModesDoctests;

@@ -144,9 +144,14 @@ impl Demo {
     /// Starts the demo on a free port, on `schema` in PostgreSQL, or on the memory store
     /// when `schema` is `None` (then `DATABASE_URL` is removed from its environment).
     fn start(schema: Option<&Schema>) -> Self {
+        Self::start_with(schema, &[])
+    }
+
+    /// Like [`start`](Self::start), with more command-line arguments.
+    fn start_with(schema: Option<&Schema>, args: &[&str]) -> Self {
         let addr = free_addr();
         let mut cmd = Command::new(demo_binary());
-        cmd.arg("--addr").arg(addr.to_string());
+        cmd.arg("--addr").arg(addr.to_string()).args(args);
         match schema {
             Some(schema) => {
                 cmd.arg("--database-url").arg(&schema.url);
@@ -207,6 +212,26 @@ impl Demo {
             tokio::time::sleep(POLL_INTERVAL).await;
         }
         panic!("the demo at {} did not become ready", self.addr);
+    }
+}
+
+impl Demo {
+    /// SIGKILL: the process dies where it stands, with no chance to clean up.
+    fn kill9(&mut self) {
+        self.child.kill().expect("SIGKILL the demo");
+        self.child.wait().expect("reap the demo");
+    }
+}
+
+impl Demo {
+    /// SIGTERM: the demo stops taking payments and finishes those in flight.
+    fn terminate(&mut self) {
+        let status = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success());
     }
 }
 
@@ -468,6 +493,158 @@ async fn without_a_database_the_demo_uses_the_memory_store() {
 
     assert_eq!(
         stats(&client, demo.addr).await,
+        json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
+
+/// One query on the test's database, outside the demo.
+async fn query(sql: &str) -> Vec<tokio_postgres::Row> {
+    let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client.query(sql, &[]).await.expect("query")
+}
+
+/// Crash in the window after the charge: the process is killed -9 while its handler
+/// sleeps between charging the provider and recording the payment. After a restart the
+/// retry takes the key over (its lease lapsed), runs the handler again, and the
+/// provider, given the same derived key, returns the same charge: one charge, one
+/// payment, and a proper 201.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
+    const KEY: &str = "crash-payment-1";
+    const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":1500}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut first = Demo::start_with(Some(&schema), &["--lease-ms", "500"]);
+    first.wait_ready(&client).await;
+
+    let (c, addr) = (client.clone(), first.addr);
+    let in_flight = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    // Wait until the provider has charged: the handler is inside the window.
+    let mut charged = false;
+    for _ in 0..POLL_ATTEMPTS {
+        if stats(&client, first.addr).await["charges"] == 1 {
+            charged = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(charged, "the handler never charged");
+    first.kill9();
+    assert!(
+        in_flight.await.expect("join").is_err(),
+        "the killed process answered"
+    );
+    let charge_id: String = query(&format!(
+        "SELECT charge_id FROM \"{}\".demo_psp_charges",
+        schema.name
+    ))
+    .await[0]
+        .get(0);
+    let key_row = query(&format!(
+        "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{KEY}'",
+        schema.name
+    ))
+    .await;
+    assert_eq!(
+        key_row[0].get::<_, &str>(0),
+        "running",
+        "the crash left the claim running"
+    );
+
+    let mut second = Demo::start_with(Some(&schema), &["--lease-ms", "500"]);
+    second.wait_ready(&client).await;
+    let mut answers = Vec::new();
+    let created = loop {
+        let reply = post_payment(&client, second.addr, Some(KEY), PAYMENT).await;
+        answers.push(reply.status.as_u16());
+        if reply.status == StatusCode::CREATED {
+            break reply;
+        }
+        reply.assert_problem(StatusCode::CONFLICT, "in-progress");
+        assert!(answers.len() < POLL_ATTEMPTS as usize, "{answers:?}");
+        tokio::time::sleep(POLL_INTERVAL).await;
+    };
+    assert!(
+        !created.replayed(),
+        "the retry ran the handler after taking over"
+    );
+    let payment = created.json();
+    assert_eq!(
+        payment["charge_id"],
+        charge_id.as_str(),
+        "the provider returned the first charge"
+    );
+    assert_eq!(payment["amount"], 700);
+    assert!(
+        payment["payment_id"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("pay_"))
+    );
+
+    let replay = post_payment(&client, second.addr, Some(KEY), PAYMENT).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, created.body);
+    assert_eq!(
+        stats(&client, second.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+    );
+    let key_row = query(&format!(
+        "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{KEY}'",
+        schema.name
+    ))
+    .await;
+    assert_eq!(
+        (key_row[0].get::<_, &str>(0), key_row[0].get::<_, i64>(1)),
+        ("completed", 2),
+        "taken over once, then completed"
+    );
+}
+
+/// SIGTERM while a payment is in flight: it finishes, its response is stored, and the
+/// process exits cleanly; after a restart the retry is a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_payment_in_flight() {
+    const KEY: &str = "term-payment-1";
+    const PAYMENT: &str = r#"{"amount":900,"currency":"EUR","delay_ms":800}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut demo = Demo::start(Some(&schema));
+    demo.wait_ready(&client).await;
+    let (c, addr) = (client.clone(), demo.addr);
+    let in_flight = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    let mut charged = false;
+    for _ in 0..POLL_ATTEMPTS {
+        if stats(&client, demo.addr).await["charges"] == 1 {
+            charged = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(charged, "the handler never charged");
+    demo.terminate();
+    let answered = in_flight
+        .await
+        .expect("join")
+        .expect("the payment in flight is answered");
+    assert_eq!(answered.status, StatusCode::CREATED, "{answered:?}");
+    demo.line_starting_with("stopped");
+    let status = demo.child.wait().expect("wait");
+    assert!(status.success(), "{status}");
+
+    let mut again = Demo::start(Some(&schema));
+    again.wait_ready(&client).await;
+    let replay = post_payment(&client, again.addr, Some(KEY), PAYMENT).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, answered.body);
+    assert_eq!(
+        stats(&client, again.addr).await,
         json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
     );
 }

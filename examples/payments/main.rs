@@ -112,6 +112,7 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         ),
     };
     let layer = layer.require_key(true).lease_duration(lease);
+    let shutdown = layer.shutdown_handle();
 
     let app = Router::new()
         .route("/payments", post(create_payment).route_layer(layer))
@@ -123,12 +124,44 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     println!("payments demo listening on http://{addr}");
     println!("store: {store_name}");
     println!("lease: {} ms", args.lease_ms);
+    let closing = shutdown.clone();
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
+        .with_graceful_shutdown(async move {
+            termination().await;
+            println!("shutting down: no new payments; finishing those in flight");
+            closing.close();
         })
         .await?;
+    // Every claimed payment stores its response before the process exits; what a
+    // stuck database keeps from finishing is recovered by lease expiry.
+    if tokio::time::timeout(lease, shutdown.drain()).await.is_err() {
+        eprintln!(
+            "payments: {} payment(s) still storing; their keys free when their leases lapse",
+            shutdown.in_flight()
+        );
+    }
+    println!("stopped");
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn termination() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// A 422 for a body the demo cannot accept.
