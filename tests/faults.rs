@@ -350,3 +350,20 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     );
     assert_eq!(other_counter.runs(), 0);
 }
+
+#[tokio::test]
+async fn an_exhausted_pool_is_a_bounded_503_not_a_hang() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 1).await;
+    let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
+    let (router, counter) = app(layer);
+    // The pool's only connection is taken for the whole request.
+    let held = store.pool().get().await.unwrap();
+    let r = send(&router, post("k", "{}")).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.problem(), "store-unavailable");
+    assert_eq!(counter.runs(), 0);
+    drop(held);
+    assert_eq!(send(&router, post("k", "{}")).await.status, 201);
+    assert_eq!(counter.runs(), 1);
+}
