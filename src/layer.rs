@@ -70,6 +70,11 @@ pub(crate) struct Config {
     pub(crate) policy: PolicyFn,
     pub(crate) unreplayed_headers: Arc<[HeaderName]>,
     pub(crate) shutdown: ShutdownHandle,
+    pub(crate) wait: Duration,
+    #[cfg(feature = "postgres")]
+    pub(crate) transactional: Option<crate::store::PostgresStore>,
+    #[cfg(feature = "postgres")]
+    pub(crate) lock_timeout: Duration,
 }
 
 impl IdempotencyLayer {
@@ -94,8 +99,33 @@ impl IdempotencyLayer {
                 policy: Arc::new(default_storage_policy),
                 unreplayed_headers: Arc::from([header::SET_COOKIE]),
                 shutdown: ShutdownHandle::default(),
+                wait: Duration::ZERO,
+                #[cfg(feature = "postgres")]
+                transactional: None,
+                #[cfg(feature = "postgres")]
+                lock_timeout: Duration::from_secs(5),
             }),
         }
+    }
+
+    /// A layer in transactional mode over `store`: each guarded request runs in a
+    /// transaction that holds its claim, the handler's own writes (through the
+    /// [`TransactionHandle`](crate::transactional::TransactionHandle)) and its stored
+    /// response, committed together. See [`transactional`](crate::transactional).
+    #[cfg(feature = "postgres")]
+    pub fn transactional(store: crate::store::PostgresStore) -> Self {
+        let mut layer = Self::new(store.clone());
+        layer.config().transactional = Some(store);
+        layer
+    }
+
+    /// Transactional mode: how long a duplicate waits on the first request's
+    /// uncommitted claim before answering 409 (default 5 s; PostgreSQL's `lock_timeout`).
+    #[cfg(feature = "postgres")]
+    #[must_use]
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.config().lock_timeout = timeout.max(Duration::from_millis(1));
+        self
     }
 
     fn config(&mut self) -> &mut Config {
@@ -131,6 +161,19 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
         self.config().lease = lease.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How long a duplicate waits for a running request with its key to finish, then
+    /// replays its response (default zero: answer 409 at once). Past the bound, 409.
+    ///
+    /// Wake-ups are pushed by the store: the memory store in-process, `PostgresStore`
+    /// through `LISTEN/NOTIFY`, so a duplicate on one replica wakes when the first
+    /// request completes on another (give the store a notification connection, see
+    /// [`PostgresStore::with_notifications`](crate::store::PostgresStore::with_notifications)).
+    #[must_use]
+    pub fn wait_for_running(mut self, bound: Duration) -> Self {
+        self.config().wait = bound;
         self
     }
 

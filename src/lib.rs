@@ -13,6 +13,8 @@ mod scope;
 mod service;
 mod shutdown;
 pub mod store;
+#[cfg(feature = "postgres")]
+pub mod transactional;
 
 pub use body::{BoxError, ResponseBody};
 pub use fingerprint::{Fingerprint, fingerprint};

@@ -35,6 +35,8 @@ pub enum Problem {
     ShuttingDown,
     /// 500: the handler panicked or failed; its key was released.
     HandlerFailed,
+    /// 503: transactional mode could not commit; the request had no effect.
+    NotCommitted,
     /// 500: the request ran, but its response was too large to store, so it cannot be replayed.
     ResponseNotStored,
 }
@@ -61,6 +63,7 @@ impl Problem {
             Self::StoreUnavailable => "store-unavailable",
             Self::ShuttingDown => "shutting-down",
             Self::HandlerFailed => "handler-failed",
+            Self::NotCommitted => "not-committed",
             Self::ResponseNotStored => "response-not-stored",
         }
     }
@@ -82,7 +85,9 @@ impl Problem {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InProgress => StatusCode::CONFLICT,
-            Self::StoreUnavailable | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::ShuttingDown | Self::NotCommitted => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::HandlerFailed | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -99,6 +104,7 @@ impl Problem {
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::ShuttingDown => "Shutting down",
             Self::HandlerFailed => "Request failed",
+            Self::NotCommitted => "Request not committed",
             Self::ResponseNotStored => "Response not replayable",
         }
     }
@@ -168,6 +174,7 @@ mod tests {
             Problem::StoreUnavailable,
             Problem::ShuttingDown,
             Problem::HandlerFailed,
+            Problem::NotCommitted,
             Problem::ResponseNotStored,
         ];
         let mut slugs: Vec<_> = all.iter().map(|p| p.slug()).collect();

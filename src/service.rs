@@ -164,7 +164,7 @@ fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {
     )
 }
 
-fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
+pub(crate) fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
     res.extensions_mut().insert(outcome);
     res
 }
@@ -218,40 +218,23 @@ where
         lease: config.lease,
         ttl: config.ttl,
     };
-    let claim =
-        tokio::time::timeout(config.store_timeout, config.store.claim(&claim_request)).await;
-    let lease = match claim {
-        Ok(Ok(Claim::Acquired(lease))) => lease,
-        Ok(Ok(Claim::Completed {
-            fingerprint: stored,
-            response,
-        })) => {
-            if stored != fingerprint {
-                return Ok(mismatch());
-            }
-            return Ok(replay(response));
-        }
-        Ok(Ok(Claim::Running {
-            fingerprint: holder,
-            retry_after,
-        })) => {
-            if holder != fingerprint {
-                return Ok(mismatch());
-            }
-            let res = Problem::InProgress.response_retry_after(
-                "a request with this Idempotency-Key is still being processed; retry after the time given",
-                retry_after,
-            );
-            return Ok(with_outcome(res.map(ResponseBody::full), Outcome::Conflict));
-        }
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "claim failed; the handler was not run");
-            return Ok(unavailable());
-        }
-        Err(_) => {
-            tracing::error!(timeout = ?config.store_timeout, "claim timed out; the handler was not run");
-            return Ok(unavailable());
-        }
+    #[cfg(feature = "postgres")]
+    if let Some(store) = &config.transactional {
+        let store = store.clone();
+        return crate::transactional::guarded(
+            config,
+            store,
+            inner,
+            parts,
+            body,
+            claim_request,
+            in_flight,
+        )
+        .await;
+    }
+    let lease = match claim(&config, &claim_request).await {
+        Ok(lease) => lease,
+        Err(answer) => return Ok(answer),
     };
 
     parts
@@ -273,6 +256,70 @@ where
     }
 }
 
+/// What retries of a request whose response was over the storage limit get.
+pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
+    Problem::ResponseNotStored.response(&format!(
+        "the request was processed once, but its response was over the {limit}-byte storage limit and cannot be replayed"
+    ))
+}
+
+/// Claims the key in lease mode, waiting (up to `wait_for_running`) for a running
+/// holder to finish. `Err` is the answer when the key is not ours to run.
+async fn claim<B>(
+    config: &Config,
+    request: &ClaimRequest<'_>,
+) -> Result<Lease, Response<ResponseBody<B>>> {
+    let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
+    loop {
+        // Subscribed before the claim, so a completion in between is not missed.
+        let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
+        let claim = tokio::time::timeout(config.store_timeout, config.store.claim(request)).await;
+        match claim {
+            Ok(Ok(Claim::Acquired(lease))) => return Ok(lease),
+            Ok(Ok(Claim::Completed {
+                fingerprint,
+                response,
+            })) => {
+                if fingerprint != request.fingerprint {
+                    return Err(mismatch());
+                }
+                return Err(replay(response));
+            }
+            Ok(Ok(Claim::Running {
+                fingerprint,
+                retry_after,
+            })) => {
+                if fingerprint != request.fingerprint {
+                    return Err(mismatch());
+                }
+                if let (Some(until), Some(changed)) = (wait_until, changed) {
+                    if tokio::time::Instant::now() < until {
+                        let _ = tokio::time::timeout_at(until, changed).await;
+                        continue;
+                    }
+                }
+                return Err(in_progress(retry_after));
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "claim failed; the handler was not run");
+                return Err(unavailable());
+            }
+            Err(_) => {
+                tracing::error!(timeout = ?config.store_timeout, "claim timed out; the handler was not run");
+                return Err(unavailable());
+            }
+        }
+    }
+}
+
+pub(crate) fn in_progress<B>(retry_after: Duration) -> Response<ResponseBody<B>> {
+    let res = Problem::InProgress.response_retry_after(
+        "a request with this Idempotency-Key is still being processed; retry after the time given",
+        retry_after,
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Conflict)
+}
+
 fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
     reject(
         Problem::BodyTooLarge,
@@ -280,14 +327,14 @@ fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
     )
 }
 
-fn mismatch<B>() -> Response<ResponseBody<B>> {
+pub(crate) fn mismatch<B>() -> Response<ResponseBody<B>> {
     let res = Problem::KeyReused.response(
         "this Idempotency-Key was already used with a different request (method, path, query, headers or body)",
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Mismatch)
 }
 
-fn unavailable<B>() -> Response<ResponseBody<B>> {
+pub(crate) fn unavailable<B>() -> Response<ResponseBody<B>> {
     let res = Problem::StoreUnavailable.response_retry_after(
         "the idempotency store could not be reached; the request was not processed",
         Duration::from_secs(1),
@@ -295,7 +342,7 @@ fn unavailable<B>() -> Response<ResponseBody<B>> {
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }
 
-fn shutting_down<B>() -> Response<ResponseBody<B>> {
+pub(crate) fn shutting_down<B>() -> Response<ResponseBody<B>> {
     let res = Problem::ShuttingDown.response_retry_after(
         "this server is shutting down and takes no new requests; retry, another instance will serve it",
         Duration::from_secs(1),
@@ -303,14 +350,14 @@ fn shutting_down<B>() -> Response<ResponseBody<B>> {
     with_outcome(res.map(ResponseBody::full), Outcome::Rejected)
 }
 
-fn handler_failed<B>() -> Response<ResponseBody<B>> {
+pub(crate) fn handler_failed<B>() -> Response<ResponseBody<B>> {
     let res = Problem::HandlerFailed.response(
         "the request failed while being processed; its Idempotency-Key was released, so it may be retried",
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Executed)
 }
 
-fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     let mut res = Response::new(ResponseBody::full(stored.body));
     *res.status_mut() = stored.status;
     *res.headers_mut() = stored.headers;
@@ -320,14 +367,14 @@ fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
 }
 
 /// What the inner service produced, read up to the storage limit.
-enum Produced<B, E> {
+pub(crate) enum Produced<B, E> {
     Buffered(http::response::Parts, Bytes),
     TooLarge(http::response::Parts, Bytes, Pin<Box<B>>),
     BodyFailed(BoxError),
     ServiceFailed(E),
 }
 
-async fn run_inner<S, ReqBody, ResBody>(
+pub(crate) async fn run_inner<S, ReqBody, ResBody>(
     mut inner: S,
     req: Request<ReqBody>,
     limit: usize,
@@ -438,10 +485,7 @@ where
                 limit,
                 "the response is over the storage limit; retries will get response-not-stored"
             );
-            let problem = Problem::ResponseNotStored.response(&format!(
-                "the request was processed once, but its response was over the {limit}-byte storage limit and cannot be replayed"
-            ));
-            let (p, b) = problem.into_parts();
+            let (p, b) = not_stored_problem(limit).into_parts();
             let stored = StoredResponse {
                 status: p.status,
                 headers: p.headers,

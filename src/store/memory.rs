@@ -21,9 +21,20 @@ use crate::{Fingerprint, Scope, StoredResponse};
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new());
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
+    /// Completed and released keys, for requests waiting on them.
+    changes: tokio::sync::broadcast::Sender<Arc<(Scope, Arc<str>)>>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            inner: Arc::default(),
+            changes: tokio::sync::broadcast::channel(1024).0,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -145,6 +156,13 @@ impl MemoryStore {
         }
         held
     }
+
+    fn announce(&self, lease: &Lease) {
+        // No receivers is fine: nobody is waiting.
+        let _ = self
+            .changes
+            .send(Arc::new((lease.scope.clone(), lease.key.clone())));
+    }
 }
 
 impl Store for MemoryStore {
@@ -162,20 +180,28 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            Ok(self.with_held(lease, |inner, id| {
+            let done = self.with_held(lease, |inner, id| {
                 if let Some(r) = inner.records.get_mut(&id) {
                     r.state = State::Completed(response.clone());
                     r.expires_at = Instant::now() + ttl;
                 }
-            }))
+            });
+            if done {
+                self.announce(lease);
+            }
+            Ok(done)
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            Ok(self.with_held(lease, |inner, id| {
+            let done = self.with_held(lease, |inner, id| {
                 inner.records.remove(&id);
-            }))
+            });
+            if done {
+                self.announce(lease);
+            }
+            Ok(done)
         })
     }
 
@@ -192,6 +218,23 @@ impl Store for MemoryStore {
                     };
                 }
             }))
+        })
+    }
+
+    fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
+        let mut rx = self.changes.subscribe();
+        let (scope, key) = (scope.clone(), Arc::<str>::from(key));
+        Box::pin(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(id) if id.0 == scope && id.1 == key => return,
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => return,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            }
         })
     }
 }

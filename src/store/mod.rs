@@ -44,7 +44,7 @@ mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use postgres::{ConfigError, PostgresStore, pool_for_url};
+pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -176,6 +176,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes the running claim so that a retry runs again. `Ok(false)`: lease lost.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// A future that resolves when the key may have been completed or released, so that
+    /// a request waiting for a running key can claim again. Call it *before* the claim
+    /// that finds the key running: a change in between still resolves it. It may also
+    /// resolve spuriously; the caller claims again either way and bounds its wait.
+    ///
+    /// The default never resolves (a store without notifications): waiters then wait
+    /// out their bound and answer 409.
+    fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
+        let _ = (scope, key);
+        Box::pin(std::future::pending())
+    }
 
     /// Extends the lease to `lease` from now. `Ok(false)`: lease lost.
     fn renew<'a>(

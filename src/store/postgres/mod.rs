@@ -1,5 +1,7 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
+mod listener;
+
 use std::{
     fmt,
     sync::{
@@ -10,17 +12,22 @@ use std::{
 };
 
 use bytes::Bytes;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    Client, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
+};
 use http::StatusCode;
 use tokio_postgres::{NoTls, Row, error::SqlState, types::ToSql};
 
+use listener::Listener;
+use sha2::{Digest, Sha256};
+
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
-use crate::{Fingerprint, StoredResponse};
+use crate::{Fingerprint, Scope, StoredResponse};
 
 /// The migrations, in order, embedded from `migrations/`.
 const MIGRATIONS: &[(i32, &str)] = &[(
     1,
-    include_str!("../../migrations/0001_create_idempotency_keys.sql"),
+    include_str!("../../../migrations/0001_create_idempotency_keys.sql"),
 )];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
@@ -59,6 +66,23 @@ pub struct PostgresStore {
     table: String,
     sql: Arc<Sql>,
     statements: Arc<AtomicU64>,
+    listen_config: Option<tokio_postgres::Config>,
+    listener: Arc<Listener>,
+}
+
+/// What a [`PostgresStore`] (and its clones) has done so far; see
+/// [`PostgresStore::metrics`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreMetrics {
+    /// Statements executed (migrations aside).
+    pub statements: u64,
+    /// Notifications received on the `LISTEN` connection.
+    pub notifications: u64,
+    /// Waiters woken by a notification.
+    pub notified_wakeups: u64,
+    /// Waiters woken by the fallback timer (while the listener was not connected).
+    pub timer_wakeups: u64,
 }
 
 /// A rejected store setting.
@@ -122,14 +146,21 @@ impl Sql {
                 l = ms.replace("$ms", "$5"),
                 e = ms.replace("$ms", "$6"),
             ),
+            // The notification is delivered when, and only if, the change commits.
             complete: format!(
-                "UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4, headers = $5,
-                        body = $6, completed_at = now(), expires_at = now() + {e}
-                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
+                "WITH done AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
+                           headers = $5, body = $6, completed_at = now(), expires_at = now() + {e}
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
+                    RETURNING 1)
+                 SELECT pg_notify($8, $9) FROM done",
                 e = ms.replace("$ms", "$7"),
             ),
             release: format!(
-                "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'"
+                "WITH done AS (
+                    DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
+                    RETURNING 1)
+                 SELECT pg_notify($4, $5) FROM done"
             ),
             renew: format!(
                 "UPDATE {t} SET locked_until = now() + {l}
@@ -220,18 +251,32 @@ impl PostgresStore {
     /// replica at start-up). Give the pool wait and create timeouts so that an exhausted
     /// pool or an unreachable database answers 503 instead of hanging; [`connect`](Self::connect)
     /// does.
+    ///
+    /// Waiting for running requests ([`IdempotencyLayer::wait_for_running`](crate::IdempotencyLayer::wait_for_running))
+    /// needs a `LISTEN` connection of its own, which a pool cannot lend: give its
+    /// configuration with [`with_notifications`](Self::with_notifications), or build the
+    /// store with [`connect`](Self::connect), which does.
     pub fn new(pool: Pool) -> Self {
-        Self::with_names(pool, "public".into(), "idempotency_keys".into())
+        Self::with_names(pool, "public".into(), "idempotency_keys".into(), None)
     }
 
-    /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for one).
+    /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for
+    /// one), listening for completions on a connection of its own.
     pub fn connect(url: &str) -> Result<Self, ConfigError> {
-        Ok(Self::new(pool_for_url(url, 16)?))
+        Ok(Self::new(pool_for_url(url, 16)?).with_notifications(parse_url(url)?))
     }
 
-    fn with_names(pool: Pool, schema: String, table: String) -> Self {
+    fn with_names(
+        pool: Pool,
+        schema: String,
+        table: String,
+        listen_config: Option<tokio_postgres::Config>,
+    ) -> Self {
+        let channel = format!("{table}_done");
         Self {
             sql: Arc::new(Sql::new(&schema, &table)),
+            listener: Arc::new(Listener::new(listen_config.clone(), channel)),
+            listen_config,
             pool,
             schema,
             table,
@@ -242,13 +287,55 @@ impl PostgresStore {
     /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
     pub fn with_schema_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("schema", name)?;
-        Ok(Self::with_names(self.pool, name.to_owned(), self.table))
+        Ok(Self::with_names(
+            self.pool,
+            name.to_owned(),
+            self.table,
+            self.listen_config,
+        ))
     }
 
     /// Uses the table `name`.
     pub fn with_table_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("table", name)?;
-        Ok(Self::with_names(self.pool, self.schema, name.to_owned()))
+        Ok(Self::with_names(
+            self.pool,
+            self.schema,
+            name.to_owned(),
+            self.listen_config,
+        ))
+    }
+
+    /// Listens for completions on a connection made with `config`, so that requests
+    /// waiting for a running key wake as soon as it completes, in any process.
+    pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
+        Self::with_names(self.pool, self.schema, self.table, Some(config))
+    }
+
+    /// Counters of what this store has done, for tests and dashboards.
+    pub fn metrics(&self) -> StoreMetrics {
+        StoreMetrics {
+            statements: self.statements.load(Ordering::Relaxed),
+            notifications: self.listener.notifications.load(Ordering::Relaxed),
+            notified_wakeups: self.listener.notified_wakeups.load(Ordering::Relaxed),
+            timer_wakeups: self.listener.timer_wakeups.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the `LISTEN` connection is up.
+    pub fn is_listening(&self) -> bool {
+        self.listener.is_connected()
+    }
+
+    /// The id a key's notifications carry: unique per table, scope and key, and free of
+    /// anything the client sent.
+    fn key_id(&self, scope: &Scope, key: &str) -> String {
+        let mut h = Sha256::new();
+        for part in [self.sql.qualified.as_str(), scope.as_str(), key] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        crate::fingerprint::hex(&h.finalize()[..16])
     }
 
     /// The pool this store uses.
@@ -323,30 +410,107 @@ impl PostgresStore {
         self.execute(&self.sql.purge, &[&batch]).await
     }
 
-    async fn query(
+    pub(crate) async fn client(&self) -> Result<Client, StoreError> {
+        self.pool.get().await.map_err(classify_pool)
+    }
+
+    pub(crate) async fn query_on(
         &self,
+        client: &Client,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
-        let client = self.pool.get().await.map_err(classify_pool)?;
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
         client.query(&stmt, params).await.map_err(classify)
     }
 
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        self.query_on(&self.client().await?, sql, params).await
+    }
+
     async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
-        let client = self.pool.get().await.map_err(classify_pool)?;
+        let client = self.client().await?;
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
         client.execute(&stmt, params).await.map_err(classify)
     }
 
-    async fn claim_once(&self, req: &ClaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+    /// Claims on `client`, which may be inside a transaction (a conflicting row that
+    /// another transaction has not committed yet is then waited for).
+    pub(crate) async fn claim_on(
+        &self,
+        client: &Client,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..CLAIM_ATTEMPTS {
+            if let Some(claim) = self.claim_once(client, req).await? {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            "the key kept changing while it was being claimed",
+        ))
+    }
+
+    /// Prepares the completion statement on `client` (a no-op once cached), so that its
+    /// execution can be pipelined with a `COMMIT`.
+    pub(crate) async fn prepare_completion(&self, client: &Client) -> Result<(), StoreError> {
+        client
+            .prepare_cached(&self.sql.complete)
+            .await
+            .map(drop)
+            .map_err(classify)
+    }
+
+    /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
+    pub(crate) async fn complete_on(
+        &self,
+        client: &Client,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let status = response.status.as_u16() as i16;
+        let headers = StoredResponse::encode_headers(&response.headers);
+        let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
+        let id = self.key_id(&lease.scope, &lease.key);
+        let rows = self
+            .query_on(
+                client,
+                &self.sql.complete,
+                &[
+                    &lease.scope.as_str(),
+                    &&*lease.key,
+                    &lease.token,
+                    &status,
+                    &h,
+                    &b,
+                    &ms(ttl),
+                    &self.listener.channel(),
+                    &id,
+                ],
+            )
+            .await?;
+        Ok(rows.len() == 1)
+    }
+
+    async fn claim_once(
+        &self,
+        client: &Client,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Option<Claim>, StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
         let fp: &[u8] = req.fingerprint.as_bytes();
         let rows = self
-            .query(
+            .query_on(
+                client,
                 &self.sql.claim,
                 &[&req.scope.as_str(), &req.key, &fp, &lease_ms, &ttl_ms],
             )
@@ -373,7 +537,8 @@ impl PostgresStore {
         let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
         if take_over {
             let rows = self
-                .query(
+                .query_on(
+                    client,
                     &self.sql.takeover,
                     &[
                         &req.scope.as_str(),
@@ -432,12 +597,7 @@ impl PostgresStore {
 /// # Ok::<(), tower_idempotency::store::ConfigError>(())
 /// ```
 pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
-    let mut config: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| ConfigError(format!("invalid database URL: {e}")))?;
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(Duration::from_secs(5));
-    }
+    let config = parse_url(url)?;
     let manager = Manager::from_config(
         config,
         NoTls,
@@ -455,22 +615,23 @@ pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
         .map_err(|e| ConfigError(format!("cannot build the pool: {e}")))
 }
 
+/// Parses a database URL, with a 5 s connect timeout unless it sets one.
+fn parse_url(url: &str) -> Result<tokio_postgres::Config, ConfigError> {
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| ConfigError(format!("invalid database URL: {e}")))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(5));
+    }
+    Ok(config)
+}
+
 impl Store for PostgresStore {
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(async move {
-            for _ in 0..CLAIM_ATTEMPTS {
-                if let Some(claim) = self.claim_once(request).await? {
-                    return Ok(claim);
-                }
-            }
-            Err(StoreError::new(
-                StoreErrorKind::Timeout,
-                "the key kept changing while it was being claimed",
-            ))
-        })
+        Box::pin(async move { self.claim_on(&self.client().await?, request).await })
     }
 
     fn complete<'a>(
@@ -480,36 +641,27 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let status = response.status.as_u16() as i16;
-            let headers = StoredResponse::encode_headers(&response.headers);
-            let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
-            let n = self
-                .execute(
-                    &self.sql.complete,
-                    &[
-                        &lease.scope.as_str(),
-                        &&*lease.key,
-                        &lease.token,
-                        &status,
-                        &h,
-                        &b,
-                        &ms(ttl),
-                    ],
-                )
-                .await?;
-            Ok(n == 1)
+            self.complete_on(&self.client().await?, lease, response, ttl)
+                .await
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let n = self
-                .execute(
+            let id = self.key_id(&lease.scope, &lease.key);
+            let rows = self
+                .query(
                     &self.sql.release,
-                    &[&lease.scope.as_str(), &&*lease.key, &lease.token],
+                    &[
+                        &lease.scope.as_str(),
+                        &&*lease.key,
+                        &lease.token,
+                        &self.listener.channel(),
+                        &id,
+                    ],
                 )
                 .await?;
-            Ok(n == 1)
+            Ok(rows.len() == 1)
         })
     }
 
@@ -532,6 +684,10 @@ impl Store for PostgresStore {
                 .await?;
             Ok(n == 1)
         })
+    }
+
+    fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
+        self.listener.changed(self.key_id(scope, key))
     }
 }
 

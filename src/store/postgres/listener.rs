@@ -1,0 +1,166 @@
+//! One `LISTEN` connection per store, its notifications fanned out in-process.
+//!
+//! Completion and release fire `pg_notify(channel, key id)` in the same statement, so
+//! the notification is delivered when (and only if) the change commits, to every
+//! process listening. Waiters subscribe *before* the claim that finds a key running, so
+//! no wake-up can fall between the claim and the wait.
+
+use std::{
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::sync::broadcast;
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use crate::store::BoxFuture;
+
+/// How often a waiter looks again while no listener connection is up.
+const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
+
+/// What every waiter is told when the listener reconnects: look again.
+const EVERYONE: &str = "*";
+
+pub(super) struct Listener {
+    config: Option<tokio_postgres::Config>,
+    channel: String,
+    sender: broadcast::Sender<Arc<str>>,
+    started: Mutex<Option<tokio::task::AbortHandle>>,
+    connected: AtomicBool,
+    pub(super) notifications: AtomicU64,
+    pub(super) notified_wakeups: AtomicU64,
+    pub(super) timer_wakeups: AtomicU64,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Ok(mut started) = self.started.lock() {
+            if let Some(task) = started.take() {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl Listener {
+    pub(super) fn new(config: Option<tokio_postgres::Config>, channel: String) -> Self {
+        Self {
+            config,
+            channel,
+            sender: broadcast::channel(1024).0,
+            started: Mutex::new(None),
+            connected: AtomicBool::new(false),
+            notifications: AtomicU64::new(0),
+            notified_wakeups: AtomicU64::new(0),
+            timer_wakeups: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    pub(super) fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Starts the listener task on first use (needs a Tokio runtime).
+    fn ensure_started(self: &Arc<Self>) {
+        let Some(config) = self.config.clone() else {
+            return;
+        };
+        let Ok(mut started) = self.started.lock() else {
+            return;
+        };
+        if started.is_none() {
+            let task = tokio::spawn(listen(Arc::downgrade(self), config, self.channel.clone()));
+            *started = Some(task.abort_handle());
+        }
+    }
+
+    /// A future that resolves when `id` may have changed. Subscribes now, not when
+    /// first polled.
+    pub(super) fn changed(self: &Arc<Self>, id: String) -> BoxFuture<'static, ()> {
+        self.ensure_started();
+        let mut rx = self.sender.subscribe();
+        let me = self.clone();
+        if !self.is_connected() {
+            return Box::pin(async move {
+                tokio::time::sleep(FALLBACK_RECHECK).await;
+                me.timer_wakeups.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        Box::pin(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(payload) if *payload == *id || &*payload == EVERYONE => break,
+                    Ok(_) => {}
+                    // Missed some: any of them may have been ours.
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Err(broadcast::error::RecvError::Closed) => {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            }
+            me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+}
+
+async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: String) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match config.connect(NoTls).await {
+            Ok((client, mut connection)) => {
+                let listen = format!("LISTEN \"{channel}\"");
+                let mut listening = Box::pin(client.batch_execute(&listen));
+                let mut subscribed = false;
+                loop {
+                    let message = std::future::poll_fn(|cx| {
+                        if !subscribed {
+                            if let std::task::Poll::Ready(r) = listening.as_mut().poll(cx) {
+                                subscribed = true;
+                                if r.is_ok() {
+                                    if let Some(me) = me.upgrade() {
+                                        me.connected.store(true, Ordering::Release);
+                                        backoff = Duration::from_millis(100);
+                                        // Anything may have completed while we were away.
+                                        let _ = me.sender.send(Arc::from(EVERYONE));
+                                    }
+                                }
+                            }
+                        }
+                        connection.poll_message(cx)
+                    })
+                    .await;
+                    let Some(me) = me.upgrade() else { return };
+                    match message {
+                        Some(Ok(AsyncMessage::Notification(n))) => {
+                            me.notifications.fetch_add(1, Ordering::Relaxed);
+                            let _ = me.sender.send(Arc::from(n.payload()));
+                        }
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "the idempotency listener connection failed");
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+                if let Some(me) = me.upgrade() {
+                    me.connected.store(false, Ordering::Release);
+                    let _ = me.sender.send(Arc::from(EVERYONE));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "the idempotency listener cannot connect"),
+        }
+        if me.strong_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}

@@ -1,0 +1,396 @@
+//! Transactional mode: the claim, the handler's own writes and the stored response
+//! commit together, or not at all.
+//!
+//! With [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional), a
+//! guarded request opens a transaction, inserts its claim row in it, and hands the
+//! transaction to the handler as a [`TransactionHandle`] (request extension and Axum
+//! extractor). The handler does its writes there; the layer then writes the response
+//! into the claim row and commits, pipelined, in one round trip. The effect is
+//! exactly-once for the service's own database writes:
+//!
+//! - a crash, a dropped connection, a handler error or panic, or a response the storage
+//!   policy does not keep rolls everything back, so a retry starts clean;
+//! - a concurrent duplicate's claim waits on the uncommitted row (bounded by
+//!   [`lock_timeout`](crate::IdempotencyLayer::lock_timeout)), then sees the committed
+//!   response and replays it, or gets 409 at the bound.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyKey, IdempotencyLayer, store::PostgresStore, transactional::TransactionHandle};
+//!
+//! async fn create_payment(key: IdempotencyKey, tx: TransactionHandle) -> Result<String, String> {
+//!     let client = tx.client().await.map_err(|e| e.to_string())?;
+//!     client
+//!         .execute("INSERT INTO payments (id) VALUES ($1)", &[&key.derive("payment")])
+//!         .await
+//!         .map_err(|e| e.to_string())?;
+//!     Ok("created".into()) // committed with the stored response, by the layer
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?;
+//! store.migrate().await?;
+//! let app: Router = Router::new()
+//!     .route("/payments", post(create_payment))
+//!     .layer(IdempotencyLayer::transactional(store));
+//! # Ok(()) }
+//! ```
+//!
+//! The connection is held from the claim to the commit, so at most the pool's size of
+//! transactional handlers run at once, and waiting duplicates hold connections too: size
+//! the pool for both.
+
+use std::{ops::Deref, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use deadpool_postgres::{Client, ClientWrapper};
+use http::{Request, Response, request::Parts};
+use http_body::Body;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::{
+    IdempotencyKey, Outcome, StoredResponse,
+    body::{BoxError, ResponseBody},
+    layer::Config,
+    rejection::Problem,
+    service::{
+        Produced, handler_failed, in_progress, mismatch, replay, run_inner, unavailable,
+        with_outcome,
+    },
+    shutdown::InFlight,
+    store::{Claim, ClaimRequest, PostgresStore, StoreErrorKind},
+};
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+/// The request's open transaction, for the handler's own writes.
+///
+/// Cloning is cheap; every clone is the same transaction. Do not keep it beyond the
+/// handler: once the layer commits or rolls back, [`client`](Self::client) fails.
+#[derive(Clone)]
+pub struct TransactionHandle {
+    slot: Arc<Mutex<Option<OpenTx>>>,
+}
+
+/// A pooled connection inside a transaction. Dropped without being ended, it closes
+/// the connection (the server rolls back) instead of returning it to the pool open.
+struct OpenTx(Option<Client>);
+
+impl Drop for OpenTx {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(deadpool_postgres::Object::take(conn));
+        }
+    }
+}
+
+impl OpenTx {
+    fn conn(&self) -> &Client {
+        match &self.0 {
+            Some(conn) => conn,
+            None => unreachable!("the connection leaves an OpenTx only when it is consumed"),
+        }
+    }
+
+    /// The transaction ended: the connection goes back to the pool.
+    fn ended(mut self) {
+        drop(self.0.take());
+    }
+}
+
+/// The transaction's connection, locked for one handler at a time; derefs to the pooled
+/// client (`prepare_cached`, `execute`, `query`, …). Do not run `COMMIT` or `ROLLBACK`
+/// on it: the layer ends the transaction.
+pub struct TransactionClient {
+    guard: OwnedMutexGuard<Option<OpenTx>>,
+}
+
+/// [`TransactionHandle::client`] after the transaction ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransactionClosed;
+
+impl std::fmt::Display for TransactionClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request's transaction has already ended")
+    }
+}
+
+impl std::error::Error for TransactionClosed {}
+
+impl TransactionHandle {
+    /// The transaction's connection.
+    pub async fn client(&self) -> Result<TransactionClient, TransactionClosed> {
+        let guard = self.slot.clone().lock_owned().await;
+        if guard.is_none() {
+            return Err(TransactionClosed);
+        }
+        Ok(TransactionClient { guard })
+    }
+}
+
+impl Deref for TransactionClient {
+    type Target = ClientWrapper;
+
+    fn deref(&self) -> &ClientWrapper {
+        match self.guard.as_ref() {
+            Some(tx) => tx.conn(),
+            // `client()` checked, and the slot only empties under this lock.
+            None => unreachable!("TransactionClient over an ended transaction"),
+        }
+    }
+}
+
+impl std::fmt::Debug for TransactionHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransactionHandle").finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "axum")]
+mod extract {
+    use axum_core::{
+        extract::FromRequestParts,
+        response::{IntoResponse, Response},
+    };
+    use http::request::Parts;
+
+    use super::TransactionHandle;
+    use crate::rejection::Problem;
+
+    /// Rejection of the [`TransactionHandle`] extractor: the route is not behind a
+    /// transactional [`IdempotencyLayer`](crate::IdempotencyLayer), or the request had no key.
+    #[derive(Debug, Clone, Copy)]
+    pub struct MissingTransaction;
+
+    impl IntoResponse for MissingTransaction {
+        fn into_response(self) -> Response {
+            let (parts, body) = Problem::KeyMissing
+                .response("this handler runs in the request's idempotency transaction, and the request had no Idempotency-Key")
+                .into_parts();
+            Response::from_parts(parts, axum_core::body::Body::from(body))
+        }
+    }
+
+    impl<S: Send + Sync> FromRequestParts<S> for TransactionHandle {
+        type Rejection = MissingTransaction;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<TransactionHandle>()
+                .cloned()
+                .ok_or(MissingTransaction)
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+pub use extract::MissingTransaction;
+
+async fn rollback(tx: OpenTx) {
+    match tx.conn().batch_execute("ROLLBACK").await {
+        Ok(()) => tx.ended(),
+        // Dropping the OpenTx closes the connection, which rolls back.
+        Err(e) => tracing::warn!(error = %e, "rollback failed; closing the connection"),
+    }
+}
+
+fn not_committed<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::NotCommitted.response_retry_after(
+        "the request's transaction could not be committed, so it had no effect; retry with the same key",
+        Duration::from_secs(1),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}
+
+/// The guarded path of a request in transactional mode, after its body was read.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn guarded<S, ReqBody, ResBody>(
+    config: Arc<Config>,
+    store: PostgresStore,
+    inner: S,
+    mut parts: Parts,
+    body: Bytes,
+    request: ClaimRequest<'_>,
+    in_flight: InFlight,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let conn = match tokio::time::timeout(config.store_timeout, store.client()).await {
+        Ok(Ok(conn)) => OpenTx(Some(conn)),
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "no connection for the transaction; the handler was not run");
+            return Ok(unavailable());
+        }
+        Err(_) => {
+            tracing::error!("no connection for the transaction in time; the handler was not run");
+            return Ok(unavailable());
+        }
+    };
+    // BEGIN and the claim go out together: one round trip. A duplicate's claim waits
+    // here on the first request's uncommitted row, up to the lock timeout.
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = {}",
+        config.lock_timeout.as_millis().max(1)
+    );
+    let bound = config.store_timeout + config.lock_timeout;
+    let claimed = tokio::time::timeout(bound, async {
+        let client = conn.conn();
+        let (begun, claim) = tokio::join!(
+            client.batch_execute(&begin),
+            store.claim_on(client, &request)
+        );
+        begun.map_err(|e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e))?;
+        claim
+    })
+    .await;
+    let lease = match claimed {
+        Ok(Ok(Claim::Acquired(lease))) => lease,
+        Ok(Ok(Claim::Completed {
+            fingerprint,
+            response,
+        })) => {
+            rollback(conn).await;
+            if fingerprint != request.fingerprint {
+                return Ok(mismatch());
+            }
+            return Ok(replay(response));
+        }
+        Ok(Ok(Claim::Running {
+            fingerprint,
+            retry_after,
+        })) => {
+            rollback(conn).await;
+            if fingerprint != request.fingerprint {
+                return Ok(mismatch());
+            }
+            return Ok(in_progress(retry_after));
+        }
+        Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout => {
+            // The first request still holds the row past the lock timeout.
+            rollback(conn).await;
+            return Ok(in_progress(Duration::from_secs(1)));
+        }
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "claim failed; the handler was not run");
+            drop(conn);
+            return Ok(unavailable());
+        }
+        Err(_) => {
+            tracing::error!("claim timed out; the handler was not run");
+            drop(conn);
+            return Ok(unavailable());
+        }
+    };
+
+    let handle = TransactionHandle {
+        slot: Arc::new(Mutex::new(Some(conn))),
+    };
+    parts.extensions.insert(handle.clone());
+    parts.extensions.insert(IdempotencyKey::new(
+        request.scope.clone(),
+        Arc::<str>::from(request.key),
+    ));
+    let req = Request::from_parts(parts, ReqBody::from(body));
+    let supervisor = tokio::spawn(
+        async move {
+            let _in_flight = in_flight;
+            let limit = config.response_body_limit;
+            let produced = tokio::spawn(run_inner(inner, req, limit).in_current_span()).await;
+            let conn = match tokio::time::timeout(config.store_timeout, handle.slot.lock()).await {
+                Ok(mut slot) => slot.take(),
+                Err(_) => None,
+            };
+            let Some(conn) = conn else {
+                tracing::error!("the handler kept the transaction's connection; it is rolled back when the connection closes");
+                return Ok(handler_failed());
+            };
+            let produced = match produced {
+                Ok(produced) => produced,
+                Err(e) => {
+                    tracing::error!(panicked = e.is_panic(), "the handler failed; rolling back");
+                    rollback(conn).await;
+                    return Ok(handler_failed());
+                }
+            };
+            let (stored, res) = match produced {
+                Produced::ServiceFailed(e) => {
+                    rollback(conn).await;
+                    return Err(e);
+                }
+                Produced::BodyFailed(e) => {
+                    tracing::error!(error = %e, "the response body failed; rolling back");
+                    rollback(conn).await;
+                    return Ok(handler_failed());
+                }
+                Produced::Buffered(parts, body) => {
+                    if !(config.policy)(parts.status, &parts.headers) {
+                        // Not kept: neither are the handler's writes.
+                        rollback(conn).await;
+                        let res = Response::from_parts(parts, ResponseBody::full(body));
+                        return Ok(with_outcome(res, Outcome::Executed));
+                    }
+                    let stored = StoredResponse {
+                        status: parts.status,
+                        headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
+                        body: body.clone(),
+                    };
+                    let mut res = Response::from_parts(parts, ResponseBody::full(body));
+                    res.headers_mut().remove(http::header::CONTENT_LENGTH);
+                    (stored, res)
+                }
+                Produced::TooLarge(parts, prefix, rest) => {
+                    let (p, b) = crate::service::not_stored_problem(limit).into_parts();
+                    let stored = StoredResponse { status: p.status, headers: p.headers, body: b };
+                    (stored, Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)))
+                }
+            };
+            // The completion and COMMIT go out together: one round trip, one commit.
+            // The statement is prepared first, so its Execute is on the wire before COMMIT.
+            let client = conn.conn();
+            let completed = match store.prepare_completion(client).await {
+                Ok(()) => {
+                    let (completed, committed) = tokio::join!(
+                        store.complete_on(client, &lease, &stored, config.ttl),
+                        client.batch_execute("COMMIT"),
+                    );
+                    (completed, committed.map_err(|e| e.to_string()))
+                }
+                Err(e) => (Err(e), Err("not attempted".to_owned())),
+            };
+            match completed {
+                (Ok(true), Ok(())) => {
+                    conn.ended();
+                    Ok(with_outcome(res, Outcome::Executed))
+                }
+                (completed, committed) => {
+                    // A failed statement aborts the transaction, and COMMIT then rolls
+                    // it back; a failed COMMIT may be a lost connection.
+                    tracing::error!(
+                        completed = ?completed.as_ref().map_err(ToString::to_string),
+                        ?committed,
+                        "the transaction was not committed"
+                    );
+                    drop(conn);
+                    Ok(not_committed())
+                }
+            }
+        }
+        .in_current_span(),
+    );
+    match supervisor.await {
+        Ok(answer) => answer,
+        Err(e) => {
+            tracing::error!(error = %e, "the idempotency task failed; its transaction is rolled back");
+            Ok(handler_failed())
+        }
+    }
+}
