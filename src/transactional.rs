@@ -151,7 +151,7 @@ impl std::fmt::Debug for TransactionHandle {
 #[cfg(feature = "axum")]
 mod extract {
     use axum_core::{
-        extract::FromRequestParts,
+        extract::{FromRequestParts, OptionalFromRequestParts},
         response::{IntoResponse, Response},
     };
     use http::request::Parts;
@@ -182,6 +182,17 @@ mod extract {
                 .get::<TransactionHandle>()
                 .cloned()
                 .ok_or(MissingTransaction)
+        }
+    }
+
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for TransactionHandle {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<TransactionHandle>().cloned())
         }
     }
 }

@@ -5,7 +5,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use tower_idempotency::store::{PostgresStore, pool_for_url};
+use tower_idempotency::{
+    store::{PostgresStore, StoreMetrics, pool_for_url},
+    transactional::TransactionHandle,
+};
 
 pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -22,6 +25,7 @@ pub(crate) enum Backend {
     Postgres {
         pool: deadpool_postgres::Pool,
         schema: String,
+        store: PostgresStore,
     },
 }
 
@@ -41,7 +45,9 @@ impl Backend {
     /// Connects, migrates the idempotency table and the demo's own tables.
     pub(crate) async fn postgres(url: &str, schema: &str) -> Result<(Self, PostgresStore), Error> {
         let pool = pool_for_url(url, 32)?;
-        let store = PostgresStore::new(pool.clone()).with_schema_name(schema)?;
+        let store = PostgresStore::new(pool.clone())
+            .with_schema_name(schema)?
+            .with_notifications(url.parse()?);
         store.migrate().await?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
@@ -69,6 +75,7 @@ impl Backend {
             Self::Postgres {
                 pool,
                 schema: schema.to_owned(),
+                store: store.clone(),
             },
             store,
         ))
@@ -87,7 +94,7 @@ impl Backend {
                     _ => m.psp_calls += 1,
                 }
             }
-            Self::Postgres { pool, schema } => {
+            Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
                 let stmt = client
                     .prepare_cached(&format!(
@@ -122,7 +129,7 @@ impl Backend {
                     .or_insert(fresh_id)
                     .clone())
             }
-            Self::Postgres { pool, schema } => {
+            Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
                 let stmt = client
                     .prepare_cached(&format!(
@@ -163,7 +170,7 @@ impl Backend {
                     .entry(payment_id.to_owned())
                     .or_insert_with(|| charge_id.to_owned());
             }
-            Self::Postgres { pool, schema } => {
+            Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
                 let stmt = client
                     .prepare_cached(&format!(
@@ -179,6 +186,42 @@ impl Backend {
         Ok(())
     }
 
+    /// Records the payment inside the request's idempotency transaction.
+    pub(crate) async fn record_payment_in(
+        &self,
+        tx: &TransactionHandle,
+        payment_id: &str,
+        charge_id: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<(), Error> {
+        let Self::Postgres { schema, .. } = self else {
+            return Err("transactional mode needs PostgreSQL".into());
+        };
+        let client = tx.client().await?;
+        let stmt = client
+            .prepare_cached(&format!(
+                "INSERT INTO \"{schema}\".demo_payments (payment_id, charge_id, amount, currency)
+                 VALUES ($1, $2, $3, $4) ON CONFLICT (payment_id) DO NOTHING"
+            ))
+            .await?;
+        client
+            .execute(&stmt, &[&payment_id, &charge_id, &amount, &currency])
+            .await?;
+        Ok(())
+    }
+
+    pub(crate) fn store_metrics(&self) -> Option<StoreMetrics> {
+        match self {
+            Self::Memory(_) => None,
+            Self::Postgres { store, .. } => Some(store.metrics()),
+        }
+    }
+
+    pub(crate) fn is_listening(&self) -> bool {
+        matches!(self, Self::Postgres { store, .. } if store.is_listening())
+    }
+
     pub(crate) async fn stats(&self) -> Result<Stats, Error> {
         match self {
             Self::Memory(m) => {
@@ -190,7 +233,7 @@ impl Backend {
                     payments: m.payments.len() as i64,
                 })
             }
-            Self::Postgres { pool, schema } => {
+            Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
                 let row = client
                     .query_one(

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
-//!     [--lease-ms N] [--schema NAME]
+//!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -13,6 +13,12 @@
 //!   `{"amount": 1250, "currency": "EUR", "delay_ms": 0}` → `201`
 //!   `{"payment_id", "charge_id", "amount", "currency"}`.
 //! - `GET /stats` → `{"handler_runs", "psp_calls", "charges", "payments"}`.
+//! - `GET /stats/store` → the idempotency store's counters (PostgreSQL): statements,
+//!   notifications received, waiters woken by a notification or by the fallback timer.
+//!
+//! `--mode transactional` (PostgreSQL only) records the payment inside the request's
+//! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms for the
+//! first request instead of answering 409.
 
 mod backend;
 
@@ -26,7 +32,9 @@ use axum::{
     routing::{get, post},
 };
 use serde_json::{Value, json};
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, store::MemoryStore};
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, store::MemoryStore, transactional::TransactionHandle,
+};
 
 use backend::Backend;
 
@@ -35,10 +43,11 @@ struct Args {
     database_url: Option<String>,
     lease_ms: u64,
     schema: String,
+    transactional: bool,
+    wait_ms: u64,
 }
 
-const USAGE: &str =
-    "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -46,6 +55,8 @@ fn parse_args() -> Result<Args, String> {
         database_url: std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()),
         lease_ms: 30_000,
         schema: "payments_demo".into(),
+        transactional: false,
+        wait_ms: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -66,6 +77,21 @@ fn parse_args() -> Result<Args, String> {
                 })?;
             }
             "--schema" => args.schema = value("--schema")?,
+            "--mode" => {
+                args.transactional = match value("--mode")?.as_str() {
+                    "lease" => false,
+                    "transactional" => true,
+                    other => {
+                        return Err(format!("--mode {other:?}: expected lease or transactional"));
+                    }
+                }
+            }
+            "--wait-ms" => {
+                let v = value("--wait-ms")?;
+                args.wait_ms = v
+                    .parse()
+                    .map_err(|_| format!("--wait-ms {v:?}: expected milliseconds"))?;
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -102,8 +128,23 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
             let (backend, store) = Backend::postgres(url, &args.schema).await?;
+            if args.wait_ms > 0 {
+                // Waiting duplicates are woken by notifications from the first request,
+                // whichever process runs it.
+                store.listen().await?;
+            }
             let name = format!("postgres (schema {}, table {})", args.schema, store.table());
-            (backend, IdempotencyLayer::new(store), name)
+            let layer = if args.transactional {
+                IdempotencyLayer::transactional(store)
+            } else {
+                IdempotencyLayer::new(store)
+            };
+            (backend, layer, name)
+        }
+        None if args.transactional => {
+            return Err(
+                "--mode transactional needs PostgreSQL: set DATABASE_URL or --database-url".into(),
+            );
         }
         None => (
             Backend::memory(),
@@ -111,12 +152,16 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             "memory (in-process; set DATABASE_URL or --database-url to use PostgreSQL)".to_owned(),
         ),
     };
-    let layer = layer.require_key(true).lease_duration(lease);
+    let layer = layer
+        .require_key(true)
+        .lease_duration(lease)
+        .wait_for_running(Duration::from_millis(args.wait_ms));
     let shutdown = layer.shutdown_handle();
 
     let app = Router::new()
         .route("/payments", post(create_payment).route_layer(layer))
         .route("/stats", get(stats))
+        .route("/stats/store", get(store_stats))
         .with_state(backend);
 
     let listener = tokio::net::TcpListener::bind(args.addr).await?;
@@ -124,6 +169,15 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     println!("payments demo listening on http://{addr}");
     println!("store: {store_name}");
     println!("lease: {} ms", args.lease_ms);
+    println!(
+        "mode: {}",
+        if args.transactional {
+            "transactional"
+        } else {
+            "lease"
+        }
+    );
+    println!("wait: {} ms", args.wait_ms);
     let closing = shutdown.clone();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -226,6 +280,7 @@ fn parse_payment(body: &[u8]) -> Result<Payment, String> {
 async fn create_payment(
     State(backend): State<Backend>,
     key: IdempotencyKey,
+    tx: Option<TransactionHandle>,
     body: axum::body::Bytes,
 ) -> Response {
     // Every attempt that reaches the handler is counted, on its own.
@@ -247,10 +302,26 @@ async fn create_payment(
     // The window in which a real service could crash after charging.
     tokio::time::sleep(Duration::from_millis(payment.delay_ms)).await;
     let payment_id = format!("pay_{}", &key.derive("payment")[..24]);
-    if let Err(e) = backend
-        .record_payment(&payment_id, &charge_id, payment.amount, &payment.currency)
-        .await
-    {
+    // In transactional mode the payment commits with the stored response, or not at all.
+    let recorded = match &tx {
+        Some(tx) => {
+            backend
+                .record_payment_in(
+                    tx,
+                    &payment_id,
+                    &charge_id,
+                    payment.amount,
+                    &payment.currency,
+                )
+                .await
+        }
+        None => {
+            backend
+                .record_payment(&payment_id, &charge_id, payment.amount, &payment.currency)
+                .await
+        }
+    };
+    if let Err(e) = recorded {
         return internal(e);
     }
     (
@@ -272,6 +343,21 @@ fn internal(e: backend::Error) -> Response {
         format!("payment failed: {e}"),
     )
         .into_response()
+}
+
+async fn store_stats(State(backend): State<Backend>) -> Response {
+    match backend.store_metrics() {
+        Some(m) => Json(json!({
+            "store": "postgres",
+            "statements": m.statements,
+            "notifications": m.notifications,
+            "notified_wakeups": m.notified_wakeups,
+            "timer_wakeups": m.timer_wakeups,
+            "listening": backend.is_listening(),
+        }))
+        .into_response(),
+        None => Json(json!({"store": "memory"})).into_response(),
+    }
 }
 
 async fn stats(State(backend): State<Backend>) -> Response {

@@ -8,7 +8,7 @@
 use std::{
     sync::{
         Arc, Mutex, Weak,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -29,7 +29,7 @@ pub(super) struct Listener {
     channel: String,
     sender: broadcast::Sender<Arc<str>>,
     started: Mutex<Option<tokio::task::AbortHandle>>,
-    connected: AtomicBool,
+    connected: tokio::sync::watch::Sender<bool>,
     pub(super) notifications: AtomicU64,
     pub(super) notified_wakeups: AtomicU64,
     pub(super) timer_wakeups: AtomicU64,
@@ -52,7 +52,7 @@ impl Listener {
             channel,
             sender: broadcast::channel(1024).0,
             started: Mutex::new(None),
-            connected: AtomicBool::new(false),
+            connected: tokio::sync::watch::channel(false).0,
             notifications: AtomicU64::new(0),
             notified_wakeups: AtomicU64::new(0),
             timer_wakeups: AtomicU64::new(0),
@@ -64,7 +64,18 @@ impl Listener {
     }
 
     pub(super) fn is_connected(&self) -> bool {
-        self.connected.load(Ordering::Acquire)
+        *self.connected.borrow()
+    }
+
+    /// Starts the listener if needed and waits until it listens; `false` if it has no
+    /// connection settings or is not listening within `bound`.
+    pub(super) async fn listening(self: &Arc<Self>, bound: Duration) -> bool {
+        self.ensure_started();
+        let mut rx = self.connected.subscribe();
+        self.config.is_some()
+            && tokio::time::timeout(bound, rx.wait_for(|up| *up))
+                .await
+                .is_ok_and(|r| r.is_ok())
     }
 
     /// Starts the listener task on first use (needs a Tokio runtime).
@@ -87,25 +98,35 @@ impl Listener {
         self.ensure_started();
         let mut rx = self.sender.subscribe();
         let me = self.clone();
-        if !self.is_connected() {
-            return Box::pin(async move {
-                tokio::time::sleep(FALLBACK_RECHECK).await;
-                me.timer_wakeups.fetch_add(1, Ordering::Relaxed);
-            });
-        }
+        let connected = self.is_connected();
         Box::pin(async move {
-            loop {
-                match rx.recv().await {
-                    Ok(payload) if *payload == *id || &*payload == EVERYONE => break,
-                    Ok(_) => {}
-                    // Missed some: any of them may have been ours.
-                    Err(broadcast::error::RecvError::Lagged(_)) => break,
-                    Err(broadcast::error::RecvError::Closed) => {
-                        std::future::pending::<()>().await;
+            let notified = async move {
+                loop {
+                    match rx.recv().await {
+                        Ok(payload) if *payload == *id || &*payload == EVERYONE => return,
+                        Ok(_) => {}
+                        // Missed some: any of them may have been ours.
+                        Err(broadcast::error::RecvError::Lagged(_)) => return,
+                        Err(broadcast::error::RecvError::Closed) => {
+                            std::future::pending::<()>().await;
+                        }
                     }
                 }
+            };
+            if connected {
+                notified.await;
+                me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
+                return;
             }
-            me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
+            // No listener yet (or it is reconnecting): look again now and then.
+            tokio::select! {
+                () = notified => {
+                    me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
+                }
+                () = tokio::time::sleep(FALLBACK_RECHECK) => {
+                    me.timer_wakeups.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         })
     }
 }
@@ -125,7 +146,7 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                                 subscribed = true;
                                 if r.is_ok() {
                                     if let Some(me) = me.upgrade() {
-                                        me.connected.store(true, Ordering::Release);
+                                        me.connected.send_replace(true);
                                         backoff = Duration::from_millis(100);
                                         // Anything may have completed while we were away.
                                         let _ = me.sender.send(Arc::from(EVERYONE));
@@ -151,7 +172,7 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                     }
                 }
                 if let Some(me) = me.upgrade() {
-                    me.connected.store(false, Ordering::Release);
+                    me.connected.send_replace(false);
                     let _ = me.sender.send(Arc::from(EVERYONE));
                 }
             }

@@ -322,6 +322,26 @@ impl PostgresStore {
         }
     }
 
+    /// Starts the `LISTEN` connection and waits (up to 5 s) until it listens, so that
+    /// the first waiters are woken by notifications rather than by the fallback timer.
+    /// Call it at start-up when waiting for running requests is on; without it, the
+    /// listener starts with the first waiter.
+    pub async fn listen(&self) -> Result<(), StoreError> {
+        if self.listener.listening(Duration::from_secs(5)).await {
+            Ok(())
+        } else if self.listen_config.is_none() {
+            Err(StoreError::new(
+                StoreErrorKind::Misconfigured,
+                "no notification connection: build the store with connect() or with_notifications()",
+            ))
+        } else {
+            Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the LISTEN connection did not come up",
+            ))
+        }
+    }
+
     /// Whether the `LISTEN` connection is up.
     pub fn is_listening(&self) -> bool {
         self.listener.is_connected()
