@@ -256,3 +256,39 @@ async fn purge_deletes_expired_records_in_batches() {
     assert_eq!(store.purge_expired(3).await.unwrap(), 2);
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
+    let schema = TestSchema::new();
+    let (a, b) = (schema.store().await, schema.store().await);
+    b.listen().await.expect("LISTEN connection");
+    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
+    let (router_b, counter_b) =
+        app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
+    let slow = req("POST")
+        .header("idempotency-key", "k")
+        .header("x-delay-ms", "400")
+        .body(Body::from("{}"))
+        .unwrap();
+    let r = router_a.clone();
+    let first = tokio::spawn(async move { send(&r, slow).await });
+    common::eventually(|| counter_a.runs() == 1).await;
+    let before = b.metrics();
+    let waited = send(&router_b, post("k", "{}")).await;
+    let first = first.await.unwrap();
+    assert_eq!(waited.outcome, Some(Outcome::Replayed));
+    assert_eq!(waited.body, first.body);
+    assert_eq!((counter_a.runs(), counter_b.runs()), (1, 0));
+    let after = b.metrics();
+    assert!(after.notifications > before.notifications, "{after:?}");
+    assert!(
+        after.notified_wakeups > before.notified_wakeups,
+        "{after:?}"
+    );
+    assert_eq!(
+        after.timer_wakeups, before.timer_wakeups,
+        "woken by a timer, not a notification"
+    );
+    // Waiting cost one claim before the wait and one after the wake-up: no polling.
+    assert_eq!(after.statements - before.statements, 2, "{after:?}");
+}

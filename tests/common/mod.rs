@@ -72,7 +72,8 @@ impl TestSchema {
     pub async fn store_at(&self, url: &str, size: usize) -> PostgresStore {
         let store = PostgresStore::new(pool_for_url(url, size).expect("pool"))
             .with_schema_name(&self.name)
-            .expect("schema name");
+            .expect("schema name")
+            .with_notifications(url.parse().expect("url"));
         store.migrate().await.expect("migrate");
         store
     }

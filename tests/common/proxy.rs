@@ -20,6 +20,7 @@ use super::database_url;
 
 struct Shared {
     executes: AtomicU64,
+    commits: AtomicU64,
     stalled: AtomicBool,
     refusing: AtomicBool,
     /// Bumped to close every open connection at once.
@@ -60,6 +61,7 @@ impl PgProxy {
         let addr = listener.local_addr().expect("addr");
         let shared = Arc::new(Shared {
             executes: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
             stalled: AtomicBool::new(false),
             refusing: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
@@ -115,6 +117,11 @@ impl PgProxy {
     /// Statements executed through the proxy so far.
     pub fn executes(&self) -> u64 {
         self.shared.executes.load(Ordering::SeqCst)
+    }
+
+    /// `COMMIT`s sent through the proxy so far.
+    pub fn commits(&self) -> u64 {
+        self.shared.commits.load(Ordering::SeqCst)
     }
 
     /// Holds every byte in both directions while `on`.
@@ -179,6 +186,14 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
                 }
                 if pending[0] == b'E' || pending[0] == b'Q' {
                     s.executes.fetch_add(1, Ordering::SeqCst);
+                }
+                // A simple query carries its SQL text: count the COMMITs.
+                if pending[0] == b'Q'
+                    && pending[5..1 + len]
+                        .to_ascii_uppercase()
+                        .starts_with(b"COMMIT")
+                {
+                    s.commits.fetch_add(1, Ordering::SeqCst);
                 }
                 pending.drain(..1 + len);
             }

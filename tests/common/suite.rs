@@ -417,6 +417,70 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_duplicate_can_wait_for_the_running_request_and_replay_it() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.wait_for_running(Duration::from_secs(30)));
+                let slow = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "400")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = router.clone();
+                let first = tokio::spawn(async move { send(&r, slow).await });
+                eventually(|| counter.runs() == 1).await;
+                let waited = send(&router, post("k", "{}")).await;
+                let first = first.await.unwrap();
+                assert_eq!(waited.status, 201);
+                assert_eq!(waited.outcome, Some(Outcome::Replayed));
+                assert_eq!(waited.body, first.body);
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_waiting_duplicate_runs_the_handler_when_the_first_fails() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.wait_for_running(Duration::from_secs(30)));
+                let failing = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "300")
+                    .header("x-status", "503")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = router.clone();
+                let first = tokio::spawn(async move { send(&r, failing).await });
+                eventually(|| counter.runs() == 1).await;
+                // Released, not completed: the waiter claims the key and runs.
+                let waited = send(&router, post("k", "{}")).await;
+                assert_eq!(first.await.unwrap().status, 503);
+                assert_eq!(waited.status, 201);
+                assert_eq!(waited.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 2);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_waiting_duplicate_gives_up_at_its_bound() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.wait_for_running(Duration::from_millis(200)));
+                let slow = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "2000")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = router.clone();
+                let first = tokio::spawn(async move { send(&r, slow).await });
+                eventually(|| counter.runs() == 1).await;
+                let waited = send(&router, post("k", "{}")).await;
+                assert_eq!(waited.status, 409);
+                assert_eq!(waited.problem(), "in-progress");
+                assert!(
+                    !first.is_finished(),
+                    "the bound is shorter than the first request"
+                );
+                assert_eq!(first.await.unwrap().status, 201);
+                assert_eq!(counter.runs(), 1);
+            }
+
             fn claim_request<'a>(scope: &'a Scope, lease: Duration, fp: u8) -> ClaimRequest<'a> {
                 ClaimRequest {
                     scope,

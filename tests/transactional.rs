@@ -1,0 +1,313 @@
+//! Transactional mode: the claim, the handler's writes and the stored response commit
+//! together; crashes and failures roll all of it back.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::State,
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use common::{Counter, TestSchema, eventually, proxy::PgProxy, req, send};
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
+    transactional::TransactionHandle,
+};
+
+#[derive(Clone)]
+struct App {
+    counter: Counter,
+    table: String,
+}
+
+/// Writes one row per run into `<schema>.ledger` inside the request's transaction.
+/// Headers steer it: `x-delay-ms` (after the write), `x-status`, `x-panic`.
+async fn create(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let run = app.counter.count_run();
+    {
+        let client = tx.client().await.expect("transaction");
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO {} (key, run, body) VALUES ($1, $2, $3)",
+                    app.table
+                ),
+                &[
+                    &key.as_str(),
+                    &(run as i32),
+                    &String::from_utf8_lossy(&body).as_ref(),
+                ],
+            )
+            .await
+            .expect("insert in the transaction");
+    }
+    if let Some(ms) = headers
+        .get("x-delay-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+    {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if headers.contains_key("x-panic") {
+        panic!("handler panicked on purpose");
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    (status, format!("{{\"run\":{run}}}")).into_response()
+}
+
+async fn setup(schema: &TestSchema, store: &PostgresStore) -> String {
+    let table = format!("\"{}\".ledger", schema.name);
+    store
+        .pool()
+        .get()
+        .await
+        .unwrap()
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (key text NOT NULL, run int NOT NULL, body text NOT NULL)"
+        ))
+        .await
+        .unwrap();
+    table
+}
+
+fn app(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
+    let counter = Counter::default();
+    let router = Router::new()
+        .route("/payments", post(create))
+        .layer(layer)
+        .with_state(App {
+            counter: counter.clone(),
+            table: table.to_owned(),
+        });
+    (router, counter)
+}
+
+async fn count(schema: &TestSchema, sql: &str) -> i64 {
+    schema.query(sql).await[0].get(0)
+}
+
+fn post_with(key: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
+    let mut b = req("POST").header("idempotency-key", key);
+    for (k, v) in extra {
+        b = b.header(*k, *v);
+    }
+    b.body(Body::from("{\"amount\":1}")).unwrap()
+}
+
+#[tokio::test]
+async fn a_new_key_commits_its_writes_and_response_together_in_one_commit() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    // Warm the connection's statement cache.
+    assert_eq!(send(&router, post_with("warm-up", &[])).await.status, 201);
+
+    let (commits, statements) = (proxy.commits(), proxy.executes());
+    let first = send(&router, post_with("k", &[])).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.commits() - commits, 1, "one commit per new key");
+    // BEGIN, claim, the handler's INSERT, completion, COMMIT.
+    assert_eq!(proxy.executes() - statements, 5);
+
+    let commits = proxy.commits();
+    let replay = send(&router, post_with("k", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(proxy.commits(), commits, "a replay commits nothing");
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(
+        count(
+            &schema,
+            &format!("SELECT count(*) FROM {table} WHERE key = 'k'")
+        )
+        .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_concurrent_duplicates_write_one_row() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 32).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let barrier = Arc::new(tokio::sync::Barrier::new(200));
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (router, barrier) = (router.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let r = post_with("race", &[("x-delay-ms", "200")]);
+                barrier.wait().await;
+                send(&router, r).await
+            })
+        })
+        .collect();
+    let mut created = Vec::new();
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status.as_u16() {
+            201 => created.push(r),
+            409 => assert_eq!(r.problem(), "in-progress"),
+            other => panic!("unexpected {other}: {:?}", r.body),
+        }
+    }
+    assert_eq!(counter.runs(), 1, "the handler ran more than once");
+    assert!(created.iter().all(|r| r.body == created[0].body));
+    assert_eq!(
+        created
+            .iter()
+            .filter(|r| r.outcome == Some(Outcome::Executed))
+            .count(),
+        1
+    );
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let failed = send(&router, post_with("k", &[("x-status", "500")])).await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        0,
+        "the write was rolled back"
+    );
+    let keys = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k'",
+        schema.name
+    );
+    assert_eq!(count(&schema, &keys).await, 0, "the claim was rolled back");
+
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_panic_rolls_back_and_the_connection_is_not_reused_mid_transaction() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 1).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    let panicked = send(&router, post_with("k", &[("x-panic", "1")])).await;
+    assert_eq!(panicked.status, 500);
+    assert_eq!(panicked.problem(), "handler-failed");
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        0
+    );
+    // The pool's one connection is usable and outside any transaction.
+    let client = store.pool().get().await.unwrap();
+    // SAVEPOINT fails with 25P01 outside a transaction block.
+    let probe = client.batch_execute("SAVEPOINT probe").await;
+    assert_eq!(
+        probe.err().and_then(|e| e.code().cloned()),
+        Some(tokio_postgres::error::SqlState::NO_ACTIVE_SQL_TRANSACTION),
+        "the pooled connection is still inside a transaction"
+    );
+    drop(client);
+    assert_eq!(send(&router, post_with("k", &[])).await.status, 201);
+    assert_eq!(counter.runs(), 2);
+}
+
+#[tokio::test]
+async fn a_response_the_policy_does_not_store_rolls_everything_back() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let (router, _) = app(IdempotencyLayer::transactional(store), &table);
+    let r = send(&router, post_with("k", &[("x-status", "429")])).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_past_the_lock_timeout_gets_409() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store).lock_timeout(Duration::from_millis(100));
+    let (router, counter) = app(layer, &table);
+    let r = router.clone();
+    let first =
+        tokio::spawn(async move { send(&r, post_with("k", &[("x-delay-ms", "1000")])).await });
+    eventually(|| counter.runs() == 1).await;
+    let dup = send(&router, post_with("k", &[])).await;
+    assert_eq!(dup.status, 409);
+    assert_eq!(dup.problem(), "in-progress");
+    assert!(dup.header("retry-after").is_some());
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(
+        send(&router, post_with("k", &[])).await.outcome,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(counter.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let r = router.clone();
+    let first =
+        tokio::spawn(async move { send(&r, post_with("k", &[("x-delay-ms", "300")])).await });
+    eventually(|| counter.runs() == 1).await;
+    proxy.cut();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem(), "not-committed");
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        0
+    );
+    let mut statuses = Vec::new();
+    let retry = loop {
+        let r = send(&router, post_with("k", &[])).await;
+        statuses.push(r.status.as_u16());
+        if r.status != 503 {
+            break r;
+        }
+        assert!(statuses.len() < 20, "{statuses:?}");
+    };
+    assert_eq!(retry.status, 201, "{statuses:?}");
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
