@@ -25,7 +25,7 @@ pub(crate) enum Backend {
     Postgres {
         pool: deadpool_postgres::Pool,
         schema: String,
-        store: PostgresStore,
+        store: Box<PostgresStore>,
     },
 }
 
@@ -75,7 +75,7 @@ impl Backend {
             Self::Postgres {
                 pool,
                 schema: schema.to_owned(),
-                store: store.clone(),
+                store: Box::new(store.clone()),
             },
             store,
         ))
