@@ -1,6 +1,8 @@
 //! Transactional mode: the claim, the handler's writes and the stored response commit
 //! together; crashes and failures roll all of it back.
 
+#![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
+
 mod common;
 
 use std::{sync::Arc, time::Duration};
