@@ -60,7 +60,7 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{Claim, ClaimRequest, PostgresStore, StoreErrorKind},
+    store::{Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind},
 };
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -76,7 +76,7 @@ pub struct TransactionHandle {
 
 /// A pooled connection inside a transaction. Dropped without being ended, it closes
 /// the connection (the server rolls back) instead of returning it to the pool open.
-struct OpenTx(Option<Client>);
+pub(crate) struct OpenTx(Option<Client>);
 
 impl Drop for OpenTx {
     fn drop(&mut self) {
@@ -200,7 +200,7 @@ mod extract {
 #[cfg(feature = "axum")]
 pub use extract::MissingTransaction;
 
-async fn rollback(tx: OpenTx) {
+pub(crate) async fn rollback(tx: OpenTx) {
     match tx.conn().batch_execute("ROLLBACK").await {
         Ok(()) => tx.ended(),
         // Dropping the OpenTx closes the connection, which rolls back.
@@ -214,6 +214,105 @@ fn not_committed<B>() -> Response<ResponseBody<B>> {
         Duration::from_secs(1),
     );
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}
+
+/// The result of opening a transaction and claiming the key in it.
+pub(crate) enum Opened {
+    /// The claim row is ours, uncommitted, in this transaction.
+    Acquired(OpenTx, Lease),
+    /// Completed or running under another request (the transaction is rolled back).
+    Found(Claim),
+    /// The first request held its row past the lock timeout.
+    Busy,
+    /// No connection, or the database failed.
+    Unavailable,
+}
+
+/// Takes a connection, then sends BEGIN and the claim together: one round trip. A
+/// duplicate's claim waits here on the first request's uncommitted row, up to
+/// `lock_timeout`.
+pub(crate) async fn open(
+    store: &PostgresStore,
+    request: &ClaimRequest<'_>,
+    lock_timeout: Duration,
+    store_timeout: Duration,
+) -> Opened {
+    let conn = match tokio::time::timeout(store_timeout, store.client()).await {
+        Ok(Ok(conn)) => OpenTx(Some(conn)),
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "no connection for the transaction; nothing was run");
+            return Opened::Unavailable;
+        }
+        Err(_) => {
+            tracing::error!("no connection for the transaction in time; nothing was run");
+            return Opened::Unavailable;
+        }
+    };
+    let begin = format!("BEGIN; SET LOCAL lock_timeout = {}", lock_timeout.as_millis().max(1));
+    let claimed = tokio::time::timeout(store_timeout + lock_timeout, async {
+        let client = conn.conn();
+        let (begun, claim) =
+            tokio::join!(client.batch_execute(&begin), store.claim_on(client, request));
+        begun.map_err(|e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e))?;
+        claim
+    })
+    .await;
+    match claimed {
+        Ok(Ok(Claim::Acquired(lease))) => Opened::Acquired(conn, lease),
+        Ok(Ok(found)) => {
+            rollback(conn).await;
+            Opened::Found(found)
+        }
+        Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout => {
+            rollback(conn).await;
+            Opened::Busy
+        }
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "claim failed; nothing was run");
+            Opened::Unavailable
+        }
+        Err(_) => {
+            tracing::error!("claim timed out; nothing was run");
+            Opened::Unavailable
+        }
+    }
+}
+
+/// Writes the response into the claim row and commits, pipelined: one round trip, one
+/// commit. `false`: nothing was committed (or, if the connection died during COMMIT,
+/// it is unknown; a retry then replays or runs clean).
+pub(crate) async fn commit(
+    store: &PostgresStore,
+    conn: OpenTx,
+    lease: &Lease,
+    stored: &StoredResponse,
+    ttl: Duration,
+) -> bool {
+    let client = conn.conn();
+    // Prepared first, so that its Execute is on the wire before the COMMIT.
+    if let Err(e) = store.prepare_completion(client).await {
+        tracing::error!(error = %e, "the transaction was not committed");
+        return false;
+    }
+    let (completed, committed) = tokio::join!(
+        store.complete_on(client, lease, stored, ttl),
+        client.batch_execute("COMMIT"),
+    );
+    match (completed, committed) {
+        (Ok(true), Ok(())) => {
+            conn.ended();
+            true
+        }
+        (completed, committed) => {
+            // A failed statement aborts the transaction, and COMMIT then rolls it back.
+            tracing::error!(
+                completed = ?completed.as_ref().map_err(ToString::to_string),
+                committed = ?committed.as_ref().map_err(ToString::to_string),
+                "the transaction was not committed"
+            );
+            false
+        }
+    }
 }
 
 /// The guarded path of a request in transactional mode, after its body was read.
@@ -235,71 +334,22 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let conn = match tokio::time::timeout(config.store_timeout, store.client()).await {
-        Ok(Ok(conn)) => OpenTx(Some(conn)),
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "no connection for the transaction; the handler was not run");
-            return Ok(unavailable());
-        }
-        Err(_) => {
-            tracing::error!("no connection for the transaction in time; the handler was not run");
-            return Ok(unavailable());
-        }
-    };
-    // BEGIN and the claim go out together: one round trip. A duplicate's claim waits
-    // here on the first request's uncommitted row, up to the lock timeout.
-    let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = {}",
-        config.lock_timeout.as_millis().max(1)
-    );
-    let bound = config.store_timeout + config.lock_timeout;
-    let claimed = tokio::time::timeout(bound, async {
-        let client = conn.conn();
-        let (begun, claim) = tokio::join!(
-            client.batch_execute(&begin),
-            store.claim_on(client, &request)
-        );
-        begun.map_err(|e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e))?;
-        claim
-    })
-    .await;
-    let lease = match claimed {
-        Ok(Ok(Claim::Acquired(lease))) => lease,
-        Ok(Ok(Claim::Completed {
-            fingerprint,
-            response,
-        })) => {
-            rollback(conn).await;
+    let (conn, lease) = match open(&store, &request, config.lock_timeout, config.store_timeout).await {
+        Opened::Acquired(conn, lease) => (conn, lease),
+        Opened::Found(Claim::Completed { fingerprint, response }) => {
             if fingerprint != request.fingerprint {
                 return Ok(mismatch());
             }
             return Ok(replay(response));
         }
-        Ok(Ok(Claim::Running {
-            fingerprint,
-            retry_after,
-        })) => {
-            rollback(conn).await;
+        Opened::Found(Claim::Running { fingerprint, retry_after }) => {
             if fingerprint != request.fingerprint {
                 return Ok(mismatch());
             }
             return Ok(in_progress(retry_after));
         }
-        Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout => {
-            // The first request still holds the row past the lock timeout.
-            rollback(conn).await;
-            return Ok(in_progress(Duration::from_secs(1)));
-        }
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "claim failed; the handler was not run");
-            drop(conn);
-            return Ok(unavailable());
-        }
-        Err(_) => {
-            tracing::error!("claim timed out; the handler was not run");
-            drop(conn);
-            return Ok(unavailable());
-        }
+        Opened::Found(Claim::Acquired(_)) | Opened::Unavailable => return Ok(unavailable()),
+        Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
     };
 
     let handle = TransactionHandle {
@@ -364,35 +414,10 @@ where
                     (stored, Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)))
                 }
             };
-            // The completion and COMMIT go out together: one round trip, one commit.
-            // The statement is prepared first, so its Execute is on the wire before COMMIT.
-            let client = conn.conn();
-            let completed = match store.prepare_completion(client).await {
-                Ok(()) => {
-                    let (completed, committed) = tokio::join!(
-                        store.complete_on(client, &lease, &stored, config.ttl),
-                        client.batch_execute("COMMIT"),
-                    );
-                    (completed, committed.map_err(|e| e.to_string()))
-                }
-                Err(e) => (Err(e), Err("not attempted".to_owned())),
-            };
-            match completed {
-                (Ok(true), Ok(())) => {
-                    conn.ended();
-                    Ok(with_outcome(res, Outcome::Executed))
-                }
-                (completed, committed) => {
-                    // A failed statement aborts the transaction, and COMMIT then rolls
-                    // it back; a failed COMMIT may be a lost connection.
-                    tracing::error!(
-                        completed = ?completed.as_ref().map_err(ToString::to_string),
-                        ?committed,
-                        "the transaction was not committed"
-                    );
-                    drop(conn);
-                    Ok(not_committed())
-                }
+            if commit(&store, conn, &lease, &stored, config.ttl).await {
+                Ok(with_outcome(res, Outcome::Executed))
+            } else {
+                Ok(not_committed())
             }
         }
         .in_current_span(),

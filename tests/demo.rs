@@ -648,3 +648,326 @@ async fn sigterm_finishes_the_payment_in_flight() {
         json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
     );
 }
+
+/// Polls `GET /stats` on `addr` until `field` equals `value`; `false` if it never does.
+async fn wait_for_stat(client: &HttpClient, addr: SocketAddr, field: &str, value: i64) -> bool {
+    for _ in 0..POLL_ATTEMPTS {
+        if stats(client, addr).await[field] == value {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// `GET /stats/store`: the idempotency store's counters.
+async fn store_stats(client: &HttpClient, addr: SocketAddr) -> Value {
+    let reply = request(client, Method::GET, addr, "/stats/store", None, "")
+        .await
+        .unwrap_or_else(|e| panic!("GET /stats/store on {addr}: {e}"));
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    reply.json()
+}
+
+/// Retries `key` with `body` on `addr` until it answers 201; 409 in-progress is the
+/// only other answer allowed meanwhile.
+async fn retry_until_created(
+    client: &HttpClient,
+    addr: SocketAddr,
+    key: &str,
+    body: &str,
+) -> Reply {
+    let mut answers = Vec::new();
+    loop {
+        let reply = post_payment(client, addr, Some(key), body).await;
+        answers.push(reply.status.as_u16());
+        if reply.status == StatusCode::CREATED {
+            return reply;
+        }
+        reply.assert_problem(StatusCode::CONFLICT, "in-progress");
+        assert!(answers.len() < POLL_ATTEMPTS as usize, "{answers:?}");
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// The state and token of `key`'s row in the schema's key table, if it has one.
+async fn key_row(schema: &Schema, key: &str) -> Option<(String, i64)> {
+    query(&format!(
+        "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+        schema.name
+    ))
+    .await
+    .first()
+    .map(|row| (row.get(0), row.get(1)))
+}
+
+/// Transactional mode, crash in the window after the charge: the claim, still
+/// uncommitted, goes with the process, and so does the payment row written in its
+/// transaction. Only the provider's charge (outside the transaction) survives. After a
+/// restart the retry claims the key afresh, the provider returns the same charge for
+/// the same derived key, and the payment commits once with its response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_crash_rolls_back_and_the_retry_commits_once() {
+    const KEY: &str = "tx-crash-payment-1";
+    const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":1500}"#;
+    const ARGS: &[&str] = &["--mode", "transactional", "--lease-ms", "500"];
+    let schema = Schema::new();
+    let client = client();
+    let mut first = Demo::start_with(Some(&schema), ARGS);
+    assert_eq!(first.line_starting_with("mode:"), "mode: transactional");
+    first.wait_ready(&client).await;
+
+    let (c, addr) = (client.clone(), first.addr);
+    let in_flight = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    // The provider has charged: the handler is inside the window, before the commit.
+    assert!(
+        wait_for_stat(&client, first.addr, "charges", 1).await,
+        "the handler never charged"
+    );
+    first.kill9();
+    assert!(
+        in_flight.await.expect("join").is_err(),
+        "the killed process answered"
+    );
+
+    // Rolled back: no payment, no key. The charge was made outside the transaction.
+    let payments = query(&format!(
+        "SELECT payment_id FROM \"{}\".demo_payments",
+        schema.name
+    ))
+    .await;
+    assert!(payments.is_empty(), "{} payment row(s)", payments.len());
+    assert_eq!(
+        key_row(&schema, KEY).await,
+        None,
+        "the crashed claim was not rolled back"
+    );
+    let charges = query(&format!(
+        "SELECT charge_id FROM \"{}\".demo_psp_charges",
+        schema.name
+    ))
+    .await;
+    assert_eq!(charges.len(), 1);
+    let charge_id: String = charges[0].get(0);
+
+    let mut second = Demo::start_with(Some(&schema), ARGS);
+    second.wait_ready(&client).await;
+    let created = retry_until_created(&client, second.addr, KEY, PAYMENT).await;
+    assert!(
+        !created.replayed(),
+        "nothing was stored, so the retry ran the handler: {created:?}"
+    );
+    let payment = created.json();
+    assert_eq!(
+        payment["charge_id"],
+        charge_id.as_str(),
+        "the provider returned the charge made before the crash"
+    );
+    assert_eq!(payment["amount"], 700);
+    assert_eq!(payment["currency"], "EUR");
+
+    assert_eq!(
+        stats(&client, second.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+    );
+    let payments = query(&format!(
+        "SELECT payment_id, charge_id FROM \"{}\".demo_payments",
+        schema.name
+    ))
+    .await;
+    assert_eq!(payments.len(), 1);
+    assert_eq!(payments[0].get::<_, &str>(0), payment["payment_id"]);
+    assert_eq!(payments[0].get::<_, &str>(1), charge_id);
+    assert_eq!(
+        key_row(&schema, KEY).await,
+        Some(("completed".to_owned(), 1)),
+        "a fresh claim, completed (no takeover)"
+    );
+
+    let replay = post_payment(&client, second.addr, Some(KEY), PAYMENT).await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, created.body);
+    assert_eq!(
+        stats(&client, second.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+    );
+}
+
+/// Transactional mode over two processes: 100 concurrent requests with one key block
+/// on the first one's uncommitted claim and replay its committed response (or get 409
+/// if the lock timeout is hit): one execution, one charge, one payment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_duplicates_over_two_processes_commit_once() {
+    const KEY: &str = "tx-acceptance-payment-1";
+    const REQUESTS: usize = 100;
+    const ARGS: &[&str] = &["--mode", "transactional"];
+    let schema = Schema::new();
+    let mut a = Demo::start_with(Some(&schema), ARGS);
+    let mut b = Demo::start_with(Some(&schema), ARGS);
+    let client = client();
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+
+    let start = Arc::new(tokio::sync::Barrier::new(REQUESTS));
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let addr = if i % 2 == 0 { a.addr } else { b.addr };
+            let (client, start) = (client.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                post_payment(&client, addr, Some(KEY), SLOW_PAYMENT).await
+            })
+        })
+        .collect();
+    let mut replies = Vec::with_capacity(REQUESTS);
+    for task in tasks {
+        replies.push(task.await.expect("a request task"));
+    }
+
+    let mut created = Vec::new();
+    for reply in &replies {
+        match reply.status {
+            StatusCode::CREATED => created.push(reply),
+            StatusCode::CONFLICT => {
+                assert!(
+                    reply.header("retry-after").is_some(),
+                    "409 without Retry-After: {reply:?}"
+                );
+                reply.assert_problem(StatusCode::CONFLICT, "in-progress");
+            }
+            _ => panic!(
+                "expected 201 or 409, got {reply:?}; all statuses: {:?}",
+                replies
+                    .iter()
+                    .map(|r| r.status.as_u16())
+                    .collect::<Vec<_>>()
+            ),
+        }
+    }
+    println!(
+        "{} x 201, {} x 409",
+        created.len(),
+        replies.len() - created.len()
+    );
+    assert!(
+        !created.is_empty(),
+        "no 201 among {} replies",
+        replies.len()
+    );
+    let first = created[0].body.clone();
+    assert!(
+        created.iter().all(|r| r.body == first),
+        "the 201 bodies differ: {:?}",
+        created
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.body))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        created.iter().filter(|r| !r.replayed()).count(),
+        1,
+        "{created:?}"
+    );
+    let payment = created[0].json();
+    assert_eq!(payment["amount"], 1250);
+    assert_eq!(payment["currency"], "EUR");
+
+    let once = json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1});
+    assert_eq!(stats(&client, a.addr).await, once);
+    assert_eq!(stats(&client, b.addr).await, once);
+    assert_eq!(
+        key_row(&schema, KEY).await,
+        Some(("completed".to_owned(), 1))
+    );
+}
+
+/// Waiting for the first request across processes: a duplicate on B, which waits,
+/// is woken by the notification A's completion sends through PostgreSQL, and replays
+/// A's response; no fallback timer is involved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_on_another_process_is_woken_by_a_notification() {
+    const KEY: &str = "wait-payment-1";
+    const PAYMENT: &str = r#"{"amount":1100,"currency":"EUR","delay_ms":800}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut a = Demo::start(Some(&schema));
+    let mut b = Demo::start_with(Some(&schema), &["--wait-ms", "10000"]);
+    assert_eq!(b.line_starting_with("wait:"), "wait: 10000 ms");
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+    let before = store_stats(&client, b.addr).await;
+    assert_eq!(before["store"], "postgres", "{before}");
+    assert_eq!(before["listening"], true, "{before}");
+
+    let (c, addr) = (client.clone(), a.addr);
+    let on_a = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    assert!(
+        wait_for_stat(&client, a.addr, "handler_runs", 1).await,
+        "the handler on A never ran"
+    );
+    let on_b = post_payment(&client, b.addr, Some(KEY), PAYMENT).await;
+    let on_a = on_a
+        .await
+        .expect("join")
+        .expect("A answers the first request");
+    assert_eq!(on_a.status, StatusCode::CREATED, "{on_a:?}");
+    assert!(!on_a.replayed(), "{on_a:?}");
+    assert_eq!(on_b.status, StatusCode::CREATED, "{on_b:?}");
+    assert!(on_b.replayed(), "B ran the payment itself: {on_b:?}");
+    assert_eq!(on_b.body, on_a.body);
+
+    let store = store_stats(&client, b.addr).await;
+    assert_eq!(store["listening"], true, "{store}");
+    assert!(
+        store["notified_wakeups"].as_u64().is_some_and(|n| n >= 1),
+        "B's waiter was not woken by a notification: {store}"
+    );
+    assert_eq!(store["timer_wakeups"], 0, "B polled: {store}");
+    assert_eq!(
+        stats(&client, b.addr).await,
+        json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
+
+/// Waiting is bounded: a duplicate that waits longer than `--wait-ms` for a first
+/// request still running gets 409 in-progress, and the first request is not disturbed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_gives_up_at_its_bound_with_409() {
+    const KEY: &str = "wait-bound-payment-1";
+    const PAYMENT: &str = r#"{"amount":1300,"currency":"EUR","delay_ms":3000}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut demo = Demo::start_with(Some(&schema), &["--wait-ms", "300"]);
+    demo.wait_ready(&client).await;
+
+    let (c, addr) = (client.clone(), demo.addr);
+    let first = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    assert!(
+        wait_for_stat(&client, demo.addr, "handler_runs", 1).await,
+        "the first request's handler never ran"
+    );
+    let duplicate = post_payment(&client, demo.addr, Some(KEY), PAYMENT).await;
+    duplicate.assert_problem(StatusCode::CONFLICT, "in-progress");
+    assert!(
+        duplicate.header("retry-after").is_some(),
+        "409 without Retry-After: {duplicate:?}"
+    );
+
+    let first = first
+        .await
+        .expect("join")
+        .expect("the first request is answered");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed(), "{first:?}");
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
