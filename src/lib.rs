@@ -3,6 +3,7 @@
 
 mod body;
 mod fingerprint;
+pub mod job;
 mod key;
 mod layer;
 mod outcome;

@@ -439,7 +439,7 @@ where
 {
     let limit = config.response_body_limit;
     let handler = tokio::spawn(run_inner(inner, req, limit).in_current_span());
-    let joined = renew_while(&config, &lease, handler).await;
+    let joined = renew_while(&*config.store, &lease, config.lease, handler).await;
     let produced = match joined {
         Ok(produced) => produced,
         Err(e) => {
@@ -498,12 +498,14 @@ where
     }
 }
 
-async fn renew_while<T>(
-    config: &Config,
+/// Awaits `handler`, renewing `lease` every third of `duration` meanwhile.
+pub(crate) async fn renew_while<T>(
+    store: &dyn crate::store::Store,
     lease: &Lease,
+    duration: Duration,
     mut handler: tokio::task::JoinHandle<T>,
 ) -> Result<T, tokio::task::JoinError> {
-    let period = config.lease / 3;
+    let period = duration / 3;
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lost = false;
@@ -512,7 +514,7 @@ async fn renew_while<T>(
             biased;
             joined = &mut handler => return joined,
             _ = ticker.tick(), if !lost => {
-                match tokio::time::timeout(period, config.store.renew(lease, config.lease)).await {
+                match tokio::time::timeout(period, store.renew(lease, duration)).await {
                     Ok(Ok(true)) => {}
                     Ok(Ok(false)) => {
                         lost = true;

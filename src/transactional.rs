@@ -120,6 +120,26 @@ impl std::fmt::Display for TransactionClosed {
 impl std::error::Error for TransactionClosed {}
 
 impl TransactionHandle {
+    /// A handle over an open transaction, and the slot to take it back from.
+    pub(crate) fn holding(conn: OpenTx) -> (Self, Arc<Mutex<Option<OpenTx>>>) {
+        let slot = Arc::new(Mutex::new(Some(conn)));
+        (Self { slot: slot.clone() }, slot)
+    }
+
+    /// Takes the transaction back once the work is done; `None` if the work still holds
+    /// the connection after `bound` (it is then closed, which rolls back).
+    pub(crate) async fn take(slot: &Arc<Mutex<Option<OpenTx>>>, bound: Duration) -> Option<OpenTx> {
+        match tokio::time::timeout(bound, slot.lock()).await {
+            Ok(mut slot) => slot.take(),
+            Err(_) => {
+                tracing::error!(
+                    "the work kept the transaction's connection; it is rolled back when the connection closes"
+                );
+                None
+            }
+        }
+    }
+
     /// The transaction's connection.
     pub async fn client(&self) -> Result<TransactionClient, TransactionClosed> {
         let guard = self.slot.clone().lock_owned().await;
@@ -248,11 +268,16 @@ pub(crate) async fn open(
             return Opened::Unavailable;
         }
     };
-    let begin = format!("BEGIN; SET LOCAL lock_timeout = {}", lock_timeout.as_millis().max(1));
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = {}",
+        lock_timeout.as_millis().max(1)
+    );
     let claimed = tokio::time::timeout(store_timeout + lock_timeout, async {
         let client = conn.conn();
-        let (begun, claim) =
-            tokio::join!(client.batch_execute(&begin), store.claim_on(client, request));
+        let (begun, claim) = tokio::join!(
+            client.batch_execute(&begin),
+            store.claim_on(client, request)
+        );
         begun.map_err(|e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e))?;
         claim
     })
@@ -334,28 +359,33 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let (conn, lease) = match open(&store, &request, config.lock_timeout, config.store_timeout).await {
-        Opened::Acquired(conn, lease) => (conn, lease),
-        Opened::Found(Claim::Completed { fingerprint, response }) => {
-            if fingerprint != request.fingerprint {
-                return Ok(mismatch());
+    let (conn, lease) =
+        match open(&store, &request, config.lock_timeout, config.store_timeout).await {
+            Opened::Acquired(conn, lease) => (conn, lease),
+            Opened::Found(Claim::Completed {
+                fingerprint,
+                response,
+            }) => {
+                if fingerprint != request.fingerprint {
+                    return Ok(mismatch());
+                }
+                return Ok(replay(response));
             }
-            return Ok(replay(response));
-        }
-        Opened::Found(Claim::Running { fingerprint, retry_after }) => {
-            if fingerprint != request.fingerprint {
-                return Ok(mismatch());
+            Opened::Found(Claim::Running {
+                fingerprint,
+                retry_after,
+            }) => {
+                if fingerprint != request.fingerprint {
+                    return Ok(mismatch());
+                }
+                return Ok(in_progress(retry_after));
             }
-            return Ok(in_progress(retry_after));
-        }
-        Opened::Found(Claim::Acquired(_)) | Opened::Unavailable => return Ok(unavailable()),
-        Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
-    };
+            Opened::Found(Claim::Acquired(_)) | Opened::Unavailable => return Ok(unavailable()),
+            Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
+        };
 
-    let handle = TransactionHandle {
-        slot: Arc::new(Mutex::new(Some(conn))),
-    };
-    parts.extensions.insert(handle.clone());
+    let (handle, slot) = TransactionHandle::holding(conn);
+    parts.extensions.insert(handle);
     parts.extensions.insert(IdempotencyKey::new(
         request.scope.clone(),
         Arc::<str>::from(request.key),
@@ -366,12 +396,7 @@ where
             let _in_flight = in_flight;
             let limit = config.response_body_limit;
             let produced = tokio::spawn(run_inner(inner, req, limit).in_current_span()).await;
-            let conn = match tokio::time::timeout(config.store_timeout, handle.slot.lock()).await {
-                Ok(mut slot) => slot.take(),
-                Err(_) => None,
-            };
-            let Some(conn) = conn else {
-                tracing::error!("the handler kept the transaction's connection; it is rolled back when the connection closes");
+            let Some(conn) = TransactionHandle::take(&slot, config.store_timeout).await else {
                 return Ok(handler_failed());
             };
             let produced = match produced {
@@ -401,7 +426,10 @@ where
                     }
                     let stored = StoredResponse {
                         status: parts.status,
-                        headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
+                        headers: StoredResponse::storable_headers(
+                            &parts.headers,
+                            &config.unreplayed_headers,
+                        ),
                         body: body.clone(),
                     };
                     let mut res = Response::from_parts(parts, ResponseBody::full(body));
@@ -410,8 +438,15 @@ where
                 }
                 Produced::TooLarge(parts, prefix, rest) => {
                     let (p, b) = crate::service::not_stored_problem(limit).into_parts();
-                    let stored = StoredResponse { status: p.status, headers: p.headers, body: b };
-                    (stored, Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)))
+                    let stored = StoredResponse {
+                        status: p.status,
+                        headers: p.headers,
+                        body: b,
+                    };
+                    (
+                        stored,
+                        Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)),
+                    )
                 }
             };
             if commit(&store, conn, &lease, &stored, config.ttl).await {

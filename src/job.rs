@@ -1,0 +1,341 @@
+//! The same guarantees without HTTP: run a piece of work at most once per key.
+//!
+//! A queue consumer that may see a message twice (redelivery after a timeout, a
+//! producer's retry) runs it through a [`JobRunner`] keyed by the message id: the first
+//! delivery runs the work and stores its result; later ones get the stored result
+//! without running anything. Lease mode works on any [`Store`]; transactional mode
+//! ([`JobRunner::transactional`]) also commits the work's own writes together with the
+//! result.
+//!
+//! ```
+//! use bytes::Bytes;
+//! use tower_idempotency::{Scope, job::{JobOutcome, JobRunner}, store::MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let runner = JobRunner::new(MemoryStore::new());
+//! let scope = Scope::new("billing-consumer");
+//! for _delivery in 0..2 {
+//!     let outcome = runner
+//!         .run(&scope, "msg-42", b"credit 100", |_ctx| async {
+//!             // ... apply the message ...
+//!             Ok::<_, std::io::Error>(Bytes::from_static(b"credited"))
+//!         })
+//!         .await?;
+//!     match outcome {
+//!         JobOutcome::Ran(result) => assert_eq!(result, "credited"),
+//!         JobOutcome::AlreadyDone(result) => assert_eq!(result, "credited"),
+//!         JobOutcome::Running { .. } => unreachable!("nothing else runs it"),
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::{fmt, future::Future, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use http::StatusCode;
+use sha2::{Digest, Sha256};
+use tracing::Instrument;
+
+use crate::{
+    Fingerprint, IdempotencyKey, Scope, StoredResponse,
+    store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
+};
+
+/// Runs work at most once per (scope, key).
+#[derive(Clone)]
+pub struct JobRunner {
+    store: Arc<dyn Store>,
+    lease: Duration,
+    ttl: Duration,
+    store_timeout: Duration,
+    #[cfg(feature = "postgres")]
+    transactional: Option<(crate::store::PostgresStore, Duration)>,
+}
+
+/// What the work gets.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct JobContext {
+    /// The key, with its scope; `key.derive(label)` for the systems the work calls.
+    pub key: IdempotencyKey,
+    /// The open transaction, in transactional mode: write here, and it commits with the
+    /// result.
+    #[cfg(feature = "postgres")]
+    pub transaction: Option<crate::transactional::TransactionHandle>,
+}
+
+/// How a [`JobRunner::run`] ended, when nothing failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// The work ran now; its result is stored.
+    Ran(Bytes),
+    /// The work had already run; this is its stored result.
+    AlreadyDone(Bytes),
+    /// Another worker is running it now (lease mode); try again later.
+    Running {
+        /// Time left on that worker's lease.
+        retry_after: Duration,
+    },
+}
+
+/// Why a [`JobRunner::run`] failed. In every case the work either did not run or its
+/// claim was released (transactional mode: rolled back), so a later delivery runs it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum JobError<E> {
+    /// The work returned an error.
+    Failed(E),
+    /// The work panicked.
+    Panicked,
+    /// The key was already used with a different input.
+    Mismatch,
+    /// The store could not be reached; the work did not run.
+    Store(StoreError),
+    /// Transactional mode: the work's transaction could not be committed.
+    NotCommitted,
+}
+
+impl<E: fmt::Display> fmt::Display for JobError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Failed(e) => write!(f, "the job failed: {e}"),
+            Self::Panicked => f.write_str("the job panicked"),
+            Self::Mismatch => f.write_str("the key was already used with a different input"),
+            Self::Store(e) => write!(f, "{e}"),
+            Self::NotCommitted => f.write_str("the job's transaction was not committed"),
+        }
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for JobError<E> {}
+
+impl JobRunner {
+    /// A runner in lease mode over `store` (30 s lease, renewed while the work runs;
+    /// results kept 24 h).
+    pub fn new(store: impl IntoStore) -> Self {
+        Self {
+            store: store.into_store(),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 3600),
+            store_timeout: Duration::from_secs(5),
+            #[cfg(feature = "postgres")]
+            transactional: None,
+        }
+    }
+
+    /// A runner in transactional mode: the work gets the open transaction in
+    /// [`JobContext::transaction`], and its writes commit with the result.
+    #[cfg(feature = "postgres")]
+    pub fn transactional(store: crate::store::PostgresStore) -> Self {
+        let mut runner = Self::new(store.clone());
+        runner.transactional = Some((store, Duration::from_secs(5)));
+        runner
+    }
+
+    /// The lease (lease mode; default 30 s).
+    #[must_use]
+    pub fn lease_duration(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How long results are kept (default 24 h).
+    #[must_use]
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Transactional mode: how long to wait on another worker's uncommitted claim
+    /// before answering [`JobOutcome::Running`] (default 5 s).
+    #[cfg(feature = "postgres")]
+    #[must_use]
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        if let Some((_, t)) = &mut self.transactional {
+            *t = timeout.max(Duration::from_millis(1));
+        }
+        self
+    }
+
+    /// Runs `work` for (`scope`, `key`) unless it already ran. `input` is fingerprinted:
+    /// the same key with another input is [`JobError::Mismatch`].
+    pub async fn run<F, Fut, E>(
+        &self,
+        scope: &Scope,
+        key: &str,
+        input: &[u8],
+        work: F,
+    ) -> Result<JobOutcome, JobError<E>>
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
+        E: Send + 'static,
+    {
+        let request = ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint(Sha256::digest(input).into()),
+            lease: self.lease,
+            ttl: self.ttl,
+        };
+        let ctx_key = IdempotencyKey::new(scope.clone(), Arc::<str>::from(key));
+        #[cfg(feature = "postgres")]
+        if let Some((store, lock_timeout)) = &self.transactional {
+            return self
+                .run_transactional(store, *lock_timeout, &request, ctx_key, work)
+                .await;
+        }
+        let claim = tokio::time::timeout(self.store_timeout, self.store.claim(&request))
+            .await
+            .map_err(|_| {
+                JobError::Store(StoreError::new(
+                    crate::store::StoreErrorKind::Timeout,
+                    "claim timed out",
+                ))
+            })?
+            .map_err(JobError::Store)?;
+        let lease = match found(claim, &request)? {
+            Ok(lease) => lease,
+            Err(outcome) => return Ok(outcome),
+        };
+        let ctx = JobContext {
+            key: ctx_key,
+            #[cfg(feature = "postgres")]
+            transaction: None,
+        };
+        let task = tokio::spawn(work(ctx).in_current_span());
+        let joined = crate::service::renew_while(&*self.store, &lease, self.lease, task).await;
+        match joined {
+            Ok(Ok(result)) => {
+                let stored = stored(&result);
+                let done = tokio::time::timeout(
+                    self.store_timeout,
+                    self.store.complete(&lease, &stored, self.ttl),
+                )
+                .await;
+                if !matches!(done, Ok(Ok(true))) {
+                    tracing::warn!(
+                        key,
+                        "the job's result could not be stored; a later delivery may run it again"
+                    );
+                }
+                Ok(JobOutcome::Ran(result))
+            }
+            Ok(Err(e)) => {
+                self.release(&lease).await;
+                Err(JobError::Failed(e))
+            }
+            Err(_) => {
+                self.release(&lease).await;
+                Err(JobError::Panicked)
+            }
+        }
+    }
+
+    async fn release(&self, lease: &Lease) {
+        let _ = tokio::time::timeout(self.store_timeout, self.store.release(lease)).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    async fn run_transactional<F, Fut, E>(
+        &self,
+        store: &crate::store::PostgresStore,
+        lock_timeout: Duration,
+        request: &ClaimRequest<'_>,
+        key: IdempotencyKey,
+        work: F,
+    ) -> Result<JobOutcome, JobError<E>>
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
+        E: Send + 'static,
+    {
+        use crate::transactional::{Opened, TransactionHandle, commit, open, rollback};
+
+        let (conn, lease) = match open(store, request, lock_timeout, self.store_timeout).await {
+            Opened::Acquired(conn, lease) => (conn, lease),
+            Opened::Found(claim) => {
+                return match found(claim, request)? {
+                    Ok(_) => Err(JobError::Store(StoreError::new(
+                        crate::store::StoreErrorKind::Other,
+                        "claim returned outside its transaction",
+                    ))),
+                    Err(outcome) => Ok(outcome),
+                };
+            }
+            Opened::Busy => {
+                return Ok(JobOutcome::Running {
+                    retry_after: Duration::from_secs(1),
+                });
+            }
+            Opened::Unavailable => {
+                return Err(JobError::Store(StoreError::new(
+                    crate::store::StoreErrorKind::Unavailable,
+                    "the transaction could not be opened",
+                )));
+            }
+        };
+        let (handle, slot) = TransactionHandle::holding(conn);
+        let ctx = JobContext {
+            key,
+            transaction: Some(handle),
+        };
+        let joined = tokio::spawn(work(ctx).in_current_span()).await;
+        let Some(conn) = TransactionHandle::take(&slot, self.store_timeout).await else {
+            return Err(JobError::NotCommitted);
+        };
+        match joined {
+            Ok(Ok(result)) => {
+                if commit(store, conn, &lease, &stored(&result), self.ttl).await {
+                    Ok(JobOutcome::Ran(result))
+                } else {
+                    Err(JobError::NotCommitted)
+                }
+            }
+            Ok(Err(e)) => {
+                rollback(conn).await;
+                Err(JobError::Failed(e))
+            }
+            Err(_) => {
+                rollback(conn).await;
+                Err(JobError::Panicked)
+            }
+        }
+    }
+}
+
+/// A job's result as a stored record.
+fn stored(result: &Bytes) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::OK,
+        headers: http::HeaderMap::new(),
+        body: result.clone(),
+    }
+}
+
+/// `Ok(Ok(lease))` to run; `Ok(Err(outcome))` when there is nothing to run.
+fn found<E>(
+    claim: Claim,
+    request: &ClaimRequest<'_>,
+) -> Result<Result<Lease, JobOutcome>, JobError<E>> {
+    match claim {
+        Claim::Acquired(lease) => Ok(Ok(lease)),
+        Claim::Completed { fingerprint, .. } | Claim::Running { fingerprint, .. }
+            if fingerprint != request.fingerprint =>
+        {
+            Err(JobError::Mismatch)
+        }
+        Claim::Completed { response, .. } => Ok(Err(JobOutcome::AlreadyDone(response.body))),
+        Claim::Running { retry_after, .. } => Ok(Err(JobOutcome::Running { retry_after })),
+    }
+}
+
+impl fmt::Debug for JobRunner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JobRunner")
+            .field("lease", &self.lease)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}

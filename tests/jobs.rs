@@ -1,0 +1,180 @@
+//! Idempotent work without HTTP: a queue consumer deduplicating deliveries.
+#![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
+
+mod common;
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use bytes::Bytes;
+use common::TestSchema;
+use tower_idempotency::{
+    Scope,
+    job::{JobError, JobOutcome, JobRunner},
+    store::MemoryStore,
+};
+
+async fn deliveries_run_once(runner: JobRunner) {
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = |runs: Arc<AtomicUsize>| {
+        move |_| async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            Ok::<_, std::io::Error>(Bytes::from(format!("run {n}")))
+        }
+    };
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (runner, scope, runs) = (runner.clone(), scope.clone(), runs.clone());
+            tokio::spawn(async move {
+                runner
+                    .run(&scope, "msg-1", b"payload", work(runs))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut ran = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            JobOutcome::Ran(r) => {
+                ran += 1;
+                assert_eq!(r, "run 1");
+            }
+            JobOutcome::AlreadyDone(r) => assert_eq!(r, "run 1"),
+            JobOutcome::Running { .. } => {}
+        }
+    }
+    assert_eq!(ran, 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // A redelivery later gets the stored result.
+    let again = runner
+        .run(&scope, "msg-1", b"payload", work(runs.clone()))
+        .await
+        .unwrap();
+    assert_eq!(again, JobOutcome::AlreadyDone(Bytes::from("run 1")));
+    // The same id with another payload is a producer bug.
+    let other = runner
+        .run(&scope, "msg-1", b"other", work(runs.clone()))
+        .await;
+    assert!(matches!(other, Err(JobError::Mismatch)));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+async fn failures_release_the_key(runner: JobRunner) {
+    let scope = Scope::new("consumer");
+    let failed = runner
+        .run(&scope, "msg-2", b"p", |_| async {
+            Err::<Bytes, _>("downstream refused")
+        })
+        .await;
+    assert!(matches!(
+        failed,
+        Err(JobError::Failed("downstream refused"))
+    ));
+    let panicked = runner
+        .run(&scope, "msg-2", b"p", |_| async {
+            if true {
+                panic!("the job panicked on purpose");
+            }
+            Ok::<_, std::io::Error>(Bytes::new())
+        })
+        .await;
+    assert!(matches!(panicked, Err(JobError::Panicked)));
+    let ran = runner
+        .run(&scope, "msg-2", b"p", |ctx| async move {
+            Ok::<_, std::io::Error>(Bytes::from(ctx.key.derive("downstream")))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(ran, JobOutcome::Ran(ref k) if k.len() == 64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_deliveries_run_once() {
+    deliveries_run_once(JobRunner::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn memory_failures_release_the_key() {
+    failures_release_the_key(JobRunner::new(MemoryStore::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_deliveries_run_once() {
+    let schema = TestSchema::new();
+    deliveries_run_once(JobRunner::new(schema.store().await)).await;
+}
+
+#[tokio::test]
+async fn postgres_failures_release_the_key() {
+    let schema = TestSchema::new();
+    failures_release_the_key(JobRunner::new(schema.store().await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_deliveries_run_once() {
+    let schema = TestSchema::new();
+    deliveries_run_once(JobRunner::transactional(schema.store().await)).await;
+}
+
+#[tokio::test]
+async fn transactional_work_commits_its_writes_with_the_result_or_not_at_all() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = format!("\"{}\".balances", schema.name);
+    store
+        .pool()
+        .get()
+        .await
+        .unwrap()
+        .batch_execute(&format!("CREATE TABLE {table} (account text, delta int)"))
+        .await
+        .unwrap();
+    let runner = JobRunner::transactional(store);
+    let scope = Scope::new("consumer");
+    let credit = |fail: bool| {
+        let table = table.clone();
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            client
+                .execute(&format!("INSERT INTO {table} VALUES ('acct-1', 100)"), &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            if fail {
+                return Err("the ledger refused".to_owned());
+            }
+            Ok(Bytes::from_static(b"credited"))
+        }
+    };
+    let count_sql = format!("SELECT count(*) FROM {table}");
+    let failed = runner.run(&scope, "msg-3", b"+100", credit(true)).await;
+    assert!(matches!(failed, Err(JobError::Failed(_))));
+    assert_eq!(
+        schema.query(&count_sql).await[0].get::<_, i64>(0),
+        0,
+        "a failed job's writes roll back"
+    );
+    let ran = runner
+        .run(&scope, "msg-3", b"+100", credit(false))
+        .await
+        .unwrap();
+    assert_eq!(ran, JobOutcome::Ran(Bytes::from_static(b"credited")));
+    let again = runner
+        .run(&scope, "msg-3", b"+100", credit(false))
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        JobOutcome::AlreadyDone(Bytes::from_static(b"credited"))
+    );
+    assert_eq!(
+        schema.query(&count_sql).await[0].get::<_, i64>(0),
+        1,
+        "credited once"
+    );
+}
