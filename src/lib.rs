@@ -34,3 +34,7 @@ pub use shutdown::ShutdownHandle;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/failure-modes.md")]
 struct FailureModesDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/modes.md")]
+struct ModesDoctests;
