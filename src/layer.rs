@@ -71,6 +71,8 @@ pub(crate) struct Config {
     pub(crate) unreplayed_headers: Arc<[HeaderName]>,
     pub(crate) shutdown: ShutdownHandle,
     pub(crate) wait: Duration,
+    pub(crate) request_body_timeout: Duration,
+    pub(crate) hash_keys_in_traces: bool,
     #[cfg(feature = "postgres")]
     pub(crate) transactional: Option<crate::store::PostgresStore>,
     #[cfg(feature = "postgres")]
@@ -100,6 +102,8 @@ impl IdempotencyLayer {
                 unreplayed_headers: Arc::from([header::SET_COOKIE]),
                 shutdown: ShutdownHandle::default(),
                 wait: Duration::ZERO,
+                request_body_timeout: Duration::from_secs(30),
+                hash_keys_in_traces: false,
                 #[cfg(feature = "postgres")]
                 transactional: None,
                 #[cfg(feature = "postgres")]
@@ -189,6 +193,24 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn request_body_limit(mut self, bytes: usize) -> Self {
         self.config().request_body_limit = bytes;
+        self
+    }
+
+    /// How long reading a guarded request's body may take (default 30 s). A body that
+    /// never ends, or a client that sends it too slowly, gets `408 body-timeout`, and
+    /// nothing is claimed.
+    #[must_use]
+    pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
+        self.config().request_body_timeout = timeout;
+        self
+    }
+
+    /// Whether the `idempotency` tracing span carries a hash of the key instead of the
+    /// key itself (default `false`: the key, as the client sent it). Turn it on when keys
+    /// may carry meaning (an order number, an email). The scope is always hashed.
+    #[must_use]
+    pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
+        self.config().hash_keys_in_traces = hash;
         self
     }
 

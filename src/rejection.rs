@@ -25,6 +25,8 @@ pub enum Problem {
     BodyTooLarge,
     /// 400: the request body could not be read.
     BodyUnreadable,
+    /// 408: the request body did not arrive in time.
+    BodyTimeout,
     /// 422: the key was already used with a different request.
     KeyReused,
     /// 409: a request with this key is still being processed.
@@ -58,6 +60,7 @@ impl Problem {
             Self::KeyMalformed => "key-malformed",
             Self::BodyTooLarge => "body-too-large",
             Self::BodyUnreadable => "body-unreadable",
+            Self::BodyTimeout => "body-timeout",
             Self::KeyReused => "key-reused",
             Self::InProgress => "in-progress",
             Self::StoreUnavailable => "store-unavailable",
@@ -83,6 +86,7 @@ impl Problem {
         match self {
             Self::KeyMissing | Self::KeyMalformed | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InProgress => StatusCode::CONFLICT,
             Self::StoreUnavailable | Self::ShuttingDown | Self::NotCommitted => {
@@ -99,6 +103,7 @@ impl Problem {
             Self::KeyMalformed => "Malformed Idempotency-Key",
             Self::BodyTooLarge => "Request body too large",
             Self::BodyUnreadable => "Request body unreadable",
+            Self::BodyTimeout => "Request body timed out",
             Self::KeyReused => "Idempotency-Key reused with a different request",
             Self::InProgress => "Request with this Idempotency-Key in progress",
             Self::StoreUnavailable => "Idempotency store unavailable",
@@ -169,6 +174,7 @@ mod tests {
             Problem::KeyMalformed,
             Problem::BodyTooLarge,
             Problem::BodyUnreadable,
+            Problem::BodyTimeout,
             Problem::KeyReused,
             Problem::InProgress,
             Problem::StoreUnavailable,
@@ -177,6 +183,14 @@ mod tests {
             Problem::NotCommitted,
             Problem::ResponseNotStored,
         ];
+        let page = include_str!("../docs/problems.md");
+        for p in all {
+            assert!(
+                page.contains(&format!("<a id=\"{}\"></a>", p.slug())),
+                "{} is not described in docs/problems.md",
+                p.slug()
+            );
+        }
         let mut slugs: Vec<_> = all.iter().map(|p| p.slug()).collect();
         slugs.sort_unstable();
         slugs.dedup();

@@ -118,10 +118,15 @@ where
         };
         let span = tracing::info_span!(
             "idempotency",
-            key = %key,
+            key = field::Empty,
             scope = field::Empty,
             outcome = field::Empty,
         );
+        if config.hash_keys_in_traces {
+            span.record("key", short_hash(key.as_bytes()).as_str());
+        } else {
+            span.record("key", key.as_str());
+        }
         let config = config.clone();
         let future = async move {
             let res = guarded(config, inner, req, key).await;
@@ -154,6 +159,12 @@ fn answered<F, B: Send + 'static, E: Send + 'static>(
             future: Box::pin(std::future::ready(Ok(res))),
         },
     }
+}
+
+/// The first 16 hex digits of the SHA-256 of `bytes`: enough to correlate, not to recover.
+fn short_hash(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    crate::fingerprint::hex(&sha2::Sha256::digest(bytes)[..8])
 }
 
 /// A rejection before anything was claimed.
@@ -194,13 +205,30 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Ok(too_large(limit));
     }
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large(limit)),
-        Err(e) => {
+    // Bounded in size and in time: a body that never ends, or trickles in, is cut off
+    // before anything is claimed.
+    let read = tokio::time::timeout(
+        config.request_body_timeout,
+        Limited::new(body, limit).collect(),
+    );
+    let body = match read.await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return Ok(too_large(limit));
+        }
+        Ok(Err(e)) => {
             return Ok(reject(
                 Problem::BodyUnreadable,
                 &format!("the request body could not be read: {e}"),
+            ));
+        }
+        Err(_) => {
+            return Ok(reject(
+                Problem::BodyTimeout,
+                &format!(
+                    "the request body did not arrive within {} ms; nothing was processed",
+                    config.request_body_timeout.as_millis()
+                ),
             ));
         }
     };
@@ -209,7 +237,8 @@ where
         return Ok(shutting_down());
     };
     let scope = (config.scope)(&parts);
-    Span::current().record("scope", scope.as_str());
+    // A tenant or user id may be personal data: traces carry its hash.
+    Span::current().record("scope", short_hash(scope.as_str().as_bytes()).as_str());
     let fingerprint = config.fingerprinter.compute(&parts, &body);
     let claim_request = ClaimRequest {
         scope: &scope,
