@@ -37,8 +37,9 @@
 //! ```
 //!
 //! The connection is held from the claim to the commit, so at most the pool's size of
-//! transactional handlers run at once, and waiting duplicates hold connections too: size
-//! the pool for both.
+//! transactional handlers run at once. Duplicates waiting on a row hold a connection
+//! too, but at most half of the pool's: the others queue in-process until a permit
+//! frees, so the handler they wait for always finds a connection.
 
 use std::{ops::Deref, sync::Arc, time::Duration};
 
@@ -257,6 +258,14 @@ pub(crate) async fn open(
     lock_timeout: Duration,
     store_timeout: Duration,
 ) -> Opened {
+    // Duplicates block on the first request's row while holding a connection; the
+    // permit keeps them from taking the connections its handler needs.
+    let Ok(_permit) =
+        tokio::time::timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await
+    else {
+        tracing::error!("too many transactional claims waiting; nothing was run");
+        return Opened::Busy;
+    };
     let conn = match tokio::time::timeout(store_timeout, store.client()).await {
         Ok(Ok(conn)) => OpenTx(Some(conn)),
         Ok(Err(e)) => {

@@ -68,6 +68,10 @@ pub struct PostgresStore {
     statements: Arc<AtomicU64>,
     listen_config: Option<tokio_postgres::Config>,
     listener: Arc<Listener>,
+    /// Transactional claims in progress hold a connection each, possibly blocked on
+    /// another request's row: at most half the pool may, so that the handlers they wait
+    /// for always find connections.
+    tx_claims: Arc<tokio::sync::Semaphore>,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -273,7 +277,11 @@ impl PostgresStore {
         listen_config: Option<tokio_postgres::Config>,
     ) -> Self {
         let channel = format!("{table}_done");
+        let tx_claims = Arc::new(tokio::sync::Semaphore::new(
+            (pool.status().max_size / 2).max(1),
+        ));
         Self {
+            tx_claims,
             sql: Arc::new(Sql::new(&schema, &table)),
             listener: Arc::new(Listener::new(listen_config.clone(), channel)),
             listen_config,
@@ -428,6 +436,15 @@ impl PostgresStore {
     /// skipped, so several purgers never wait on each other.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
         self.execute(&self.sql.purge, &[&batch]).await
+    }
+
+    /// A permit to hold a connection for a transactional claim (see `tx_claims`).
+    pub(crate) async fn tx_claim_permit(&self) -> tokio::sync::OwnedSemaphorePermit {
+        match self.tx_claims.clone().acquire_owned().await {
+            Ok(permit) => permit,
+            // The semaphore is never closed.
+            Err(_) => unreachable!("the claim semaphore is never closed"),
+        }
     }
 
     pub(crate) async fn client(&self) -> Result<Client, StoreError> {
