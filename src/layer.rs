@@ -14,6 +14,9 @@ use crate::{
     store::{IntoStore, Store},
 };
 
+/// The longest TTL or lease accepted; longer settings are clamped to it.
+const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// The default header name, `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
@@ -164,7 +167,7 @@ impl IdempotencyLayer {
     /// how long a handler may run.
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
-        self.config().lease = lease.max(Duration::from_millis(10));
+        self.config().lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);
         self
     }
 
@@ -181,10 +184,12 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long a stored response is replayed (default 24 h).
+    /// How long a stored response is replayed (default 24 h; from 1 ms to 10 years). The
+    /// TTL counts from completion; a running request's record lives at least as long as
+    /// its lease, however short the TTL.
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.config().ttl = ttl;
+        self.config().ttl = ttl.clamp(Duration::from_millis(1), TEN_YEARS);
         self
     }
 
@@ -223,10 +228,11 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long to wait for the store on a claim before answering 503 (default 5 s).
+    /// How long to wait for the store on a claim before answering 503 (default 5 s; at
+    /// least 1 ms).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.config().store_timeout = timeout;
+        self.config().store_timeout = timeout.max(Duration::from_millis(1));
         self
     }
 

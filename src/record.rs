@@ -14,13 +14,14 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
-/// Headers that describe one connection, not the response (RFC 9110 §7.6.1), plus
-/// `Content-Length`, which is recomputed from the stored body.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Headers never stored: the connection-specific ones of RFC 9110 §7.6.1
+/// (`Connection` and the fields it names, `Proxy-Connection`, `Keep-Alive`, `TE`,
+/// `Transfer-Encoding`, `Upgrade`); `Trailer`, since trailers are not stored, so a
+/// replay must not announce them; and `Content-Length`, recomputed from the stored body.
+const NOT_STORED: [HeaderName; 7] = [
     header::CONNECTION,
+    HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
     header::TE,
     header::TRAILER,
     header::TRANSFER_ENCODING,
@@ -39,7 +40,7 @@ impl StoredResponse {
             .collect();
         let mut out = HeaderMap::with_capacity(headers.len());
         for (name, value) in headers {
-            if HOP_BY_HOP.contains(name)
+            if NOT_STORED.contains(name)
                 || name == header::CONTENT_LENGTH
                 || excluded.contains(name)
                 || connection_named.contains(name)
@@ -130,8 +131,15 @@ mod tests {
         h.append("content-length", HeaderValue::from_static("10"));
         h.append("set-cookie", HeaderValue::from_static("s=1"));
         h.append("location", HeaderValue::from_static("/payments/1"));
+        h.append("proxy-connection", HeaderValue::from_static("keep-alive"));
+        h.append("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.append("upgrade", HeaderValue::from_static("h2c"));
+        h.append("trailer", HeaderValue::from_static("x-checksum"));
+        h.append("proxy-authenticate", HeaderValue::from_static("Basic"));
         let kept = StoredResponse::storable_headers(&h, &[header::SET_COOKIE]);
-        assert_eq!(kept.len(), 1);
+        assert_eq!(kept.len(), 2, "{kept:?}");
         assert_eq!(kept["location"], "/payments/1");
+        // End-to-end under RFC 9110: a replayed 407 keeps its challenge.
+        assert_eq!(kept["proxy-authenticate"], "Basic");
     }
 }

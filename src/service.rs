@@ -302,7 +302,7 @@ async fn claim<B>(
     loop {
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
-        let claim = tokio::time::timeout(config.store_timeout, config.store.claim(request)).await;
+        let claim = bounded_claim(config, request).await;
         match claim {
             Ok(Ok(Claim::Acquired(lease))) => return Ok(lease),
             Ok(Ok(Claim::Completed {
@@ -337,6 +337,45 @@ async fn claim<B>(
                 tracing::error!(timeout = ?config.store_timeout, "claim timed out; the handler was not run");
                 return Err(unavailable());
             }
+        }
+    }
+}
+
+/// Claims in a task of its own, bounded by the store timeout. A claim still in flight at
+/// the bound may yet commit; it is then released as soon as it returns, so a request
+/// answered 503 does not leave its key blocked for a lease.
+async fn bounded_claim(
+    config: &Config,
+    request: &ClaimRequest<'_>,
+) -> Result<Result<Claim, crate::store::StoreError>, tokio::time::error::Elapsed> {
+    let store = config.store.clone();
+    let (scope, key) = (request.scope.clone(), request.key.to_owned());
+    let (fingerprint, lease, ttl) = (request.fingerprint, request.lease, request.ttl);
+    let mut task = tokio::spawn(async move {
+        let request = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            fingerprint,
+            lease,
+            ttl,
+        };
+        store.claim(&request).await
+    });
+    match tokio::time::timeout(config.store_timeout, &mut task).await {
+        Ok(Ok(claim)) => Ok(claim),
+        Ok(Err(e)) => Ok(Err(crate::store::StoreError::new(
+            crate::store::StoreErrorKind::Other,
+            e,
+        ))),
+        Err(elapsed) => {
+            let store = config.store.clone();
+            tokio::spawn(async move {
+                if let Ok(Ok(Claim::Acquired(lease))) = task.await {
+                    tracing::warn!(key = %lease.key, "a claim answered 503 landed late; releasing it");
+                    let _ = store.release(&lease).await;
+                }
+            });
+            Err(elapsed)
         }
     }
 }
@@ -510,17 +549,22 @@ where
             Ok(with_outcome(res, Outcome::Executed))
         }
         Produced::TooLarge(parts, prefix, rest) => {
-            tracing::warn!(
-                limit,
-                "the response is over the storage limit; retries will get response-not-stored"
-            );
-            let (p, b) = not_stored_problem(limit).into_parts();
-            let stored = StoredResponse {
-                status: p.status,
-                headers: p.headers,
-                body: b,
-            };
-            store_result(&config, &lease, stored, in_flight).await;
+            if (config.policy)(parts.status, &parts.headers) {
+                tracing::warn!(
+                    limit,
+                    "the response is over the storage limit; retries will get response-not-stored"
+                );
+                let (p, b) = not_stored_problem(limit).into_parts();
+                let stored = StoredResponse {
+                    status: p.status,
+                    headers: p.headers,
+                    body: b,
+                };
+                store_result(&config, &lease, stored, in_flight).await;
+            } else {
+                // Not to be stored in any size: the key is free for a retry.
+                release(&config, &lease).await;
+            }
             let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
             Ok(with_outcome(res, Outcome::Executed))
         }

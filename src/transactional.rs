@@ -446,6 +446,11 @@ where
                     (stored, res)
                 }
                 Produced::TooLarge(parts, prefix, rest) => {
+                    if !(config.policy)(parts.status, &parts.headers) {
+                        rollback(conn).await;
+                        let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+                        return Ok(with_outcome(res, Outcome::Executed));
+                    }
                     let (p, b) = crate::service::not_stored_problem(limit).into_parts();
                     let stored = StoredResponse {
                         status: p.status,

@@ -201,6 +201,7 @@ async fn a_zombie_holder_is_fenced_and_the_stored_response_is_its_successors() {
     let r = router_a.clone();
     let zombie = tokio::spawn(async move { send(&r, post("k", "{}")).await });
     eventually(|| runs_a.runs() == 1).await;
+    let (_, zombie_token) = row(&schema, "k").await.expect("A's claim");
     // A's renewals can no longer reach the database: its lease lapses while it runs.
     proxy.stall(true);
     let mut answers = Vec::new();
@@ -216,9 +217,14 @@ async fn a_zombie_holder_is_fenced_and_the_stored_response_is_its_successors() {
     };
     assert_eq!(taken_over.outcome, Some(Outcome::Executed));
     assert_eq!(&taken_over.body[..], b"from B");
-    assert_eq!(row(&schema, "k").await, Some(("completed".into(), 2)));
+    let successor = Some(("completed".to_owned(), zombie_token + 1));
+    assert_eq!(
+        row(&schema, "k").await,
+        successor,
+        "taken over with the next token"
+    );
 
-    // The zombie wakes up, finishes, and tries to complete with token 1.
+    // The zombie wakes up, finishes, and tries to complete with its old token.
     proxy.stall(false);
     gate_a.add_permits(1);
     let zombie = zombie.await.unwrap();
@@ -237,7 +243,7 @@ async fn a_zombie_holder_is_fenced_and_the_stored_response_is_its_successors() {
         assert_eq!(replay.outcome, Some(Outcome::Replayed));
         assert_eq!(&replay.body[..], b"from B");
     }
-    assert_eq!(row(&schema, "k").await, Some(("completed".into(), 2)));
+    assert_eq!(row(&schema, "k").await, successor);
     assert_eq!(
         (runs_a.runs(), runs_b.runs()),
         (1, 1),
@@ -364,6 +370,53 @@ async fn an_exhausted_pool_is_a_bounded_503_not_a_hang() {
     assert_eq!(r.problem(), "store-unavailable");
     assert_eq!(counter.runs(), 0);
     drop(held);
-    assert_eq!(send(&router, post("k", "{}")).await.status, 201);
+    // The claim answered 503 was still waiting for the connection; it lands now and is
+    // released at once, so a retry may briefly see it (409) and then runs, once.
+    let mut statuses = Vec::new();
+    loop {
+        let r = send(&router, post("k", "{}")).await;
+        statuses.push(r.status.as_u16());
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.status, 409, "{statuses:?}");
+        assert!(statuses.len() < 100, "{statuses:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(counter.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_claim_that_lands_after_its_503_is_released_not_left_blocking() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    // A long lease: if the late claim were left in place, retries would get 409 for
+    // a minute.
+    let layer = IdempotencyLayer::new(store)
+        .store_timeout(Duration::from_millis(200))
+        .lease_duration(Duration::from_secs(60));
+    let (router, counter) = app(layer);
+    // Warm: the claim statement is prepared, so a stalled claim is on the wire whole.
+    assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+    proxy.stall(true);
+    let r = send(&router, post("k", "{}")).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(counter.runs_of("k"), 0);
+    proxy.stall(false);
+    let mut statuses = Vec::new();
+    loop {
+        let r = send(&router, post("k", "{}")).await;
+        statuses.push(r.status.as_u16());
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.status, 409, "{statuses:?}");
+        assert!(
+            statuses.len() < 100,
+            "the late claim was left blocking: {statuses:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(counter.runs_of("k"), 1);
 }

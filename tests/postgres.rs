@@ -292,3 +292,35 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     // Waiting cost one claim before the wait and one after the wake-up: no polling.
     assert_eq!(after.statements - before.statements, 2, "{after:?}");
 }
+
+#[tokio::test]
+async fn purge_never_deletes_a_live_claim() {
+    use tower_idempotency::{
+        Fingerprint, Scope,
+        store::{Claim, ClaimRequest, Store},
+    };
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let scope = Scope::new("s");
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "running",
+        fingerprint: Fingerprint([1; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_millis(10),
+    };
+    let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
+        panic!("acquired")
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        store.purge_expired(100).await.unwrap(),
+        0,
+        "the claim's lease is live"
+    );
+    assert!(store.renew(&lease, Duration::from_secs(30)).await.unwrap());
+    assert!(matches!(
+        store.claim(&request).await.unwrap(),
+        Claim::Running { .. }
+    ));
+}

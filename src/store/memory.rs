@@ -55,6 +55,23 @@ enum State {
     Completed(StoredResponse),
 }
 
+impl Record {
+    /// Past its TTL and not held by a live lease: it may be purged or claimed afresh.
+    fn is_free(&self, now: Instant) -> bool {
+        self.expires_at <= now
+            && match self.state {
+                State::Completed(_) => true,
+                State::Running { locked_until } => locked_until <= now,
+            }
+    }
+}
+
+/// `now + d`, saturating far in the future instead of overflowing.
+fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryStore")
@@ -84,7 +101,7 @@ impl MemoryStore {
         let mut inner = self.lock();
         let before = inner.records.len();
         let now = Instant::now();
-        inner.records.retain(|_, r| r.expires_at > now);
+        inner.records.retain(|_, r| !r.is_free(now));
         before - inner.records.len()
     }
 
@@ -100,15 +117,15 @@ impl MemoryStore {
         inner.claims_since_sweep += 1;
         if inner.claims_since_sweep >= 1024 {
             inner.claims_since_sweep = 0;
-            inner.records.retain(|_, r| r.expires_at > now);
+            inner.records.retain(|_, r| !r.is_free(now));
         }
         let id = (req.scope.clone(), Arc::<str>::from(req.key));
         let new_record = |token| Record {
             fingerprint: req.fingerprint,
             token,
-            expires_at: now + req.ttl,
+            expires_at: later(now, req.ttl),
             state: State::Running {
-                locked_until: now + req.lease,
+                locked_until: later(now, req.lease),
             },
         };
         let lease = |token| Lease {
@@ -117,10 +134,11 @@ impl MemoryStore {
             token,
         };
         let Some(record) = inner.records.get_mut(&id) else {
-            inner.records.insert(id.clone(), new_record(1));
-            return Claim::Acquired(lease(1));
+            let token = super::fresh_token();
+            inner.records.insert(id.clone(), new_record(token));
+            return Claim::Acquired(lease(token));
         };
-        let expired = record.expires_at <= now;
+        let expired = record.is_free(now);
         match &record.state {
             _ if expired => {}
             State::Running { locked_until }
@@ -183,7 +201,7 @@ impl Store for MemoryStore {
             let done = self.with_held(lease, |inner, id| {
                 if let Some(r) = inner.records.get_mut(&id) {
                     r.state = State::Completed(response.clone());
-                    r.expires_at = Instant::now() + ttl;
+                    r.expires_at = later(Instant::now(), ttl);
                 }
             });
             if done {
@@ -213,9 +231,12 @@ impl Store for MemoryStore {
         Box::pin(async move {
             Ok(self.with_held(lease, |inner, id| {
                 if let Some(r) = inner.records.get_mut(&id) {
+                    let until = later(Instant::now(), duration);
                     r.state = State::Running {
-                        locked_until: Instant::now() + duration,
+                        locked_until: until,
                     };
+                    // A live holder's record outlives its TTL.
+                    r.expires_at = r.expires_at.max(until);
                 }
             }))
         })

@@ -64,6 +64,23 @@ pub struct ClaimRequest<'a> {
     pub ttl: Duration,
 }
 
+/// A fencing token for a fresh claim: random, in `1..2^62`. Takeovers add one, so a
+/// key's tokens only grow while its row lives; and because a fresh row starts at a
+/// random token, a holder whose row was deleted (released, purged) and claimed anew
+/// cannot act on the new claim (the chance of a collision is 2^-62).
+pub(crate) fn fresh_token() -> i64 {
+    use std::hash::{BuildHasher, Hasher};
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    ((h.finish() >> 2) as i64).max(1)
+}
+
 /// The right to run the handler for one key, until the lease lapses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -71,7 +88,7 @@ pub struct Lease {
     pub scope: Scope,
     /// The key.
     pub key: Arc<str>,
-    /// The fencing token: it grows by one on each takeover.
+    /// The fencing token: random for a fresh claim, one more on each takeover.
     pub token: i64,
 }
 

@@ -584,6 +584,103 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
+            async fn a_key_deleted_and_claimed_afresh_fences_every_old_lease() {
+                let (_layer, store, _g) = layer().await;
+                let scope = Scope::new("s");
+                let lease = Duration::from_millis(100);
+                let Claim::Acquired(x) =
+                    store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
+                else {
+                    panic!("X acquires")
+                };
+                tokio::time::sleep(lease * 2).await;
+                let Claim::Acquired(y) =
+                    store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
+                else {
+                    panic!("Y takes over")
+                };
+                assert!(
+                    store.release(&y).await.unwrap(),
+                    "Y releases: the row is gone"
+                );
+                // Z, another request, claims the key afresh.
+                let z_request = claim_request(&scope, Duration::from_secs(10), 2);
+                let Claim::Acquired(z) = store.claim(&z_request).await.unwrap() else {
+                    panic!("Z acquires")
+                };
+                assert_ne!(z.token, x.token);
+                assert!(!store.renew(&x, lease).await.unwrap());
+                assert!(
+                    !store
+                        .complete(&x, &stored("X"), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+                assert!(!store.release(&x).await.unwrap());
+                assert!(
+                    !store
+                        .complete(&y, &stored("Y"), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+                assert!(matches!(
+                    store.claim(&z_request).await.unwrap(),
+                    Claim::Running { .. }
+                ));
+                assert!(
+                    store
+                        .complete(&z, &stored("Z"), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+                let Claim::Completed { response, .. } = store.claim(&z_request).await.unwrap()
+                else {
+                    panic!("completed")
+                };
+                assert_eq!(response.body, "Z");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_running_request_outlives_a_shorter_ttl() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.ttl(Duration::from_millis(100)));
+                let slow = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "600")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let r = router.clone();
+                let first = tokio::spawn(async move { send(&r, slow).await });
+                eventually(|| counter.runs() == 1).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Past the TTL, but the holder's lease is live: still a conflict.
+                assert_eq!(send(&router, post("k", "{}")).await.status, 409);
+                assert_eq!(first.await.unwrap().status, 201);
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn an_oversized_response_the_policy_rejects_releases_the_key() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.response_body_limit(8));
+                let failing = || {
+                    req("POST")
+                        .header("idempotency-key", "k")
+                        .header("x-status", "503")
+                        .body(Body::from("{\"a\":1}"))
+                        .unwrap()
+                };
+                let first = send(&router, failing()).await;
+                assert_eq!(first.status, 503);
+                assert!(first.body.len() > 8, "the client still gets the whole body");
+                assert_eq!(
+                    send(&router, failing()).await.outcome,
+                    Some(Outcome::Executed)
+                );
+                assert_eq!(counter.runs(), 2, "a 5xx is never stored, in any size");
+            }
+
+            #[tokio::test]
             async fn release_frees_the_key() {
                 let (_layer, store, _g) = layer().await;
                 let scope = Scope::new("s");

@@ -121,7 +121,7 @@ impl Sql {
             claim: format!(
                 "WITH ins AS (
                     INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
-                    VALUES ($1, $2, $3, 'running', 1, now() + {l}, now() + {e})
+                    VALUES ($1, $2, $3, 'running', $6, now() + {l}, now() + {e})
                     ON CONFLICT (scope, key) DO NOTHING
                     RETURNING token
                  )
@@ -133,7 +133,8 @@ impl Sql {
                  SELECT false, t.token, t.fingerprint, t.state,
                         coalesce(t.locked_until <= now(), false),
                         coalesce(ceil(extract(epoch FROM t.locked_until - now()) * 1000), 0)::bigint,
-                        t.expires_at <= now(), t.status, t.headers, t.body
+                        t.expires_at <= now() AND (t.state = 'completed' OR t.locked_until <= now()),
+                        t.status, t.headers, t.body
                  FROM {t} t
                  WHERE t.scope = $1 AND t.key = $2 AND NOT EXISTS (SELECT 1 FROM ins)",
                 l = ms.replace("$ms", "$4"),
@@ -144,8 +145,8 @@ impl Sql {
                         locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
                         completed_at = NULL, status = NULL, headers = NULL, body = NULL
                  WHERE scope = $1 AND key = $2 AND token = $3
-                   AND (expires_at <= now()
-                        OR (state = 'running' AND locked_until <= now() AND fingerprint = $4))
+                   AND (state = 'completed' OR locked_until <= now())
+                   AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))
                  RETURNING token",
                 l = ms.replace("$ms", "$5"),
                 e = ms.replace("$ms", "$6"),
@@ -167,13 +168,15 @@ impl Sql {
                  SELECT pg_notify($4, $5) FROM done"
             ),
             renew: format!(
-                "UPDATE {t} SET locked_until = now() + {l}
+                "UPDATE {t} SET locked_until = now() + {l}, expires_at = greatest(expires_at, now() + {l})
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
                 l = ms.replace("$ms", "$4"),
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                    SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))"
+                    SELECT ctid FROM {t}
+                    WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                    LIMIT $1 FOR UPDATE SKIP LOCKED))"
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             expires_index: format!("\"{table}_expires_at\""),
@@ -549,7 +552,14 @@ impl PostgresStore {
             .query_on(
                 client,
                 &self.sql.claim,
-                &[&req.scope.as_str(), &req.key, &fp, &lease_ms, &ttl_ms],
+                &[
+                    &req.scope.as_str(),
+                    &req.key,
+                    &fp,
+                    &lease_ms,
+                    &ttl_ms,
+                    &super::fresh_token(),
+                ],
             )
             .await?;
         // No row: the conflicting row was committed after this statement's snapshot, or
