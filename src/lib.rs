@@ -38,3 +38,7 @@ struct FailureModesDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/modes.md")]
 struct ModesDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/security.md")]
+struct SecurityDoctests;

@@ -5,6 +5,10 @@
 //! derived from the `Authorization` header (its SHA-256, never the credential itself);
 //! requests without one share the anonymous scope `""`. Apps with tenants or users set
 //! their own with [`IdempotencyLayer::scope_with`](crate::IdempotencyLayer::scope_with).
+//!
+//! Mind that a refreshed or rotated token changes the default scope: a retry sent with
+//! a new token is then a new request and runs again. For payments, scope by a stable
+//! principal (account, user, API key id) instead; see docs/security.md.
 
 use std::{fmt, sync::Arc};
 

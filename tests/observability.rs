@@ -1,0 +1,95 @@
+//! The outcome of every guarded request is a field of the `idempotency` tracing span,
+//! next to the scope's hash and the key (or its hash).
+#![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
+use common::{app, post, send};
+use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+use tracing::{
+    Subscriber,
+    field::{Field, Visit},
+    span,
+};
+use tracing_subscriber::{Layer, layer::Context, prelude::*, registry::LookupSpan};
+
+/// The fields of every closed `idempotency` span.
+#[derive(Clone, Default)]
+struct Spans(Arc<Mutex<Vec<HashMap<String, String>>>>);
+
+#[derive(Default)]
+struct Fields(HashMap<String, String>);
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+}
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Spans {
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(fields);
+        }
+    }
+
+    fn on_record(&self, id: &span::Id, values: &span::Record<'_>, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id) {
+            if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
+                values.record(fields);
+            }
+        }
+    }
+
+    fn on_close(&self, id: span::Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(&id) {
+            if span.name() == "idempotency" {
+                if let Some(fields) = span.extensions().get::<Fields>() {
+                    self.0.lock().unwrap().push(fields.0.clone());
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_guarded_request_has_a_span_with_its_outcome() {
+    let spans = Spans::default();
+    let _guard = tracing_subscriber::registry()
+        .with(spans.clone())
+        .set_default();
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()));
+    send(&router, post("order-42", "{}")).await;
+    send(&router, post("order-42", "{}")).await;
+    send(&router, post("order-42", "{\"other\":1}")).await;
+    let seen = spans.0.lock().unwrap().clone();
+    let outcomes: Vec<_> = seen.iter().map(|f| f["outcome"].as_str()).collect();
+    assert_eq!(outcomes, ["executed", "replayed", "mismatch"]);
+    assert!(seen.iter().all(|f| f["key"] == "order-42"));
+    // The scope is recorded as a hash, never as the principal itself.
+    assert!(seen.iter().all(|f| f["scope"].len() == 16));
+}
+
+#[tokio::test]
+async fn keys_can_be_hashed_in_traces() {
+    let spans = Spans::default();
+    let _guard = tracing_subscriber::registry()
+        .with(spans.clone())
+        .set_default();
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()).hash_keys_in_traces(true));
+    send(&router, post("alice@example.com", "{}")).await;
+    let seen = spans.0.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_ne!(seen[0]["key"], "alice@example.com");
+    assert_eq!(seen[0]["key"].len(), 16);
+}
