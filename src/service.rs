@@ -624,6 +624,17 @@ async fn store_result(
             while tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
+                // Hold on to the key while trying: a lapsed lease would let a retry run
+                // the handler again although it succeeded. Lost means fenced: stop.
+                let renewed = tokio::time::timeout(
+                    config.store_timeout,
+                    config.store.renew(&lease, config.lease),
+                )
+                .await;
+                if matches!(renewed, Ok(Ok(false))) {
+                    tracing::warn!(key = %lease.key, "the lease was taken over while storing the response");
+                    return;
+                }
                 if try_complete(&config, &lease, &stored, attempt).await {
                     return;
                 }

@@ -324,3 +324,62 @@ async fn purge_never_deletes_a_live_claim() {
         Claim::Running { .. }
     ));
 }
+
+#[tokio::test]
+async fn store_errors_are_classified_by_sqlstate_and_connection_state() {
+    use tower_idempotency::{
+        Fingerprint, Scope,
+        store::{ClaimRequest, Store, StoreErrorKind},
+    };
+    let scope = Scope::new("s");
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint([1; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(30),
+    };
+    let schema = TestSchema::new();
+    // No table: 42P01 undefined_table.
+    let unmigrated = schema.unmigrated_store_at(&common::database_url());
+    let e = unmigrated.claim(&request).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
+    // Nothing listening: the connection is refused.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let down =
+        schema.unmigrated_store_at(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"));
+    let e = down.claim(&request).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
+    // A row lock held past lock_timeout: 55P03 lock_not_available.
+    let store = schema.store().await;
+    let Ok(tower_idempotency::store::Claim::Acquired(lease)) = store.claim(&request).await else {
+        panic!("acquired")
+    };
+    let mut holder = store.pool().get().await.unwrap();
+    let tx = holder.transaction().await.unwrap();
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM \"{}\".idempotency_keys WHERE key = 'k' FOR UPDATE",
+            schema.name
+        ),
+        &[],
+    )
+    .await
+    .unwrap();
+    // Another replica whose sessions give up on locks after 50 ms.
+    let url = common::database_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let other = schema
+        .store_at(&format!("{url}{sep}options=-c%20lock_timeout%3D50"), 1)
+        .await;
+    // Renewal needs the row lock the transaction above holds: it times out.
+    let e = other
+        .renew(&lease, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Timeout, "{e}");
+    tx.rollback().await.unwrap();
+}

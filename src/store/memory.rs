@@ -242,6 +242,24 @@ impl Store for MemoryStore {
         })
     }
 
+    fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut inner = self.lock();
+            let expired: Vec<_> = inner
+                .records
+                .iter()
+                .filter(|(_, r)| r.is_free(now))
+                .map(|(id, _)| id.clone())
+                .take(batch)
+                .collect();
+            for id in &expired {
+                inner.records.remove(id);
+            }
+            Ok(expired.len() as u64)
+        })
+    }
+
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         let mut rx = self.changes.subscribe();
         let (scope, key) = (scope.clone(), Arc::<str>::from(key));

@@ -194,6 +194,10 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes the running claim so that a retry runs again. `Ok(false)`: lease lost.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>>;
 
+    /// Deletes up to `batch` records past their TTL whose lease (if running) has lapsed;
+    /// returns how many. Never touches a live claim.
+    fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>>;
+
     /// A future that resolves when the key may have been completed or released, so that
     /// a request waiting for a running key can claim again. Call it *before* the claim
     /// that finds the key running: a change in between still resolves it. It may also
@@ -212,6 +216,45 @@ pub trait Store: Send + Sync + 'static {
         lease: &'a Lease,
         duration: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
+}
+
+/// Purges expired records from `store` in the background: every `every`, batches of
+/// `batch` until a batch comes back short. Errors are logged and retried next time.
+/// Drop or abort the handle to stop it. Several replicas may each run one: PostgreSQL
+/// purgers skip each other's rows.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use tower_idempotency::store::{MemoryStore, spawn_purger};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let purger = spawn_purger(Arc::new(MemoryStore::new()), Duration::from_secs(60), 10_000);
+/// purger.abort();
+/// # }
+/// ```
+pub fn spawn_purger(
+    store: Arc<dyn Store>,
+    every: Duration,
+    batch: usize,
+) -> tokio::task::JoinHandle<()> {
+    let batch = batch.max(1);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            loop {
+                match store.purge(batch).await {
+                    Ok(n) if n as usize >= batch => continue,
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "purging expired idempotency records failed");
+                        break;
+                    }
+                }
+            }
+        }
+    })
 }
 
 /// Anything [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) accepts as a store:

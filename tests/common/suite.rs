@@ -681,6 +681,83 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
+            async fn purge_removes_expired_records_and_spares_live_claims() {
+                let (_layer, store, _g) = layer().await;
+                let scope = Scope::new("s");
+                let short = |key: &'static str| ClaimRequest {
+                    scope: &scope,
+                    key,
+                    fingerprint: Fingerprint([1; 32]),
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_millis(20),
+                };
+                for key in ["done-1", "done-2", "done-3"] {
+                    let Claim::Acquired(lease) = store.claim(&short(key)).await.unwrap() else {
+                        panic!()
+                    };
+                    assert!(
+                        store
+                            .complete(&lease, &stored(key), Duration::from_millis(20))
+                            .await
+                            .unwrap()
+                    );
+                }
+                let Claim::Acquired(_live) = store.claim(&short("running")).await.unwrap() else {
+                    panic!()
+                };
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                assert_eq!(store.purge(2).await.unwrap(), 2);
+                assert_eq!(store.purge(2).await.unwrap(), 1);
+                assert_eq!(store.purge(2).await.unwrap(), 0, "the live claim stays");
+                assert!(matches!(
+                    store.claim(&short("running")).await.unwrap(),
+                    Claim::Running { .. }
+                ));
+                assert!(matches!(
+                    store.claim(&short("done-1")).await.unwrap(),
+                    Claim::Acquired(_)
+                ));
+            }
+
+            #[tokio::test]
+            async fn the_background_purger_empties_expired_records() {
+                let (layer, store, _g) = layer().await;
+                let (router, _) = app(layer.ttl(Duration::from_millis(20)));
+                for i in 0..5 {
+                    assert_eq!(
+                        send(&router, post(&format!("k{i}"), "{}")).await.status,
+                        201
+                    );
+                }
+                let purger = tower_idempotency::store::spawn_purger(
+                    store.clone(),
+                    Duration::from_millis(20),
+                    2,
+                );
+                let scope = Scope::anonymous();
+                let probe = ClaimRequest {
+                    scope: &scope,
+                    key: "k4",
+                    fingerprint: Fingerprint([0; 32]),
+                    lease: Duration::from_secs(1),
+                    ttl: Duration::from_secs(1),
+                };
+                // Purged rows are gone: a claim with another fingerprint acquires.
+                let mut acquired = false;
+                for _ in 0..200 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if store.purge(100).await.unwrap() == 0
+                        && matches!(store.claim(&probe).await.unwrap(), Claim::Acquired(_))
+                    {
+                        acquired = true;
+                        break;
+                    }
+                }
+                purger.abort();
+                assert!(acquired);
+            }
+
+            #[tokio::test]
             async fn release_frees_the_key() {
                 let (_layer, store, _g) = layer().await;
                 let scope = Scope::new("s");

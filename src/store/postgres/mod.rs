@@ -733,6 +733,10 @@ impl Store for PostgresStore {
         })
     }
 
+    fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(self.purge_expired(i64::try_from(batch).unwrap_or(i64::MAX)))
+    }
+
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         self.listener.changed(self.key_id(scope, key))
     }
