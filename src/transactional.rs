@@ -294,7 +294,9 @@ pub(crate) async fn open(
     match claimed {
         Ok(Ok(Claim::Acquired(lease))) => Opened::Acquired(conn, lease),
         Ok(Ok(found)) => {
-            rollback(conn).await;
+            // Nothing was written: the answer need not wait for the ROLLBACK; the
+            // connection goes back to the pool when it is done.
+            tokio::spawn(rollback(conn));
             Opened::Found(found)
         }
         Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout => {
