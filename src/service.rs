@@ -285,6 +285,19 @@ where
     }
 }
 
+/// The record of a response to store: its status, its storable headers, its body.
+pub(crate) fn to_store(
+    config: &Config,
+    parts: &http::response::Parts,
+    body: &Bytes,
+) -> StoredResponse {
+    StoredResponse {
+        status: parts.status,
+        headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
+        body: body.clone(),
+    }
+}
+
 /// What retries of a request whose response was over the storage limit get.
 pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
     Problem::ResponseNotStored.response(&format!(
@@ -532,14 +545,7 @@ where
         }
         Produced::Buffered(parts, body) => {
             if (config.policy)(parts.status, &parts.headers) {
-                let stored = StoredResponse {
-                    status: parts.status,
-                    headers: StoredResponse::storable_headers(
-                        &parts.headers,
-                        &config.unreplayed_headers,
-                    ),
-                    body: body.clone(),
-                };
+                let stored = to_store(&config, &parts, &body);
                 store_result(&config, &lease, stored, in_flight).await;
             } else {
                 release(&config, &lease).await;

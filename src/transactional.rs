@@ -435,14 +435,7 @@ where
                         let res = Response::from_parts(parts, ResponseBody::full(body));
                         return Ok(with_outcome(res, Outcome::Executed));
                     }
-                    let stored = StoredResponse {
-                        status: parts.status,
-                        headers: StoredResponse::storable_headers(
-                            &parts.headers,
-                            &config.unreplayed_headers,
-                        ),
-                        body: body.clone(),
-                    };
+                    let stored = crate::service::to_store(&config, &parts, &body);
                     let mut res = Response::from_parts(parts, ResponseBody::full(body));
                     res.headers_mut().remove(http::header::CONTENT_LENGTH);
                     (stored, res)
