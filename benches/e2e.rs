@@ -1,0 +1,1547 @@
+//! End to end: an Axum app served on loopback, driven by a keep-alive HTTP client with N
+//! concurrent workers, with and without the layer, side by side with the database floor
+//! (the layer's own statements issued directly with tokio-postgres).
+//!
+//! `cargo bench --bench e2e`; the settings are environment variables, described in
+//! `docs/benchmarks.md`. The results are printed as a markdown table and written to
+//! `target/bench/e2e.csv`.
+#![allow(missing_docs)]
+
+use std::{
+    collections::BTreeMap,
+    future::Future,
+    net::SocketAddr,
+    path::PathBuf,
+    pin::Pin,
+    str::FromStr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::Bytes,
+    extract::State,
+    http::{HeaderMap, HeaderValue, StatusCode, header::CONTENT_TYPE},
+    response::{IntoResponse, Response},
+    routing::post,
+    serve::ListenerExt,
+};
+use deadpool_postgres::Pool;
+use http_body_util::{BodyExt, Full};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+use sha2::{Digest, Sha256};
+use tokio::sync::Barrier;
+use tokio_postgres::NoTls;
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, StoredResponse,
+    store::{MemoryStore, PostgresStore, pool_for_url},
+    transactional::TransactionHandle,
+};
+
+// ---------------------------------------------------------------------------------------
+// The statements of the floor.
+//
+// Copied from `Sql::new` in src/store/postgres/mod.rs (the store keeps its SQL private):
+// the claim, the completion and the transactional BEGIN of src/transactional.rs, with
+// `{t}` standing for the quoted, schema-qualified table. Keep them in step with the store.
+// ---------------------------------------------------------------------------------------
+
+/// The claim: `INSERT … ON CONFLICT DO NOTHING`, returning the existing row otherwise.
+const CLAIM_SQL: &str = "WITH ins AS (
+                    INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
+                    VALUES ($1, $2, $3, 'running', $6, now() + $4::bigint * interval '1 millisecond', now() + $5::bigint * interval '1 millisecond')
+                    ON CONFLICT (scope, key) DO NOTHING
+                    RETURNING token
+                 )
+                 SELECT true AS acquired, token, NULL::bytea AS fingerprint, NULL::text AS state,
+                        false AS lapsed, 0::bigint AS lease_left_ms, false AS expired,
+                        NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body
+                 FROM ins
+                 UNION ALL
+                 SELECT false, t.token, t.fingerprint, t.state,
+                        coalesce(t.locked_until <= now(), false),
+                        coalesce(ceil(extract(epoch FROM t.locked_until - now()) * 1000), 0)::bigint,
+                        t.expires_at <= now() AND (t.state = 'completed' OR t.locked_until <= now()),
+                        t.status, t.headers, t.body
+                 FROM {t} t
+                 WHERE t.scope = $1 AND t.key = $2 AND NOT EXISTS (SELECT 1 FROM ins)";
+
+/// The completion, token-checked, with its `pg_notify` for waiting duplicates.
+const COMPLETE_SQL: &str = "WITH done AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
+                           headers = $5, body = $6, completed_at = now(), expires_at = now() + $7::bigint * interval '1 millisecond'
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
+                    RETURNING 1)
+                 SELECT pg_notify($8, $9) FROM done";
+
+/// The completion without `pg_notify` (a diagnostic floor: what the notification costs).
+const COMPLETE_NO_NOTIFY_SQL: &str = "WITH done AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
+                           headers = $5, body = $6, completed_at = now(), expires_at = now() + $7::bigint * interval '1 millisecond'
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
+                    RETURNING 1)
+                 SELECT 1 FROM done";
+
+/// A plain read by primary key (the other replay floor).
+const SELECT_SQL: &str = "SELECT token, fingerprint, state, status, headers, body FROM {t} WHERE scope = $1 AND key = $2";
+
+/// Transactional mode's BEGIN, as `transactional::open` sends it (default lock timeout 5 s).
+const BEGIN_SQL: &str = "BEGIN; SET LOCAL lock_timeout = 5000";
+
+/// The handler's own write in transactional mode (and in its floor).
+const INSERT_SQL: &str = "INSERT INTO {s}.payments (id, amount, currency) VALUES ($1, $2, $3)";
+
+const LEASE_MS: i64 = 30_000;
+const TTL_MS: i64 = 24 * 3600 * 1000;
+
+const REQUEST_BODY: &[u8] =
+    br#"{"amount":1250,"currency":"EUR","description":"order 42","customer":"cus_8e03978e40d5"}"#;
+const RESPONSE_BODY: &[u8] = br#"{"payment_id":"pay_8e03978e40d543e8","amount":1250,"currency":"EUR","status":"succeeded","created":1700000000}"#;
+
+/// The application name of every connection a row opens to the benchmark database.
+const ROW_APP: &str = "tower_idempotency_bench";
+
+// ---------------------------------------------------------------------------------------
+// Settings
+// ---------------------------------------------------------------------------------------
+
+struct Settings {
+    secs: f64,
+    warmup: f64,
+    repeat: usize,
+    concurrency: Vec<usize>,
+    pool_size: usize,
+    rows: Option<Vec<String>>,
+    replay_keys: usize,
+    url: String,
+    out_dir: PathBuf,
+}
+
+fn env_or<T: FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} does not parse")),
+        _ => default,
+    }
+}
+
+fn env_list(name: &str) -> Option<Vec<String>> {
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        Self {
+            secs: env_or("BENCH_SECS", 2.0),
+            warmup: env_or("BENCH_WARMUP_SECS", 0.5),
+            repeat: env_or("BENCH_REPEAT", 3usize).max(1),
+            concurrency: env_list("BENCH_CONCURRENCY").map_or(vec![1, 16, 64], |l| {
+                l.iter()
+                    .map(|c| c.parse().expect("BENCH_CONCURRENCY: numbers"))
+                    .collect()
+            }),
+            pool_size: env_or("BENCH_POOL_SIZE", 16),
+            rows: env_list("BENCH_ROWS"),
+            replay_keys: env_or("BENCH_REPLAY_KEYS", 2000),
+            url: env_or(
+                "BENCH_DATABASE_URL",
+                "postgres://postgres@127.0.0.1:5432/tower_idempotency_bench".to_owned(),
+            ),
+            out_dir: PathBuf::from(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The rows
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Bare,
+    PassThrough,
+    Lease,
+    Tx,
+    Replay,
+    Dup,
+    Memory,
+    FloorLease,
+    FloorTx,
+    FloorReplay,
+    FloorSelect,
+    FloorLeaseNoNotify,
+    HttpFloorLease,
+    HttpFloorTx,
+    HttpFloorReplay,
+}
+
+const KINDS: [Kind; 15] = [
+    Kind::Bare,
+    Kind::PassThrough,
+    Kind::Lease,
+    Kind::Tx,
+    Kind::Replay,
+    Kind::Dup,
+    Kind::Memory,
+    Kind::FloorLease,
+    Kind::FloorTx,
+    Kind::FloorReplay,
+    Kind::FloorSelect,
+    Kind::FloorLeaseNoNotify,
+    Kind::HttpFloorLease,
+    Kind::HttpFloorTx,
+    Kind::HttpFloorReplay,
+];
+
+/// The order rows run in, within each concurrency: each row next to its floor, so that
+/// both see the same conditions.
+const RUN_ORDER: [Kind; 15] = [
+    Kind::Bare,
+    Kind::PassThrough,
+    Kind::Memory,
+    Kind::Lease,
+    Kind::FloorLease,
+    Kind::HttpFloorLease,
+    Kind::FloorLeaseNoNotify,
+    Kind::Tx,
+    Kind::FloorTx,
+    Kind::HttpFloorTx,
+    Kind::Replay,
+    Kind::FloorReplay,
+    Kind::HttpFloorReplay,
+    Kind::FloorSelect,
+    Kind::Dup,
+];
+
+impl Kind {
+    fn id(self) -> &'static str {
+        match self {
+            Kind::Bare => "bare",
+            Kind::PassThrough => "passthrough",
+            Kind::Lease => "lease",
+            Kind::Tx => "tx",
+            Kind::Replay => "replay",
+            Kind::Dup => "dup",
+            Kind::Memory => "memory",
+            Kind::FloorLease => "floor_lease",
+            Kind::FloorTx => "floor_tx",
+            Kind::FloorReplay => "floor_replay",
+            Kind::FloorSelect => "floor_select",
+            Kind::FloorLeaseNoNotify => "floor_lease_nonotify",
+            Kind::HttpFloorLease => "http_floor_lease",
+            Kind::HttpFloorTx => "http_floor_tx",
+            Kind::HttpFloorReplay => "http_floor_replay",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Bare => "(a) bare app, no layer",
+            Kind::PassThrough => "(b) layer, pass-through (no key)",
+            Kind::Lease => "(c) lease mode, new keys",
+            Kind::Tx => "(d) transactional, new keys + 1 INSERT",
+            Kind::Replay => "(e) replays",
+            Kind::Dup => "(f) c duplicates of one key per round",
+            Kind::Memory => "(g) MemoryStore, new keys",
+            Kind::FloorLease => "(h) floor: claim + completion",
+            Kind::FloorTx => "(i) floor: BEGIN+claim, INSERT, completion+COMMIT",
+            Kind::FloorReplay => "(j) floor: claim on an existing key",
+            Kind::FloorSelect => "(j′) floor: SELECT by primary key",
+            Kind::FloorLeaseNoNotify => "(h′) floor (h) without pg_notify",
+            Kind::HttpFloorLease => "(h″) floor (h) in a bare handler, over HTTP",
+            Kind::HttpFloorTx => "(i″) floor (i) in a bare handler, over HTTP",
+            Kind::HttpFloorReplay => "(j″) floor (j) in a bare handler, over HTTP",
+        }
+    }
+
+    /// The row this one is compared with as its floor.
+    fn floor(self) -> Option<Kind> {
+        match self {
+            Kind::PassThrough => Some(Kind::Bare),
+            Kind::Lease | Kind::HttpFloorLease => Some(Kind::FloorLease),
+            Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
+            Kind::Replay | Kind::HttpFloorReplay => Some(Kind::FloorReplay),
+            _ => None,
+        }
+    }
+
+    fn uses_db(self) -> bool {
+        !matches!(self, Kind::Bare | Kind::PassThrough | Kind::Memory)
+    }
+
+    fn over_http(self) -> bool {
+        !matches!(
+            self,
+            Kind::FloorLease
+                | Kind::FloorTx
+                | Kind::FloorReplay
+                | Kind::FloorSelect
+                | Kind::FloorLeaseNoNotify
+        )
+    }
+
+    /// Distinct statements each connection prepares (each is one commit of its own).
+    fn prepared_per_connection(self) -> f64 {
+        match self {
+            Kind::Lease | Kind::Dup | Kind::FloorLease | Kind::FloorLeaseNoNotify => 2.0,
+            Kind::HttpFloorLease => 2.0,
+            Kind::Tx | Kind::FloorTx | Kind::HttpFloorTx => 3.0,
+            Kind::Replay | Kind::FloorReplay | Kind::FloorSelect | Kind::HttpFloorReplay => 1.0,
+            Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The database: a database of its own (so that its commit counters are ours alone), a
+// fresh schema per run, counters, and the CPU of our backends.
+// ---------------------------------------------------------------------------------------
+
+struct Db {
+    admin: tokio_postgres::Client,
+    dbname: String,
+    created: bool,
+    row_url: String,
+}
+
+fn with_param(url: &str, param: &str) -> String {
+    if url.contains('?') {
+        format!("{url}&{param}")
+    } else {
+        format!("{url}?{param}")
+    }
+}
+
+impl Db {
+    async fn open(url: &str) -> Self {
+        let config: tokio_postgres::Config = url.parse().expect("BENCH_DATABASE_URL");
+        let dbname = config.get_dbname().unwrap_or("postgres").to_owned();
+        assert!(
+            dbname
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+            "the benchmark database name must be a-z, 0-9, _"
+        );
+        // Counters are read from the maintenance database, so that reading them does not
+        // count as a transaction of the benchmark database.
+        let mut admin_config = config.clone();
+        admin_config.dbname("postgres");
+        admin_config.application_name("tower_idempotency_bench_admin");
+        let (admin, conn) = admin_config.connect(NoTls).await.expect("connect");
+        tokio::spawn(conn);
+        let exists = admin
+            .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&dbname])
+            .await
+            .expect("pg_database")
+            .is_some();
+        let created = !exists;
+        if created {
+            admin
+                .batch_execute(&format!("CREATE DATABASE \"{dbname}\""))
+                .await
+                .expect("create the benchmark database");
+        }
+        Self {
+            admin,
+            dbname,
+            created,
+            row_url: with_param(url, &format!("application_name={ROW_APP}")),
+        }
+    }
+
+    /// (xact_commit, xact_rollback) of the benchmark database.
+    async fn commits(&self) -> (i64, i64) {
+        let row = self
+            .admin
+            .query_one(
+                "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1",
+                &[&self.dbname],
+            )
+            .await
+            .expect("pg_stat_database");
+        (row.get(0), row.get(1))
+    }
+
+    /// Waits until every connection of the rows has gone: a backend flushes its counters
+    /// when it exits, so the commit counters are then complete.
+    async fn wait_closed(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let n: i64 = self
+                .admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+                    &[&self.dbname, &ROW_APP],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            if n == 0 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{n} connections did not close");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn backend_pids(&self) -> Vec<i32> {
+        self.admin
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+                &[&self.dbname, &ROW_APP],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    async fn sample(&self, with_pg: bool) -> Sample {
+        let mut pg = BTreeMap::new();
+        if with_pg {
+            for pid in self.backend_pids().await {
+                if let Some(t) = proc_ticks(&format!("/proc/{pid}/stat")) {
+                    pg.insert(pid, t);
+                }
+            }
+        }
+        let (busy, total) = system_ticks();
+        Sample {
+            app: proc_ticks("/proc/self/stat").unwrap_or(0),
+            pg,
+            busy,
+            total,
+        }
+    }
+
+    async fn drop_database(&self) {
+        if self.created {
+            self.admin
+                .batch_execute(&format!(
+                    "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
+                    self.dbname
+                ))
+                .await
+                .expect("drop the benchmark database");
+        }
+    }
+}
+
+/// utime + stime of a process, in clock ticks.
+fn proc_ticks(path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// (busy, total) ticks of the whole machine.
+fn system_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(cpu) = stat.lines().next() else {
+        return (0, 0);
+    };
+    let v: Vec<u64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`, 100 on Linux).
+const TICK_US: f64 = 10_000.0;
+
+struct Sample {
+    app: u64,
+    pg: BTreeMap<i32, u64>,
+    busy: u64,
+    total: u64,
+}
+
+/// Commits a connection costs: its start-up, and each statement it prepares.
+#[derive(Clone, Copy)]
+struct Overhead {
+    per_connection: f64,
+    per_prepare: f64,
+}
+
+async fn calibrate(db: &Db) -> Overhead {
+    async fn round(db: &Db, conns: usize, prepares: usize) -> f64 {
+        db.wait_closed().await;
+        let (before, _) = db.commits().await;
+        let pool = pool_for_url(&db.row_url, conns).expect("pool");
+        let mut held = Vec::new();
+        for _ in 0..conns {
+            held.push(pool.get().await.expect("connection"));
+        }
+        for c in &held {
+            for i in 0..prepares {
+                c.prepare_cached(&format!("SELECT {i}::int + $1::int"))
+                    .await
+                    .expect("prepare");
+            }
+        }
+        drop(held);
+        pool.close();
+        db.wait_closed().await;
+        let (after, _) = db.commits().await;
+        (after - before) as f64
+    }
+    let connect = round(db, 4, 0).await / 4.0;
+    let prepare = (round(db, 4, 3).await / 4.0 - connect) / 3.0;
+    Overhead {
+        per_connection: connect,
+        per_prepare: prepare,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The floor: the store's statements, issued directly.
+// ---------------------------------------------------------------------------------------
+
+struct Sql {
+    claim: String,
+    complete: String,
+    complete_no_notify: String,
+    select: String,
+    insert: String,
+}
+
+impl Sql {
+    fn new(table: &str, schema: &str) -> Self {
+        let t = |s: &str| {
+            s.replace("{t}", table)
+                .replace("{s}", &format!("\"{schema}\""))
+        };
+        Self {
+            claim: t(CLAIM_SQL),
+            complete: t(COMPLETE_SQL),
+            complete_no_notify: t(COMPLETE_NO_NOTIFY_SQL),
+            select: t(SELECT_SQL),
+            insert: t(INSERT_SQL),
+        }
+    }
+}
+
+struct Floor {
+    pool: Pool,
+    sql: Arc<Sql>,
+    statements: AtomicU64,
+    fingerprint: [u8; 32],
+    headers: Bytes,
+    channel: String,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The notification payload the store sends: a digest of the key.
+fn key_id(key: &str) -> String {
+    hex(&Sha256::digest(key.as_bytes())[..16])
+}
+
+/// A fencing token for a fresh claim (the store draws a random one).
+fn fresh_token() -> i64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    ((n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 2) as i64).max(1)
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl Floor {
+    fn new(pool: Pool, sql: Arc<Sql>) -> Self {
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        Self {
+            pool,
+            sql,
+            statements: AtomicU64::new(0),
+            fingerprint: Sha256::digest(REQUEST_BODY).into(),
+            headers: StoredResponse::encode_headers(&h),
+            channel: "idempotency_keys_done".to_owned(),
+        }
+    }
+
+    fn count(&self) {
+        self.statements.fetch_add(1, Ordering::Relaxed);
+    }
+
+    async fn claim(&self, client: &deadpool_postgres::Client, key: &str) -> Result<i64, String> {
+        let stmt = client.prepare_cached(&self.sql.claim).await.map_err(err)?;
+        self.count();
+        let fp: &[u8] = &self.fingerprint;
+        let rows = client
+            .query(&stmt, &[&"", &key, &fp, &LEASE_MS, &TTL_MS, &fresh_token()])
+            .await
+            .map_err(err)?;
+        let row = rows.first().ok_or("claim: no row")?;
+        if !row.get::<_, bool>("acquired") {
+            return Err(format!("claim: {key} was not new"));
+        }
+        Ok(row.get("token"))
+    }
+
+    async fn complete(
+        &self,
+        client: &deadpool_postgres::Client,
+        key: &str,
+        token: i64,
+        notify: bool,
+    ) -> Result<(), String> {
+        let sql = if notify {
+            &self.sql.complete
+        } else {
+            &self.sql.complete_no_notify
+        };
+        let stmt = client.prepare_cached(sql).await.map_err(err)?;
+        self.count();
+        let (h, b): (&[u8], &[u8]) = (&self.headers, RESPONSE_BODY);
+        let id = key_id(key);
+        let rows = if notify {
+            client
+                .query(
+                    &stmt,
+                    &[
+                        &"",
+                        &key,
+                        &token,
+                        &201i16,
+                        &h,
+                        &b,
+                        &TTL_MS,
+                        &self.channel,
+                        &id,
+                    ],
+                )
+                .await
+        } else {
+            client
+                .query(&stmt, &[&"", &key, &token, &201i16, &h, &b, &TTL_MS])
+                .await
+        }
+        .map_err(err)?;
+        if rows.len() == 1 {
+            Ok(())
+        } else {
+            Err("completion: no row".into())
+        }
+    }
+
+    /// Lease mode: the claim, then the completion, each on a connection from the pool.
+    async fn lease(&self, key: &str, notify: bool) -> Result<(), String> {
+        let token = {
+            let client = self.pool.get().await.map_err(err)?;
+            self.claim(&client, key).await?
+        };
+        let client = self.pool.get().await.map_err(err)?;
+        self.complete(&client, key, token, notify).await
+    }
+
+    /// Transactional mode: BEGIN with the claim, the handler's INSERT, the completion
+    /// with COMMIT, on one connection.
+    async fn tx(&self, key: &str) -> Result<(), String> {
+        let client = self.pool.get().await.map_err(err)?;
+        let (begun, token) =
+            tokio::join!(client.batch_execute(BEGIN_SQL), self.claim(&client, key));
+        begun.map_err(err)?;
+        let token = token?;
+        let insert = client.prepare_cached(&self.sql.insert).await.map_err(err)?;
+        client
+            .execute(&insert, &[&key, &1250i64, &"EUR"])
+            .await
+            .map_err(err)?;
+        // Prepared first (cached), so that its Execute goes out before the COMMIT.
+        client
+            .prepare_cached(&self.sql.complete)
+            .await
+            .map_err(err)?;
+        let (completed, committed) = tokio::join!(
+            self.complete(&client, key, token, true),
+            client.batch_execute("COMMIT")
+        );
+        completed?;
+        committed.map_err(err)
+    }
+
+    /// A replay: the claim statement on an existing key returns its stored response.
+    async fn replay(&self, key: &str) -> Result<(StatusCode, HeaderMap, Bytes), String> {
+        let client = self.pool.get().await.map_err(err)?;
+        let stmt = client.prepare_cached(&self.sql.claim).await.map_err(err)?;
+        self.count();
+        let fp: &[u8] = &self.fingerprint;
+        let rows = client
+            .query(&stmt, &[&"", &key, &fp, &LEASE_MS, &TTL_MS, &fresh_token()])
+            .await
+            .map_err(err)?;
+        let row = rows.first().ok_or("replay: no row")?;
+        if row.get::<_, bool>("acquired") || row.get::<_, &str>("state") != "completed" {
+            return Err(format!("replay: {key} was not completed"));
+        }
+        stored(row)
+    }
+
+    /// A replay read as a plain SELECT by primary key.
+    async fn select(&self, key: &str) -> Result<(StatusCode, HeaderMap, Bytes), String> {
+        let client = self.pool.get().await.map_err(err)?;
+        let stmt = client.prepare_cached(&self.sql.select).await.map_err(err)?;
+        self.count();
+        let row = client
+            .query_opt(&stmt, &[&"", &key])
+            .await
+            .map_err(err)?
+            .ok_or("select: no row")?;
+        stored(&row)
+    }
+}
+
+fn stored(row: &tokio_postgres::Row) -> Result<(StatusCode, HeaderMap, Bytes), String> {
+    let status: i16 = row.try_get("status").map_err(err)?;
+    let status = StatusCode::from_u16(u16::try_from(status).map_err(err)?).map_err(err)?;
+    let headers = StoredResponse::decode_headers(row.try_get("headers").map_err(err)?)
+        .ok_or("undecodable headers")?;
+    let body: &[u8] = row.try_get("body").map_err(err)?;
+    Ok((status, headers, Bytes::copy_from_slice(body)))
+}
+
+// ---------------------------------------------------------------------------------------
+// The app
+// ---------------------------------------------------------------------------------------
+
+fn created() -> Response {
+    (
+        StatusCode::CREATED,
+        [(CONTENT_TYPE, "application/json")],
+        RESPONSE_BODY,
+    )
+        .into_response()
+}
+
+fn internal(e: impl std::fmt::Display) -> Response {
+    (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+}
+
+async fn create(_body: Bytes) -> Response {
+    created()
+}
+
+/// Transactional mode: one row written in the request's transaction.
+async fn create_in_tx(
+    State(sql): State<Arc<Sql>>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    _body: Bytes,
+) -> Response {
+    let client = match tx.client().await {
+        Ok(c) => c,
+        Err(e) => return internal(e),
+    };
+    let insert = match client.prepare_cached(&sql.insert).await {
+        Ok(s) => s,
+        Err(e) => return internal(e),
+    };
+    if let Err(e) = client
+        .execute(&insert, &[&key.as_str(), &1250i64, &"EUR"])
+        .await
+    {
+        return internal(e);
+    }
+    created()
+}
+
+fn key_of(headers: &HeaderMap) -> Option<&str> {
+    headers.get("idempotency-key").and_then(|v| v.to_str().ok())
+}
+
+fn no_key() -> Response {
+    (StatusCode::BAD_REQUEST, "no key").into_response()
+}
+
+/// The floor in a handler: what an app would do by hand, without the layer.
+async fn floor_lease_handler(
+    State(floor): State<Arc<Floor>>,
+    headers: HeaderMap,
+    _body: Bytes,
+) -> Response {
+    let Some(key) = key_of(&headers) else {
+        return no_key();
+    };
+    match floor.lease(key, true).await {
+        Ok(()) => created(),
+        Err(e) => internal(e),
+    }
+}
+
+async fn floor_tx_handler(
+    State(floor): State<Arc<Floor>>,
+    headers: HeaderMap,
+    _body: Bytes,
+) -> Response {
+    let Some(key) = key_of(&headers) else {
+        return no_key();
+    };
+    match floor.tx(key).await {
+        Ok(()) => created(),
+        Err(e) => internal(e),
+    }
+}
+
+async fn floor_replay_handler(
+    State(floor): State<Arc<Floor>>,
+    headers: HeaderMap,
+    _body: Bytes,
+) -> Response {
+    let Some(key) = key_of(&headers) else {
+        return no_key();
+    };
+    match floor.replay(key).await {
+        Ok((status, headers, body)) => {
+            let mut res = (status, body).into_response();
+            *res.headers_mut() = headers;
+            res.headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            res
+        }
+        Err(e) => internal(e),
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn serve(app: Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("serve");
+    });
+    Server { addr, stop, task }
+}
+
+impl Server {
+    async fn shutdown(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    }
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn http_client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build(connector)
+}
+
+/// One request; the status and whether it was a replay.
+async fn send(client: &HttpClient, uri: &str, key: Option<&str>) -> Result<String, String> {
+    let mut req = http::Request::post(uri).header(CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        req = req.header("idempotency-key", key);
+    }
+    let req = req
+        .body(Full::new(Bytes::from_static(REQUEST_BODY)))
+        .map_err(err)?;
+    let res = client.request(req).await.map_err(err)?;
+    let status = res.status();
+    let replayed = res.headers().contains_key("idempotent-replayed");
+    let body = res.into_body().collect().await.map_err(err)?.to_bytes();
+    if status.is_server_error() {
+        return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+    }
+    Ok(if replayed {
+        format!("{} replayed", status.as_u16())
+    } else {
+        status.as_u16().to_string()
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The load
+// ---------------------------------------------------------------------------------------
+
+type OpFuture = Pin<Box<dyn Future<Output = Result<String, String>> + Send>>;
+type Op = Arc<dyn Fn(usize, u64) -> OpFuture + Send + Sync>;
+
+struct Load {
+    measured: u64,
+    total: u64,
+    errors: u64,
+    first_error: Option<String>,
+    latencies: Vec<u64>,
+    outcomes: BTreeMap<String, u64>,
+    start: Sample,
+    end: Sample,
+    window: f64,
+}
+
+struct Worker {
+    measured: u64,
+    total: u64,
+    errors: u64,
+    first_error: Option<String>,
+    latencies: Vec<u64>,
+    outcomes: BTreeMap<String, u64>,
+}
+
+/// `c` workers, each calling `op` back to back: `warmup` seconds, then `secs` measured.
+/// In `lockstep`, every worker sends its n-th request together with the others (the
+/// duplicates row), round after round.
+async fn run_load(db: &Db, c: usize, s: &Settings, lockstep: bool, op: Op) -> Load {
+    let begin = Instant::now();
+    let measure_from = begin + Duration::from_secs_f64(s.warmup);
+    let end = measure_from + Duration::from_secs_f64(s.secs);
+    let barrier = Arc::new(Barrier::new(c));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for w in 0..c {
+        let (op, barrier, stop) = (op.clone(), barrier.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            let mut me = Worker {
+                measured: 0,
+                total: 0,
+                errors: 0,
+                first_error: None,
+                latencies: Vec::with_capacity(1 << 14),
+                outcomes: BTreeMap::new(),
+            };
+            let mut seq = 0u64;
+            loop {
+                if lockstep {
+                    if barrier.wait().await.is_leader() {
+                        stop.store(Instant::now() >= end, Ordering::SeqCst);
+                    }
+                    barrier.wait().await;
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                }
+                let t0 = Instant::now();
+                if !lockstep && t0 >= end {
+                    break;
+                }
+                let result = op(w, seq).await;
+                let dt = t0.elapsed();
+                seq += 1;
+                me.total += 1;
+                match result {
+                    Err(e) => {
+                        me.errors += 1;
+                        me.first_error.get_or_insert(e);
+                    }
+                    Ok(outcome) if t0 >= measure_from => {
+                        me.measured += 1;
+                        me.latencies.push(dt.as_nanos() as u64);
+                        *me.outcomes.entry(outcome).or_default() += 1;
+                    }
+                    Ok(_) => {}
+                }
+            }
+            me
+        }));
+    }
+    tokio::time::sleep_until(measure_from.into()).await;
+    let start = db.sample(true).await;
+    tokio::time::sleep_until(end.into()).await;
+    let end_sample = db.sample(true).await;
+    let mut load = Load {
+        measured: 0,
+        total: 0,
+        errors: 0,
+        first_error: None,
+        latencies: Vec::new(),
+        outcomes: BTreeMap::new(),
+        start,
+        end: end_sample,
+        window: s.secs,
+    };
+    for w in workers {
+        let me = w.await.expect("worker");
+        load.measured += me.measured;
+        load.total += me.total;
+        load.errors += me.errors;
+        if load.first_error.is_none() {
+            load.first_error = me.first_error;
+        }
+        load.latencies.extend(me.latencies);
+        for (k, v) in me.outcomes {
+            *load.outcomes.entry(k).or_default() += v;
+        }
+    }
+    load.latencies.sort_unstable();
+    load
+}
+
+fn percentile(sorted: &[u64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1] as f64 / 1e6
+}
+
+// ---------------------------------------------------------------------------------------
+// One row
+// ---------------------------------------------------------------------------------------
+
+struct RowResult {
+    kind: Kind,
+    c: usize,
+    requests: u64,
+    rps: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    statements: Option<f64>,
+    commits: Option<f64>,
+    rollbacks: Option<f64>,
+    app_cpu_us: f64,
+    pg_cpu_us: f64,
+    machine_busy: f64,
+    other_cpu: f64,
+    rps_min: f64,
+    rps_max: f64,
+    ratio_floor: Option<f64>,
+    ratio_bare: Option<f64>,
+    errors: u64,
+    outcomes: String,
+}
+
+struct Ctx {
+    settings: Settings,
+    db: Db,
+    schema: String,
+    table: String,
+    sql: Arc<Sql>,
+    overhead: Overhead,
+}
+
+impl Ctx {
+    fn store(&self) -> PostgresStore {
+        PostgresStore::new(pool_for_url(&self.db.row_url, self.settings.pool_size).expect("pool"))
+            .with_schema_name(&self.schema)
+            .expect("schema name")
+            .with_notifications(self.db.row_url.parse().expect("url"))
+    }
+
+    fn floor(&self) -> Arc<Floor> {
+        Arc::new(Floor::new(
+            pool_for_url(&self.db.row_url, self.settings.pool_size).expect("pool"),
+            self.sql.clone(),
+        ))
+    }
+}
+
+fn replay_key(w: usize, seq: u64, n: usize) -> String {
+    format!("replay-{}", (w as u64 * 7919 + seq * 31) % n as u64)
+}
+
+async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
+    let db = &ctx.db;
+    db.wait_closed().await;
+    let (commits_before, rollbacks_before) = db.commits().await;
+    let n_replay = ctx.settings.replay_keys;
+    let tag = format!("{}-c{c}-r{round}", kind.id());
+
+    let mut store: Option<PostgresStore> = None;
+    let mut floor: Option<Arc<Floor>> = None;
+    let mut server: Option<Server> = None;
+
+    let router = match kind {
+        Kind::Bare => Some(Router::new().route("/payments", post(create))),
+        Kind::PassThrough => {
+            let st = ctx.store();
+            store = Some(st.clone());
+            Some(
+                Router::new()
+                    .route("/payments", post(create))
+                    .layer(IdempotencyLayer::new(st)),
+            )
+        }
+        Kind::Lease | Kind::Replay | Kind::Dup => {
+            let st = ctx.store();
+            store = Some(st.clone());
+            Some(
+                Router::new()
+                    .route("/payments", post(create))
+                    .layer(IdempotencyLayer::new(st)),
+            )
+        }
+        Kind::Tx => {
+            let st = ctx.store();
+            store = Some(st.clone());
+            Some(
+                Router::new()
+                    .route("/payments", post(create_in_tx))
+                    .with_state(ctx.sql.clone())
+                    .layer(IdempotencyLayer::transactional(st)),
+            )
+        }
+        Kind::Memory => Some(
+            Router::new()
+                .route("/payments", post(create))
+                .layer(IdempotencyLayer::new(MemoryStore::new())),
+        ),
+        Kind::HttpFloorLease | Kind::HttpFloorTx | Kind::HttpFloorReplay => {
+            let f = ctx.floor();
+            floor = Some(f.clone());
+            let handler = match kind {
+                Kind::HttpFloorLease => post(floor_lease_handler),
+                Kind::HttpFloorTx => post(floor_tx_handler),
+                _ => post(floor_replay_handler),
+            };
+            Some(Router::new().route("/payments", handler).with_state(f))
+        }
+        Kind::FloorLease
+        | Kind::FloorTx
+        | Kind::FloorReplay
+        | Kind::FloorSelect
+        | Kind::FloorLeaseNoNotify => {
+            floor = Some(ctx.floor());
+            None
+        }
+    };
+
+    let op: Op = if let Some(router) = router {
+        let srv = serve(router).await;
+        let uri: Arc<str> = Arc::from(format!("http://{}/payments", srv.addr));
+        server = Some(srv);
+        let client = http_client();
+        let tag: Arc<str> = Arc::from(tag.as_str());
+        Arc::new(move |w, seq| {
+            let (client, uri, tag) = (client.clone(), uri.clone(), tag.clone());
+            Box::pin(async move {
+                let key = match kind {
+                    Kind::Bare | Kind::PassThrough => None,
+                    Kind::Replay | Kind::HttpFloorReplay => Some(replay_key(w, seq, n_replay)),
+                    Kind::Dup => Some(format!("{tag}-round-{seq}")),
+                    _ => Some(format!("{tag}-w{w}-{seq}")),
+                };
+                send(&client, &uri, key.as_deref()).await
+            })
+        })
+    } else {
+        let f = floor.clone().expect("floor");
+        let tag: Arc<str> = Arc::from(tag.as_str());
+        Arc::new(move |w, seq| {
+            let (f, tag) = (f.clone(), tag.clone());
+            Box::pin(async move {
+                let key = format!("{tag}-w{w}-{seq}");
+                match kind {
+                    Kind::FloorLease => f.lease(&key, true).await.map(|()| "ok".into()),
+                    Kind::FloorLeaseNoNotify => f.lease(&key, false).await.map(|()| "ok".into()),
+                    Kind::FloorTx => f.tx(&key).await.map(|()| "ok".into()),
+                    Kind::FloorReplay => f
+                        .replay(&replay_key(w, seq, n_replay))
+                        .await
+                        .map(|_| "ok".into()),
+                    _ => f
+                        .select(&replay_key(w, seq, n_replay))
+                        .await
+                        .map(|_| "ok".into()),
+                }
+            })
+        })
+    };
+
+    let load = run_load(db, c, &ctx.settings, kind == Kind::Dup, op).await;
+
+    if let Some(srv) = server {
+        srv.shutdown().await;
+    }
+    let statements = match (&store, &floor) {
+        (Some(st), _) => Some(st.metrics().statements as f64 / load.total.max(1) as f64),
+        (None, Some(f)) => {
+            Some(f.statements.load(Ordering::Relaxed) as f64 / load.total.max(1) as f64)
+        }
+        _ => None,
+    };
+    let pool = store
+        .as_ref()
+        .map(|s| s.pool().clone())
+        .or_else(|| floor.as_ref().map(|f| f.pool.clone()));
+    let (commits, rollbacks) = if let Some(pool) = pool {
+        let connections = pool.status().size as f64;
+        pool.close();
+        drop(store);
+        drop(floor);
+        db.wait_closed().await;
+        let (commits_after, rollbacks_after) = db.commits().await;
+        let overhead = connections
+            * (ctx.overhead.per_connection
+                + ctx.overhead.per_prepare * kind.prepared_per_connection());
+        let total = load.total.max(1) as f64;
+        (
+            Some(((commits_after - commits_before) as f64 - overhead).max(0.0) / total),
+            Some((rollbacks_after - rollbacks_before) as f64 / total),
+        )
+    } else {
+        (None, None)
+    };
+
+    let n = load.measured.max(1) as f64;
+    let pg_ticks: u64 = load
+        .end
+        .pg
+        .iter()
+        .map(|(pid, t)| t.saturating_sub(load.start.pg.get(pid).copied().unwrap_or(0)))
+        .sum();
+    let busy = (load.end.busy - load.start.busy) as f64;
+    let total = (load.end.total - load.start.total).max(1) as f64;
+    let outcomes = load
+        .outcomes
+        .iter()
+        .filter(|_| kind.over_http())
+        .map(|(k, v)| format!("{k}: {:.0}%", *v as f64 * 100.0 / n))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if let Some(e) = &load.first_error {
+        eprintln!("  {} c={c}: {} errors, first: {e}", kind.id(), load.errors);
+    }
+    RowResult {
+        kind,
+        c,
+        requests: load.measured,
+        rps: load.measured as f64 / load.window,
+        p50_ms: percentile(&load.latencies, 0.50),
+        p99_ms: percentile(&load.latencies, 0.99),
+        statements,
+        commits: if kind.uses_db() { commits } else { Some(0.0) },
+        rollbacks,
+        app_cpu_us: (load.end.app - load.start.app) as f64 * TICK_US / n,
+        pg_cpu_us: pg_ticks as f64 * TICK_US / n,
+        machine_busy: busy / total,
+        other_cpu: (busy - (load.end.app - load.start.app) as f64 - pg_ticks as f64).max(0.0)
+            / total,
+        rps_min: 0.0,
+        rps_max: 0.0,
+        ratio_floor: None,
+        ratio_bare: None,
+        errors: load.errors,
+        outcomes,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Set-up: the schema, the payments table, the keys to replay.
+// ---------------------------------------------------------------------------------------
+
+async fn precreate_replays(ctx: &Ctx) {
+    let store = ctx.store();
+    let app = Router::new()
+        .route("/payments", post(create))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let srv = serve(app).await;
+    let uri: Arc<str> = Arc::from(format!("http://{}/payments", srv.addr));
+    let client = http_client();
+    let next = Arc::new(AtomicU64::new(0));
+    let n = ctx.settings.replay_keys as u64;
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (client, uri, next) = (client.clone(), uri.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let outcome = send(&client, &uri, Some(&format!("replay-{i}")))
+                    .await
+                    .expect("pre-create a key");
+                assert_eq!(outcome, "201", "pre-create a key");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("pre-create");
+    }
+    srv.shutdown().await;
+    store.pool().close();
+}
+
+// ---------------------------------------------------------------------------------------
+// Output
+// ---------------------------------------------------------------------------------------
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("—".into(), |v| format!("{v:.digits$}"))
+}
+
+fn print_table(results: &[RowResult]) {
+    println!();
+    println!(
+        "| row | c | req/s (min–max) | p50 ms | p99 ms | stmts/req | commits/req | app CPU µs/req | PG CPU µs/req | × floor | × bare | outcomes |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    for kind in KINDS {
+        for r in results.iter().filter(|r| r.kind == kind) {
+            let (floor, bare) = (r.ratio_floor, r.ratio_bare);
+            let mut outcomes = r.outcomes.clone();
+            if r.errors > 0 {
+                outcomes.push_str(&format!(" errors: {}", r.errors));
+            }
+            println!(
+                "| {} | {} | {:.0} ({:.0}–{:.0}) | {:.2} | {:.2} | {} | {} | {:.0} | {:.0} | {} | {} | {} |",
+                r.kind.label(),
+                r.c,
+                r.rps,
+                r.rps_min,
+                r.rps_max,
+                r.p50_ms,
+                r.p99_ms,
+                fmt_opt(r.statements, 2),
+                fmt_opt(r.commits, 2),
+                r.app_cpu_us,
+                r.pg_cpu_us,
+                fmt_opt(floor, 2),
+                fmt_opt(bare, 2),
+                outcomes,
+            );
+        }
+    }
+}
+
+fn write_csv(results: &[RowResult], path: &PathBuf) {
+    let mut out = String::from(
+        "row,label,concurrency,requests,rps,rps_min,rps_max,p50_ms,p99_ms,statements_per_req,commits_per_req,rollbacks_per_req,app_cpu_us_per_req,pg_cpu_us_per_req,machine_busy,other_cpu,ratio_floor,ratio_bare,errors,outcomes\n",
+    );
+    for r in results {
+        let (floor, bare) = (r.ratio_floor, r.ratio_bare);
+        let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
+        out.push_str(&format!(
+            "{},\"{}\",{},{},{:.1},{:.1},{:.1},{:.4},{:.4},{},{},{},{:.1},{:.1},{:.3},{:.3},{},{},{},\"{}\"\n",
+            r.kind.id(),
+            r.kind.label().replace('"', "\"\""),
+            r.c,
+            r.requests,
+            r.rps,
+            r.rps_min,
+            r.rps_max,
+            r.p50_ms,
+            r.p99_ms,
+            opt(r.statements),
+            opt(r.commits),
+            opt(r.rollbacks),
+            r.app_cpu_us,
+            r.pg_cpu_us,
+            r.machine_busy,
+            r.other_cpu,
+            opt(floor),
+            opt(bare),
+            r.errors,
+            r.outcomes,
+        ));
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).expect("create the output directory");
+    }
+    std::fs::write(path, out).expect("write the CSV");
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing else is read from the command line.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let settings = Settings::from_env();
+    let db = Db::open(&settings.url).await;
+    let schema = format!(
+        "bench_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    );
+
+    eprintln!("calibrating the commit counters ...");
+    let overhead = calibrate(&db).await;
+    eprintln!(
+        "  a connection's start-up = {:.2} commits, a prepared statement = {:.2}",
+        overhead.per_connection, overhead.per_prepare
+    );
+
+    let setup = PostgresStore::new(pool_for_url(&db.row_url, 2).expect("pool"))
+        .with_schema_name(&schema)
+        .expect("schema name");
+    setup.migrate().await.expect("migrate");
+    let table = setup.table().to_owned();
+    setup
+        .pool()
+        .get()
+        .await
+        .expect("connection")
+        .batch_execute(&format!(
+            "CREATE TABLE \"{schema}\".payments (
+                 id text PRIMARY KEY,
+                 amount bigint NOT NULL,
+                 currency text NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now())"
+        ))
+        .await
+        .expect("create the payments table");
+    setup.pool().close();
+    drop(setup);
+
+    let ctx = Ctx {
+        sql: Arc::new(Sql::new(&table, &schema)),
+        settings,
+        db,
+        schema,
+        table,
+        overhead,
+    };
+    eprintln!(
+        "schema {}, table {}; pre-creating {} keys to replay ...",
+        ctx.schema, ctx.table, ctx.settings.replay_keys
+    );
+    precreate_replays(&ctx).await;
+
+    let selected = |k: Kind| {
+        ctx.settings
+            .rows
+            .as_ref()
+            .is_none_or(|rows| rows.iter().any(|r| r == k.id()))
+    };
+    let mut runs: Vec<Vec<RowResult>> = Vec::new();
+    for round in 1..=ctx.settings.repeat {
+        eprintln!("round {round} of {}", ctx.settings.repeat);
+        let mut slot = 0;
+        for &c in &ctx.settings.concurrency {
+            for kind in RUN_ORDER {
+                if !selected(kind) || (kind == Kind::Dup && c < 2) {
+                    continue;
+                }
+                let r = run_row(&ctx, kind, c, round).await;
+                eprintln!(
+                    "{:>22} c={c:<3} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  stmts {}  commits {}  app {:.0} µs  pg {:.0} µs  other {:.0}%",
+                    kind.id(),
+                    r.rps,
+                    r.p50_ms,
+                    r.p99_ms,
+                    fmt_opt(r.statements, 2),
+                    fmt_opt(r.commits, 2),
+                    r.app_cpu_us,
+                    r.pg_cpu_us,
+                    r.other_cpu * 100.0
+                );
+                if round == 1 {
+                    runs.push(Vec::new());
+                }
+                runs[slot].push(r);
+                slot += 1;
+            }
+        }
+    }
+    // Ratios are paired: row and floor of the same round (they ran seconds apart), then
+    // the median over the rounds.
+    let median = |mut v: Vec<f64>| -> Option<f64> {
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    let paired = |slot: &Vec<RowResult>, other: Kind| -> Option<f64> {
+        let theirs = runs
+            .iter()
+            .find(|rs| rs[0].kind == other && rs[0].c == slot[0].c)?;
+        median(
+            slot.iter()
+                .zip(theirs)
+                .map(|(a, b)| a.rps / b.rps)
+                .collect(),
+        )
+    };
+    let ratios: Vec<(Option<f64>, Option<f64>)> = runs
+        .iter()
+        .map(|rs| {
+            let kind = rs[0].kind;
+            (
+                kind.floor().and_then(|f| paired(rs, f)),
+                if kind.over_http() {
+                    paired(rs, Kind::Bare)
+                } else {
+                    None
+                },
+            )
+        })
+        .collect();
+    // Each row: the round with the median throughput, and the spread over the rounds.
+    let results: Vec<RowResult> = runs
+        .into_iter()
+        .zip(ratios)
+        .map(|(mut rs, (ratio_floor, ratio_bare))| {
+            rs.sort_by(|a, b| a.rps.total_cmp(&b.rps));
+            let (min, max) = (rs[0].rps, rs[rs.len() - 1].rps);
+            let mut median = rs.swap_remove(rs.len() / 2);
+            median.rps_min = min;
+            median.rps_max = max;
+            median.ratio_floor = ratio_floor;
+            median.ratio_bare = ratio_bare;
+            median
+        })
+        .collect();
+
+    print_table(&results);
+    let csv = ctx.settings.out_dir.join("e2e.csv");
+    write_csv(&results, &csv);
+    eprintln!("\nwrote {}", csv.display());
+
+    // The schema (and the database, if this run created it) goes.
+    ctx.db.wait_closed().await;
+    let (cleanup, conn) = ctx
+        .settings
+        .url
+        .parse::<tokio_postgres::Config>()
+        .expect("url")
+        .connect(NoTls)
+        .await
+        .expect("connect");
+    let conn = tokio::spawn(conn);
+    cleanup
+        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", ctx.schema))
+        .await
+        .expect("drop the schema");
+    drop(cleanup);
+    let _ = conn.await;
+    ctx.db.wait_closed().await;
+    ctx.db.drop_database().await;
+}
