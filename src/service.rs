@@ -250,7 +250,9 @@ where
     #[cfg(feature = "postgres")]
     if let Some(store) = &config.transactional {
         let store = store.clone();
-        return crate::transactional::guarded(
+        // Boxed: its large state machine would otherwise be embedded in this one, making
+        // every request's future as large, and as costly to move.
+        return Box::pin(crate::transactional::guarded(
             config,
             store,
             inner,
@@ -258,7 +260,7 @@ where
             body,
             claim_request,
             in_flight,
-        )
+        ))
         .await;
     }
     let lease = match claim(&config, &claim_request).await {
@@ -336,6 +338,15 @@ async fn claim<B>(
                 }
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
                     if tokio::time::Instant::now() < until {
+                        let registered = tokio::time::timeout(
+                            config.store_timeout,
+                            config.store.register_waiter(request.scope, request.key),
+                        )
+                        .await;
+                        // Finished between the claim and the registration: look again.
+                        if matches!(registered, Ok(Ok(false))) {
+                            continue;
+                        }
                         let _ = tokio::time::timeout_at(until, changed).await;
                         continue;
                     }
@@ -364,26 +375,24 @@ async fn bounded_claim(
     let store = config.store.clone();
     let (scope, key) = (request.scope.clone(), request.key.to_owned());
     let (fingerprint, lease, ttl) = (request.fingerprint, request.lease, request.ttl);
-    let mut task = tokio::spawn(async move {
-        let request = ClaimRequest {
-            scope: &scope,
-            key: &key,
-            fingerprint,
-            lease,
-            ttl,
-        };
-        store.claim(&request).await
-    });
-    match tokio::time::timeout(config.store_timeout, &mut task).await {
-        Ok(Ok(claim)) => Ok(claim),
-        Ok(Err(e)) => Ok(Err(crate::store::StoreError::new(
-            crate::store::StoreErrorKind::Other,
-            e,
-        ))),
+    let mut claim: BoxFuture<'static, Result<Claim, crate::store::StoreError>> =
+        Box::pin(async move {
+            let request = ClaimRequest {
+                scope: &scope,
+                key: &key,
+                fingerprint,
+                lease,
+                ttl,
+            };
+            store.claim(&request).await
+        });
+    match tokio::time::timeout(config.store_timeout, &mut claim).await {
+        Ok(claim) => Ok(claim),
         Err(elapsed) => {
+            // Only now does the claim need a task of its own, to finish and be undone.
             let store = config.store.clone();
             tokio::spawn(async move {
-                if let Ok(Ok(Claim::Acquired(lease))) = task.await {
+                if let Ok(Claim::Acquired(lease)) = claim.await {
                     tracing::warn!(key = %lease.key, "a claim answered 503 landed late; releasing it");
                     let _ = store.release(&lease).await;
                 }

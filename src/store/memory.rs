@@ -40,7 +40,7 @@ impl Default for MemoryStore {
 #[derive(Default)]
 struct Inner {
     records: HashMap<(Scope, Arc<str>), Record>,
-    claims_since_sweep: usize,
+    last_sweep: Option<Instant>,
 }
 
 struct Record {
@@ -114,9 +114,12 @@ impl MemoryStore {
     fn claim_now(&self, req: &ClaimRequest<'_>) -> Claim {
         let now = Instant::now();
         let mut inner = self.lock();
-        inner.claims_since_sweep += 1;
-        if inner.claims_since_sweep >= 1024 {
-            inner.claims_since_sweep = 0;
+        // Sweep expired records at most once a second: a full pass costs O(records).
+        if inner
+            .last_sweep
+            .is_none_or(|last| now.duration_since(last) >= Duration::from_secs(1))
+        {
+            inner.last_sweep = Some(now);
             inner.records.retain(|_, r| !r.is_free(now));
         }
         let id = (req.scope.clone(), Arc::<str>::from(req.key));

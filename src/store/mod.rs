@@ -198,6 +198,18 @@ pub trait Store: Send + Sync + 'static {
     /// returns how many. Never touches a live claim.
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>>;
 
+    /// Records that a request waits for the running key, so that its completion or
+    /// release notifies (stores that always notify need not do anything). `Ok(false)`:
+    /// the key is no longer running; claim again at once.
+    fn register_waiter<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = (scope, key);
+        Box::pin(std::future::ready(Ok(true)))
+    }
+
     /// A future that resolves when the key may have been completed or released, so that
     /// a request waiting for a running key can claim again. Call it *before* the claim
     /// that finds the key running: a change in between still resolves it. It may also

@@ -25,10 +25,13 @@ use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreError
 use crate::{Fingerprint, Scope, StoredResponse};
 
 /// The migrations, in order, embedded from `migrations/`.
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    include_str!("../../../migrations/0001_create_idempotency_keys.sql"),
-)];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        include_str!("../../../migrations/0001_create_idempotency_keys.sql"),
+    ),
+    (2, include_str!("../../../migrations/0002_waiters.sql")),
+];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
@@ -107,6 +110,7 @@ struct Sql {
     complete: String,
     release: String,
     renew: String,
+    wait: String,
     purge: String,
     qualified: String,
     expires_index: String,
@@ -157,20 +161,23 @@ impl Sql {
                     UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
                            headers = $5, body = $6, completed_at = now(), expires_at = now() + {e}
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING 1)
-                 SELECT pg_notify($8, $9) FROM done",
+                    RETURNING waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
                 e = ms.replace("$ms", "$7"),
             ),
             release: format!(
                 "WITH done AS (
                     DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING 1)
-                 SELECT pg_notify($4, $5) FROM done"
+                    RETURNING waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($4, $5) END FROM done"
             ),
             renew: format!(
                 "UPDATE {t} SET locked_until = now() + {l}, expires_at = greatest(expires_at, now() + {l})
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
                 l = ms.replace("$ms", "$4"),
+            ),
+            wait: format!(
+                "UPDATE {t} SET waiters = true WHERE scope = $1 AND key = $2 AND state = 'running'"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
@@ -735,6 +742,19 @@ impl Store for PostgresStore {
 
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(self.purge_expired(i64::try_from(batch).unwrap_or(i64::MAX)))
+    }
+
+    fn register_waiter<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let n = self
+                .execute(&self.sql.wait, &[&scope.as_str(), &key])
+                .await?;
+            Ok(n == 1)
+        })
     }
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
