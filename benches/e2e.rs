@@ -73,15 +73,15 @@ const CLAIM_SQL: &str = "WITH ins AS (
                  FROM {t} t
                  WHERE t.scope = $1 AND t.key = $2 AND NOT EXISTS (SELECT 1 FROM ins)";
 
-/// The completion, token-checked, with its `pg_notify` for waiting duplicates.
+/// The completion, token-checked; it notifies only when a duplicate registered as waiting.
 const COMPLETE_SQL: &str = "WITH done AS (
                     UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
                            headers = $5, body = $6, completed_at = now(), expires_at = now() + $7::bigint * interval '1 millisecond'
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING 1)
-                 SELECT pg_notify($8, $9) FROM done";
+                    RETURNING waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done";
 
-/// The completion without `pg_notify` (a diagnostic floor: what the notification costs).
+/// The completion without any `pg_notify` (a diagnostic floor).
 const COMPLETE_NO_NOTIFY_SQL: &str = "WITH done AS (
                     UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
                            headers = $5, body = $6, completed_at = now(), expires_at = now() + $7::bigint * interval '1 millisecond'
