@@ -1,7 +1,8 @@
 //! One `LISTEN` connection per store, its notifications fanned out in-process.
 //!
-//! Completion and release fire `pg_notify(channel, key id)` in the same statement, so
-//! the notification is delivered when (and only if) the change commits, to every
+//! A waiting request marks the row (`waiters`); completion and release of a marked row
+//! fire `pg_notify(channel, key id)` in the same statement, so the notification is
+//! delivered when (and only if) the change commits, to every
 //! process listening. Waiters subscribe *before* the claim that finds a key running, so
 //! no wake-up can fall between the claim and the wait.
 
