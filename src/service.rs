@@ -122,7 +122,9 @@ where
             scope = field::Empty,
             outcome = field::Empty,
         );
-        if config.hash_keys_in_traces {
+        if span.is_disabled() {
+            // Nobody records it: no hashing either.
+        } else if config.hash_keys_in_traces {
             span.record("key", short_hash(key.as_bytes()).as_str());
         } else {
             span.record("key", key.as_str());
@@ -237,8 +239,12 @@ where
         return Ok(shutting_down());
     };
     let scope = (config.scope)(&parts);
-    // A tenant or user id may be personal data: traces carry its hash.
-    Span::current().record("scope", short_hash(scope.as_str().as_bytes()).as_str());
+    // A tenant or user id may be personal data: traces carry its hash, computed only
+    // when someone records the span.
+    let span = Span::current();
+    if !span.is_disabled() {
+        span.record("scope", short_hash(scope.as_str().as_bytes()).as_str());
+    }
     let fingerprint = config.fingerprinter.compute(&parts, &body);
     let claim_request = ClaimRequest {
         scope: &scope,
@@ -319,40 +325,25 @@ async fn claim<B>(
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
         let claim = bounded_claim(config, request).await;
         match claim {
-            Ok(Ok(Claim::Acquired(lease))) => return Ok(lease),
-            Ok(Ok(Claim::Completed {
-                fingerprint,
-                response,
-            })) => {
-                if fingerprint != request.fingerprint {
-                    return Err(mismatch());
-                }
-                return Err(replay(response));
-            }
-            Ok(Ok(Claim::Running {
-                fingerprint,
-                retry_after,
-            })) => {
-                if fingerprint != request.fingerprint {
-                    return Err(mismatch());
+            Ok(Ok(Claim::Running { fingerprint, .. }))
+                if fingerprint == request.fingerprint
+                    && wait_until.is_some_and(|until| tokio::time::Instant::now() < until) =>
+            {
+                let registered = tokio::time::timeout(
+                    config.store_timeout,
+                    config.store.register_waiter(request.scope, request.key),
+                )
+                .await;
+                // Finished between the claim and the registration: look again.
+                if matches!(registered, Ok(Ok(false))) {
+                    continue;
                 }
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
-                    if tokio::time::Instant::now() < until {
-                        let registered = tokio::time::timeout(
-                            config.store_timeout,
-                            config.store.register_waiter(request.scope, request.key),
-                        )
-                        .await;
-                        // Finished between the claim and the registration: look again.
-                        if matches!(registered, Ok(Ok(false))) {
-                            continue;
-                        }
-                        let _ = tokio::time::timeout_at(until, changed).await;
-                        continue;
-                    }
+                    let _ = tokio::time::timeout_at(until, changed).await;
                 }
-                return Err(in_progress(retry_after));
+                continue;
             }
+            Ok(Ok(claim)) => return settle(claim, request.fingerprint),
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "claim failed; the handler was not run");
                 return Err(unavailable());
@@ -365,9 +356,9 @@ async fn claim<B>(
     }
 }
 
-/// Claims in a task of its own, bounded by the store timeout. A claim still in flight at
-/// the bound may yet commit; it is then released as soon as it returns, so a request
-/// answered 503 does not leave its key blocked for a lease.
+/// Claims, bounded by the store timeout. A claim still in flight at the bound may yet
+/// commit: it is handed to a task of its own that releases it as soon as it returns, so a
+/// request answered 503 does not leave its key blocked for a lease.
 async fn bounded_claim(
     config: &Config,
     request: &ClaimRequest<'_>,
@@ -399,6 +390,26 @@ async fn bounded_claim(
             });
             Err(elapsed)
         }
+    }
+}
+
+/// The lease when the claim is ours to run; otherwise the answer: 422 for another
+/// request's key, the replay, or 409 while it runs. Both modes answer through here.
+// The `Err` is the response itself, returned to the client at once, not an error to box.
+#[allow(clippy::result_large_err)]
+pub(crate) fn settle<B>(
+    claim: Claim,
+    fingerprint: crate::Fingerprint,
+) -> Result<Lease, Response<ResponseBody<B>>> {
+    match claim {
+        Claim::Acquired(lease) => Ok(lease),
+        Claim::Completed { fingerprint: f, .. } | Claim::Running { fingerprint: f, .. }
+            if f != fingerprint =>
+        {
+            Err(mismatch())
+        }
+        Claim::Completed { response, .. } => Err(replay(response)),
+        Claim::Running { retry_after, .. } => Err(in_progress(retry_after)),
     }
 }
 

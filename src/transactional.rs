@@ -57,8 +57,7 @@ use crate::{
     layer::Config,
     rejection::Problem,
     service::{
-        Produced, handler_failed, in_progress, mismatch, replay, run_inner, unavailable,
-        with_outcome,
+        Produced, handler_failed, in_progress, run_inner, settle, unavailable, with_outcome,
     },
     shutdown::InFlight,
     store::{Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind},
@@ -373,25 +372,13 @@ where
     let (conn, lease) =
         match open(&store, &request, config.lock_timeout, config.store_timeout).await {
             Opened::Acquired(conn, lease) => (conn, lease),
-            Opened::Found(Claim::Completed {
-                fingerprint,
-                response,
-            }) => {
-                if fingerprint != request.fingerprint {
-                    return Ok(mismatch());
-                }
-                return Ok(replay(response));
+            Opened::Found(found) => {
+                // Found is never ours to run: a replay, a 409 or a 422.
+                return Ok(settle(found, request.fingerprint)
+                    .err()
+                    .unwrap_or_else(unavailable));
             }
-            Opened::Found(Claim::Running {
-                fingerprint,
-                retry_after,
-            }) => {
-                if fingerprint != request.fingerprint {
-                    return Ok(mismatch());
-                }
-                return Ok(in_progress(retry_after));
-            }
-            Opened::Found(Claim::Acquired(_)) | Opened::Unavailable => return Ok(unavailable()),
+            Opened::Unavailable => return Ok(unavailable()),
             Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
         };
 
