@@ -7,7 +7,7 @@ mod common;
 use std::{sync::Arc, time::Duration};
 
 use axum::{Router, body::Body, extract::State, routing::post as post_route};
-use common::{TestSchema, app, eventually, post, proxy::PgProxy, req, send};
+use common::{TestSchema, app, eventually, in_flight, post, proxy::PgProxy, req, send};
 use tokio::io::AsyncWriteExt;
 use tower_idempotency::{IdempotencyLayer, Outcome};
 
@@ -76,9 +76,7 @@ async fn a_cut_while_the_handler_runs_still_stores_its_response() {
         .header("x-delay-ms", "300")
         .body(Body::from("{}"))
         .unwrap();
-    let r = router.clone();
-    let first = tokio::spawn(async move { send(&r, slow).await });
-    eventually(|| counter.runs() == 1).await;
+    let first = in_flight(&router, slow, &counter).await;
     proxy.cut();
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
@@ -132,9 +130,7 @@ async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response()
         .header("x-delay-ms", "300")
         .body(Body::from("{}"))
         .unwrap();
-    let r = router.clone();
-    let first = tokio::spawn(async move { send(&r, slow).await });
-    eventually(|| counter.runs() == 1).await;
+    let first = in_flight(&router, slow, &counter).await;
     proxy.stall(true);
     // The database cannot be reached when the handler finishes: the client is answered
     // all the same, and the key is still running in the table.
@@ -198,9 +194,7 @@ async fn a_zombie_holder_is_fenced_and_the_stored_response_is_its_successors() {
     let (router_b, gate_b, runs_b) = gated_app(layer_b, "from B");
     gate_b.add_permits(1000);
 
-    let r = router_a.clone();
-    let zombie = tokio::spawn(async move { send(&r, post("k", "{}")).await });
-    eventually(|| runs_a.runs() == 1).await;
+    let zombie = in_flight(&router_a, post("k", "{}"), &runs_a).await;
     let (_, zombie_token) = row(&schema, "k").await.expect("A's claim");
     // A's renewals can no longer reach the database: its lease lapses while it runs.
     proxy.stall(true);
@@ -315,9 +309,7 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
         .header("x-delay-ms", "400")
         .body(Body::from("{}"))
         .unwrap();
-    let r = router.clone();
-    let running = tokio::spawn(async move { send(&r, slow).await });
-    eventually(|| counter.runs() == 1).await;
+    let running = in_flight(&router, slow, &counter).await;
 
     let drained = tokio::spawn({
         let shutdown = shutdown.clone();

@@ -274,9 +274,7 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
         .header("x-delay-ms", "400")
         .body(Body::from("{}"))
         .unwrap();
-    let r = router_a.clone();
-    let first = tokio::spawn(async move { send(&r, slow).await });
-    common::eventually(|| counter_a.runs() == 1).await;
+    let first = common::in_flight(&router_a, slow, &counter_a).await;
     let before = b.metrics();
     let waited = send(&router_b, post("k", "{}")).await;
     let first = first.await.unwrap();

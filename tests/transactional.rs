@@ -15,7 +15,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::post,
 };
-use common::{Counter, TestSchema, eventually, proxy::PgProxy, req, send};
+use common::{Counter, TestSchema, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
     transactional::TransactionHandle,
@@ -265,10 +265,7 @@ async fn a_duplicate_past_the_lock_timeout_gets_409() {
     let table = setup(&schema, &store).await;
     let layer = IdempotencyLayer::transactional(store).lock_timeout(Duration::from_millis(100));
     let (router, counter) = app(layer, &table);
-    let r = router.clone();
-    let first =
-        tokio::spawn(async move { send(&r, post_with("k", &[("x-delay-ms", "1000")])).await });
-    eventually(|| counter.runs() == 1).await;
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "1000")]), &counter).await;
     let dup = send(&router, post_with("k", &[])).await;
     assert_eq!(dup.status, 409);
     assert_eq!(dup.problem(), "in-progress");
@@ -288,10 +285,7 @@ async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
     let store = schema.store_at(&proxy.url(), 2).await;
     let table = setup(&schema, &store).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
-    let r = router.clone();
-    let first =
-        tokio::spawn(async move { send(&r, post_with("k", &[("x-delay-ms", "300")])).await });
-    eventually(|| counter.runs() == 1).await;
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
     proxy.cut();
     // Cut before the handler's INSERT, the handler fails (500); cut after it, the
     // commit fails (503 not-committed). Either way nothing is kept.

@@ -230,6 +230,20 @@ pub async fn eventually(mut f: impl FnMut() -> bool) {
     panic!("condition not reached within the bound");
 }
 
+/// Sends `req` in a task of its own and returns once its handler runs (`counter` has
+/// counted one more run): the request is then in flight, holding its key.
+pub async fn in_flight(
+    router: &Router,
+    req: Request<Body>,
+    counter: &Counter,
+) -> tokio::task::JoinHandle<Reply> {
+    let before = counter.runs();
+    let router = router.clone();
+    let task = tokio::spawn(async move { send(&router, req).await });
+    eventually(|| counter.runs() > before).await;
+    task
+}
+
 pub struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,

@@ -15,7 +15,7 @@ macro_rules! layer_suite {
                 store::{Claim, ClaimRequest, Store},
             };
 
-            use $crate::common::{app, eventually, post, req, send};
+            use $crate::common::{app, in_flight, post, req, send};
 
             async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
                 let (store, guard) = super::$make().await;
@@ -112,9 +112,7 @@ macro_rules! layer_suite {
                     .header("x-delay-ms", "600")
                     .body(Body::from("{}"))
                     .unwrap();
-                let r = router.clone();
-                let first = tokio::spawn(async move { send(&r, slow).await });
-                eventually(|| counter.runs() == 1).await;
+                let first = in_flight(&router, slow, &counter).await;
                 let dup = send(&router, post("k", "{}")).await;
                 assert_eq!(dup.status, 409);
                 assert_eq!(dup.problem(), "in-progress");
@@ -404,9 +402,7 @@ macro_rules! layer_suite {
                     .header("x-delay-ms", "750")
                     .body(Body::from("{}"))
                     .unwrap();
-                let r = router.clone();
-                let first = tokio::spawn(async move { send(&r, slow).await });
-                eventually(|| counter.runs() == 1).await;
+                let first = in_flight(&router, slow, &counter).await;
                 let mut dups = Vec::new();
                 while !first.is_finished() {
                     dups.push(send(&router, post("k", "{}")).await.status.as_u16());
@@ -426,9 +422,7 @@ macro_rules! layer_suite {
                     .header("x-delay-ms", "400")
                     .body(Body::from("{}"))
                     .unwrap();
-                let r = router.clone();
-                let first = tokio::spawn(async move { send(&r, slow).await });
-                eventually(|| counter.runs() == 1).await;
+                let first = in_flight(&router, slow, &counter).await;
                 let waited = send(&router, post("k", "{}")).await;
                 let first = first.await.unwrap();
                 assert_eq!(waited.status, 201);
@@ -447,9 +441,7 @@ macro_rules! layer_suite {
                     .header("x-status", "503")
                     .body(Body::from("{}"))
                     .unwrap();
-                let r = router.clone();
-                let first = tokio::spawn(async move { send(&r, failing).await });
-                eventually(|| counter.runs() == 1).await;
+                let first = in_flight(&router, failing, &counter).await;
                 // Released, not completed: the waiter claims the key and runs.
                 let waited = send(&router, post("k", "{}")).await;
                 assert_eq!(first.await.unwrap().status, 503);
@@ -467,9 +459,7 @@ macro_rules! layer_suite {
                     .header("x-delay-ms", "2000")
                     .body(Body::from("{}"))
                     .unwrap();
-                let r = router.clone();
-                let first = tokio::spawn(async move { send(&r, slow).await });
-                eventually(|| counter.runs() == 1).await;
+                let first = in_flight(&router, slow, &counter).await;
                 let waited = send(&router, post("k", "{}")).await;
                 assert_eq!(waited.status, 409);
                 assert_eq!(waited.problem(), "in-progress");
@@ -649,9 +639,7 @@ macro_rules! layer_suite {
                     .header("x-delay-ms", "600")
                     .body(Body::from("{}"))
                     .unwrap();
-                let r = router.clone();
-                let first = tokio::spawn(async move { send(&r, slow).await });
-                eventually(|| counter.runs() == 1).await;
+                let first = in_flight(&router, slow, &counter).await;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 // Past the TTL, but the holder's lease is live: still a conflict.
                 assert_eq!(send(&router, post("k", "{}")).await.status, 409);
