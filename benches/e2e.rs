@@ -7,6 +7,8 @@
 //! `target/bench/e2e.csv`.
 #![allow(missing_docs)]
 
+mod support;
+
 use std::{
     collections::BTreeMap,
     future::Future,
@@ -310,9 +312,7 @@ impl Kind {
 // ---------------------------------------------------------------------------------------
 
 struct Db {
-    admin: tokio_postgres::Client,
-    dbname: String,
-    created: bool,
+    base: support::BenchDatabase,
     row_url: String,
 }
 
@@ -326,37 +326,8 @@ fn with_param(url: &str, param: &str) -> String {
 
 impl Db {
     async fn open(url: &str) -> Self {
-        let config: tokio_postgres::Config = url.parse().expect("BENCH_DATABASE_URL");
-        let dbname = config.get_dbname().unwrap_or("postgres").to_owned();
-        assert!(
-            dbname
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
-            "the benchmark database name must be a-z, 0-9, _"
-        );
-        // Counters are read from the maintenance database, so that reading them does not
-        // count as a transaction of the benchmark database.
-        let mut admin_config = config.clone();
-        admin_config.dbname("postgres");
-        admin_config.application_name("tower_idempotency_bench_admin");
-        let (admin, conn) = admin_config.connect(NoTls).await.expect("connect");
-        tokio::spawn(conn);
-        let exists = admin
-            .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&dbname])
-            .await
-            .expect("pg_database")
-            .is_some();
-        let created = !exists;
-        if created {
-            admin
-                .batch_execute(&format!("CREATE DATABASE \"{dbname}\""))
-                .await
-                .expect("create the benchmark database");
-        }
         Self {
-            admin,
-            dbname,
-            created,
+            base: support::BenchDatabase::open(url, "tower_idempotency_bench_admin").await,
             row_url: with_param(url, &format!("application_name={ROW_APP}")),
         }
     }
@@ -364,10 +335,11 @@ impl Db {
     /// (xact_commit, xact_rollback) of the benchmark database.
     async fn commits(&self) -> (i64, i64) {
         let row = self
+            .base
             .admin
             .query_one(
                 "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1",
-                &[&self.dbname],
+                &[&self.base.name],
             )
             .await
             .expect("pg_stat_database");
@@ -380,10 +352,11 @@ impl Db {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let n: i64 = self
+                .base
                 .admin
                 .query_one(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
-                    &[&self.dbname, &ROW_APP],
+                    &[&self.base.name, &ROW_APP],
                 )
                 .await
                 .expect("pg_stat_activity")
@@ -397,10 +370,11 @@ impl Db {
     }
 
     async fn backend_pids(&self) -> Vec<i32> {
-        self.admin
+        self.base
+            .admin
             .query(
                 "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
-                &[&self.dbname, &ROW_APP],
+                &[&self.base.name, &ROW_APP],
             )
             .await
             .expect("pg_stat_activity")
@@ -428,15 +402,7 @@ impl Db {
     }
 
     async fn drop_database(&self) {
-        if self.created {
-            self.admin
-                .batch_execute(&format!(
-                    "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-                    self.dbname
-                ))
-                .await
-                .expect("drop the benchmark database");
-        }
+        self.base.drop_if_created().await;
     }
 }
 

@@ -12,6 +12,8 @@
 //! `PostgresStore` (the `Store` trait), with UUID keys in random places of the index.
 #![allow(missing_docs)]
 
+mod support;
+
 use std::{
     path::PathBuf,
     str::FromStr,
@@ -162,45 +164,17 @@ impl Rng {
 // ---------------------------------------------------------------------------------------
 
 struct Db {
-    admin: tokio_postgres::Client,
+    base: support::BenchDatabase,
     client: tokio_postgres::Client,
-    dbname: String,
-    created: bool,
 }
 
 impl Db {
     async fn open(url: &str) -> Self {
+        let base = support::BenchDatabase::open(url, "tower_idempotency_growth_admin").await;
         let config: tokio_postgres::Config = url.parse().expect("BENCH_DATABASE_URL");
-        let dbname = config.get_dbname().unwrap_or("postgres").to_owned();
-        assert!(
-            dbname
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
-            "the benchmark database name must be a-z, 0-9, _"
-        );
-        let mut admin_config = config.clone();
-        admin_config.dbname("postgres");
-        let (admin, conn) = admin_config.connect(NoTls).await.expect("connect");
-        tokio::spawn(conn);
-        let exists = admin
-            .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&dbname])
-            .await
-            .expect("pg_database")
-            .is_some();
-        if !exists {
-            admin
-                .batch_execute(&format!("CREATE DATABASE \"{dbname}\""))
-                .await
-                .expect("create the benchmark database");
-        }
         let (client, conn) = config.connect(NoTls).await.expect("connect");
         tokio::spawn(conn);
-        Self {
-            admin,
-            client,
-            dbname,
-            created: !exists,
-        }
+        Self { base, client }
     }
 }
 
@@ -747,14 +721,6 @@ async fn run() {
         .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .await
         .expect("drop the schema");
-    if db.created {
-        drop(db.client);
-        db.admin
-            .batch_execute(&format!(
-                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-                db.dbname
-            ))
-            .await
-            .expect("drop the benchmark database");
-    }
+    drop(db.client);
+    db.base.drop_if_created().await;
 }
