@@ -331,39 +331,35 @@ async fn stats(client: &HttpClient, addr: SocketAddr) -> Value {
     reply.json()
 }
 
-/// The acceptance check: 100 concurrent requests with one key, over two processes that
-/// share one database, charge once and all get the same answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn one_key_over_two_processes_charges_once() {
-    let schema = Schema::new();
-    let mut a = Demo::start(Some(&schema));
-    let mut b = Demo::start(Some(&schema));
-    let client = client();
-    a.wait_ready(&client).await;
-    b.wait_ready(&client).await;
-
-    const KEY: &str = "acceptance-payment-1";
-    const REQUESTS: usize = 100;
-    let start = Arc::new(tokio::sync::Barrier::new(REQUESTS));
-    let tasks: Vec<_> = (0..REQUESTS)
+/// Sends `n` concurrent `POST /payments` of [`SLOW_PAYMENT`] with one key, alternating
+/// between two processes. Every answer must be a 201 or a 409 `in-progress` with
+/// `Retry-After`; the 201s must be byte-identical and all but one replays (one
+/// execution). Returns the 201s.
+async fn one_key_split_over(
+    client: &HttpClient,
+    addrs: [SocketAddr; 2],
+    key: &'static str,
+    n: usize,
+) -> Vec<Reply> {
+    let start = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
         .map(|i| {
-            let addr = if i % 2 == 0 { a.addr } else { b.addr };
+            let addr = addrs[i % 2];
             let (client, start) = (client.clone(), start.clone());
             tokio::spawn(async move {
                 start.wait().await;
-                post_payment(&client, addr, Some(KEY), SLOW_PAYMENT).await
+                post_payment(&client, addr, Some(key), SLOW_PAYMENT).await
             })
         })
         .collect();
-    let mut replies = Vec::with_capacity(REQUESTS);
+    let mut replies = Vec::with_capacity(n);
     for task in tasks {
         replies.push(task.await.expect("a request task"));
     }
-
     let mut created = Vec::new();
     for reply in &replies {
         match reply.status {
-            StatusCode::CREATED => created.push(reply),
+            StatusCode::CREATED => created.push(reply.clone()),
             StatusCode::CONFLICT => {
                 assert!(
                     reply.header("retry-after").is_some(),
@@ -371,7 +367,13 @@ async fn one_key_over_two_processes_charges_once() {
                 );
                 reply.assert_problem(StatusCode::CONFLICT, "in-progress");
             }
-            _ => panic!("expected 201 or 409, got {reply:?}"),
+            _ => panic!(
+                "expected 201 or 409, got {reply:?}; all statuses: {:?}",
+                replies
+                    .iter()
+                    .map(|r| r.status.as_u16())
+                    .collect::<Vec<_>>()
+            ),
         }
     }
     println!(
@@ -402,19 +404,27 @@ async fn one_key_over_two_processes_charges_once() {
     let payment = created[0].json();
     assert_eq!(payment["amount"], 1250);
     assert_eq!(payment["currency"], "EUR");
+    created
+}
+
+/// The acceptance check: 100 concurrent requests with one key, over two processes that
+/// share one database, charge once and all get the same answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_key_over_two_processes_charges_once() {
+    let schema = Schema::new();
+    let mut a = Demo::start(Some(&schema));
+    let mut b = Demo::start(Some(&schema));
+    let client = client();
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+
+    const KEY: &str = "acceptance-payment-1";
+    const REQUESTS: usize = 100;
+    let created = one_key_split_over(&client, [a.addr, b.addr], KEY, REQUESTS).await;
+    let first = created[0].body.clone();
 
     // A retry, as a client answered 409 would make it, gets the stored response.
-    let mut retried = None;
-    for _ in 0..POLL_ATTEMPTS {
-        let reply = post_payment(&client, b.addr, Some(KEY), SLOW_PAYMENT).await;
-        if reply.status == StatusCode::CREATED {
-            retried = Some(reply);
-            break;
-        }
-        assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
-        tokio::time::sleep(POLL_INTERVAL).await;
-    }
-    let retried = retried.expect("a retry answered 201");
+    let retried = retry_until_created(&client, b.addr, KEY, SLOW_PAYMENT).await;
     assert_eq!(retried.body, first);
     assert!(
         retried.replayed(),
@@ -559,17 +569,7 @@ async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
 
     let mut second = Demo::start_with(Some(&schema), &["--lease-ms", "500"]);
     second.wait_ready(&client).await;
-    let mut answers = Vec::new();
-    let created = loop {
-        let reply = post_payment(&client, second.addr, Some(KEY), PAYMENT).await;
-        answers.push(reply.status.as_u16());
-        if reply.status == StatusCode::CREATED {
-            break reply;
-        }
-        reply.assert_problem(StatusCode::CONFLICT, "in-progress");
-        assert!(answers.len() < POLL_ATTEMPTS as usize, "{answers:?}");
-        tokio::time::sleep(POLL_INTERVAL).await;
-    };
+    let created = retry_until_created(&client, second.addr, KEY, PAYMENT).await;
     assert!(
         !created.replayed(),
         "the retry ran the handler after taking over"
@@ -815,69 +815,7 @@ async fn transactional_duplicates_over_two_processes_commit_once() {
     a.wait_ready(&client).await;
     b.wait_ready(&client).await;
 
-    let start = Arc::new(tokio::sync::Barrier::new(REQUESTS));
-    let tasks: Vec<_> = (0..REQUESTS)
-        .map(|i| {
-            let addr = if i % 2 == 0 { a.addr } else { b.addr };
-            let (client, start) = (client.clone(), start.clone());
-            tokio::spawn(async move {
-                start.wait().await;
-                post_payment(&client, addr, Some(KEY), SLOW_PAYMENT).await
-            })
-        })
-        .collect();
-    let mut replies = Vec::with_capacity(REQUESTS);
-    for task in tasks {
-        replies.push(task.await.expect("a request task"));
-    }
-
-    let mut created = Vec::new();
-    for reply in &replies {
-        match reply.status {
-            StatusCode::CREATED => created.push(reply),
-            StatusCode::CONFLICT => {
-                assert!(
-                    reply.header("retry-after").is_some(),
-                    "409 without Retry-After: {reply:?}"
-                );
-                reply.assert_problem(StatusCode::CONFLICT, "in-progress");
-            }
-            _ => panic!(
-                "expected 201 or 409, got {reply:?}; all statuses: {:?}",
-                replies
-                    .iter()
-                    .map(|r| r.status.as_u16())
-                    .collect::<Vec<_>>()
-            ),
-        }
-    }
-    println!(
-        "{} x 201, {} x 409",
-        created.len(),
-        replies.len() - created.len()
-    );
-    assert!(
-        !created.is_empty(),
-        "no 201 among {} replies",
-        replies.len()
-    );
-    let first = created[0].body.clone();
-    assert!(
-        created.iter().all(|r| r.body == first),
-        "the 201 bodies differ: {:?}",
-        created
-            .iter()
-            .map(|r| String::from_utf8_lossy(&r.body))
-            .collect::<Vec<_>>()
-    );
-    assert_eq!(
-        created.iter().filter(|r| !r.replayed()).count(),
-        1,
-        "{created:?}"
-    );
-    let payment = created[0].json();
-    assert_eq!(payment["amount"], 1250);
-    assert_eq!(payment["currency"], "EUR");
+    one_key_split_over(&client, [a.addr, b.addr], KEY, REQUESTS).await;
 
     let once = json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1});
     assert_eq!(stats(&client, a.addr).await, once);
