@@ -7,7 +7,9 @@ mod common;
 use std::{sync::Arc, time::Duration};
 
 use axum::{Router, body::Body, extract::State, routing::post as post_route};
-use common::{TestSchema, app, eventually, in_flight, post, proxy::PgProxy, req, send};
+use common::{
+    TestSchema, app, eventually, in_flight, post, proxy::PgProxy, req, retry_until_created, send,
+};
 use tokio::io::AsyncWriteExt;
 use tower_idempotency::{IdempotencyLayer, Outcome};
 
@@ -198,17 +200,7 @@ async fn a_zombie_holder_is_fenced_and_the_stored_response_is_its_successors() {
     let (_, zombie_token) = row(&schema, "k").await.expect("A's claim");
     // A's renewals can no longer reach the database: its lease lapses while it runs.
     proxy.stall(true);
-    let mut answers = Vec::new();
-    let taken_over = loop {
-        let r = send(&router_b, post("k", "{}")).await;
-        answers.push(r.status.as_u16());
-        if r.status == 201 {
-            break r;
-        }
-        assert_eq!(r.status, 409, "{answers:?}");
-        assert!(answers.len() < 200, "never taken over: {answers:?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    };
+    let taken_over = retry_until_created(&router_b, "k", &[409]).await;
     assert_eq!(taken_over.outcome, Some(Outcome::Executed));
     assert_eq!(&taken_over.body[..], b"from B");
     let successor = Some(("completed".to_owned(), zombie_token + 1));
@@ -364,17 +356,7 @@ async fn an_exhausted_pool_is_a_bounded_503_not_a_hang() {
     drop(held);
     // The claim answered 503 was still waiting for the connection; it lands now and is
     // released at once, so a retry may briefly see it (409) and then runs, once.
-    let mut statuses = Vec::new();
-    loop {
-        let r = send(&router, post("k", "{}")).await;
-        statuses.push(r.status.as_u16());
-        if r.status == 201 {
-            break;
-        }
-        assert_eq!(r.status, 409, "{statuses:?}");
-        assert!(statuses.len() < 100, "{statuses:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    retry_until_created(&router, "k", &[409]).await;
     assert_eq!(counter.runs(), 1);
 }
 
@@ -396,19 +378,6 @@ async fn a_claim_that_lands_after_its_503_is_released_not_left_blocking() {
     assert_eq!(r.status, 503);
     assert_eq!(counter.runs_of("k"), 0);
     proxy.stall(false);
-    let mut statuses = Vec::new();
-    loop {
-        let r = send(&router, post("k", "{}")).await;
-        statuses.push(r.status.as_u16());
-        if r.status == 201 {
-            break;
-        }
-        assert_eq!(r.status, 409, "{statuses:?}");
-        assert!(
-            statuses.len() < 100,
-            "the late claim was left blocking: {statuses:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    retry_until_created(&router, "k", &[409]).await;
     assert_eq!(counter.runs_of("k"), 1);
 }

@@ -244,6 +244,22 @@ pub async fn in_flight(
     task
 }
 
+/// Retries `POST /payments` with `key` until a 201 (at most ~5 s, 20 ms apart); every
+/// other answer must have a status in `allowed`.
+pub async fn retry_until_created(router: &Router, key: &str, allowed: &[u16]) -> Reply {
+    let mut statuses = Vec::new();
+    loop {
+        let r = send(router, post(key, "{}")).await;
+        statuses.push(r.status.as_u16());
+        if r.status == 201 {
+            return r;
+        }
+        assert!(allowed.contains(&r.status.as_u16()), "{statuses:?}");
+        assert!(statuses.len() < 250, "no 201 for {key}: {statuses:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 pub struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
