@@ -2,6 +2,7 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
+mod catch_panic;
 mod fingerprint;
 pub mod job;
 mod key;

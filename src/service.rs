@@ -19,6 +19,7 @@ use tracing::{Instrument, Span, field};
 use crate::{
     IdempotencyKey, Outcome, StoredResponse,
     body::{BoxError, ResponseBody},
+    catch_panic::CatchPanic,
     key::{KeyError, key_from_headers},
     layer::{Config, IDEMPOTENT_REPLAYED},
     rejection::Problem,
@@ -48,9 +49,25 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 pin_project! {
     /// The response future of [`Idempotency`].
+    ///
+    /// Dropping it before it is done (the client hung up, or a timeout outside this layer
+    /// gave up) does not cancel the work: the rest of a guarded request moves to a task
+    /// of its own, which runs the handler to the end and stores or releases its result.
+    /// Outside a Tokio runtime it cannot, and the key then frees when its lease lapses,
+    /// as after a crash.
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,
+    }
+
+    impl<F, B, E> PinnedDrop for ResponseFuture<F, B, E> {
+        fn drop(this: Pin<&mut Self>) {
+            if let KindProj::Guarded { future, detach } = this.project().kind.project() {
+                if let Some(future) = future.take() {
+                    detach(future);
+                }
+            }
+        }
     }
 }
 
@@ -58,7 +75,13 @@ pin_project! {
     #[project = KindProj]
     enum Kind<F, B, E> {
         PassThrough { #[pin] future: F },
-        Guarded { future: BoxFuture<'static, Answer<B, E>> },
+        Answered { res: Option<Response<ResponseBody<B>>> },
+        Guarded {
+            // `None` once it has returned its answer.
+            future: Option<BoxFuture<'static, Answer<B, E>>>,
+            // Spawns an unfinished `future`; built where its bounds are known.
+            detach: fn(BoxFuture<'static, Answer<B, E>>),
+        },
     }
 }
 
@@ -75,8 +98,29 @@ where
                 res.extensions_mut().insert(Outcome::PassedThrough);
                 res
             }),
-            KindProj::Guarded { future } => future.as_mut().poll(cx),
+            KindProj::Answered { res } => match res.take() {
+                Some(res) => Poll::Ready(Ok(res)),
+                None => panic!("ResponseFuture polled after completion"),
+            },
+            KindProj::Guarded { future, .. } => {
+                let Some(running) = future.as_mut() else {
+                    panic!("ResponseFuture polled after completion");
+                };
+                let answer = std::task::ready!(running.as_mut().poll(cx));
+                *future = None;
+                Poll::Ready(answer)
+            }
         }
+    }
+}
+
+/// Hands a guarded request's unfinished work to a task of its own.
+fn detach<B: Send + 'static, E: Send + 'static>(future: BoxFuture<'static, Answer<B, E>>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(future)),
+        Err(_) => tracing::warn!(
+            "a guarded request was dropped outside a Tokio runtime before it finished; its key frees when its lease lapses"
+        ),
     }
 }
 
@@ -141,7 +185,8 @@ where
         };
         ResponseFuture {
             kind: Kind::Guarded {
-                future: Box::pin(future.instrument(span)),
+                future: Some(Box::pin(future.instrument(span))),
+                detach: detach::<ResBody, S::Error>,
             },
         }
     }
@@ -153,13 +198,9 @@ fn pass_through<F, B, E>(future: F) -> ResponseFuture<F, B, E> {
     }
 }
 
-fn answered<F, B: Send + 'static, E: Send + 'static>(
-    res: Response<ResponseBody<B>>,
-) -> ResponseFuture<F, B, E> {
+fn answered<F, B, E>(res: Response<ResponseBody<B>>) -> ResponseFuture<F, B, E> {
     ResponseFuture {
-        kind: Kind::Guarded {
-            future: Box::pin(std::future::ready(Ok(res))),
-        },
+        kind: Kind::Answered { res: Some(res) },
     }
 }
 
@@ -278,19 +319,9 @@ where
         .extensions
         .insert(IdempotencyKey::new(scope, Arc::<str>::from(key)));
     let req = Request::from_parts(parts, ReqBody::from(body));
-    // The handler and everything after it run in their own task: a client that hangs up
-    // does not cancel a half-done handler, and its result is still stored.
-    let supervisor = tokio::spawn(
-        execute(config.clone(), inner, req, lease.clone(), in_flight).in_current_span(),
-    );
-    match supervisor.await {
-        Ok(answer) => answer,
-        Err(e) => {
-            tracing::error!(error = %e, "the idempotency task failed; releasing the key");
-            let _ = tokio::time::timeout(config.store_timeout, config.store.release(&lease)).await;
-            Ok(handler_failed())
-        }
-    }
+    // Runs here, in the connection's task, like the app's own handlers; a client that
+    // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
+    execute(config, inner, req, lease, in_flight).await
 }
 
 /// The record of a response to store: its status, its storable headers, its body.
@@ -539,16 +570,16 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let limit = config.response_body_limit;
-    let handler = tokio::spawn(run_inner(inner, req, limit).in_current_span());
+    // Polled here, in this request's own task: no second task to hand the result over.
+    let handler = CatchPanic::new(run_inner(inner, req, limit));
     let joined = renew_while(&*config.store, &lease, config.lease, handler).await;
     let produced = match joined {
         Ok(produced) => produced,
-        Err(e) => {
-            if e.is_panic() {
-                tracing::error!("the handler panicked; releasing the key");
-            } else {
-                tracing::error!(error = %e, "the handler task was cancelled; releasing the key");
-            }
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the handler panicked; releasing the key"
+            );
             release(&config, &lease).await;
             return Ok(handler_failed());
         }
@@ -598,12 +629,13 @@ where
 }
 
 /// Awaits `handler`, renewing `lease` every third of `duration` meanwhile.
-pub(crate) async fn renew_while<T>(
+pub(crate) async fn renew_while<F: Future>(
     store: &dyn crate::store::Store,
     lease: &Lease,
     duration: Duration,
-    mut handler: tokio::task::JoinHandle<T>,
-) -> Result<T, tokio::task::JoinError> {
+    handler: F,
+) -> F::Output {
+    let mut handler = std::pin::pin!(handler);
     let period = duration / 3;
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

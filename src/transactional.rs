@@ -49,11 +49,11 @@ use http::{Request, Response, request::Parts};
 use http_body::Body;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower_service::Service;
-use tracing::Instrument;
 
 use crate::{
     IdempotencyKey, Outcome, StoredResponse,
     body::{BoxError, ResponseBody},
+    catch_panic::CatchPanic,
     layer::Config,
     rejection::Problem,
     service::{
@@ -389,75 +389,68 @@ where
         Arc::<str>::from(request.key),
     ));
     let req = Request::from_parts(parts, ReqBody::from(body));
-    let supervisor = tokio::spawn(
-        async move {
-            let _in_flight = in_flight;
-            let limit = config.response_body_limit;
-            let produced = tokio::spawn(run_inner(inner, req, limit).in_current_span()).await;
-            let Some(conn) = TransactionHandle::take(&slot, config.store_timeout).await else {
-                return Ok(handler_failed());
-            };
-            let produced = match produced {
-                Ok(produced) => produced,
-                Err(e) => {
-                    tracing::error!(panicked = e.is_panic(), "the handler failed; rolling back");
-                    rollback(conn).await;
-                    return Ok(handler_failed());
-                }
-            };
-            let (stored, res) = match produced {
-                Produced::ServiceFailed(e) => {
-                    rollback(conn).await;
-                    return Err(e);
-                }
-                Produced::BodyFailed(e) => {
-                    tracing::error!(error = %e, "the response body failed; rolling back");
-                    rollback(conn).await;
-                    return Ok(handler_failed());
-                }
-                Produced::Buffered(parts, body) => {
-                    if !(config.policy)(parts.status, &parts.headers) {
-                        // Not kept: neither are the handler's writes.
-                        rollback(conn).await;
-                        let res = Response::from_parts(parts, ResponseBody::full(body));
-                        return Ok(with_outcome(res, Outcome::Executed));
-                    }
-                    let stored = crate::service::to_store(&config, &parts, &body);
-                    let mut res = Response::from_parts(parts, ResponseBody::full(body));
-                    res.headers_mut().remove(http::header::CONTENT_LENGTH);
-                    (stored, res)
-                }
-                Produced::TooLarge(parts, prefix, rest) => {
-                    if !(config.policy)(parts.status, &parts.headers) {
-                        rollback(conn).await;
-                        let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
-                        return Ok(with_outcome(res, Outcome::Executed));
-                    }
-                    let (p, b) = crate::service::not_stored_problem(limit).into_parts();
-                    let stored = StoredResponse {
-                        status: p.status,
-                        headers: p.headers,
-                        body: b,
-                    };
-                    (
-                        stored,
-                        Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)),
-                    )
-                }
-            };
-            if commit(&store, conn, &lease, &stored, config.ttl).await {
-                Ok(with_outcome(res, Outcome::Executed))
-            } else {
-                Ok(not_committed())
+    // Runs here, in the connection's task; a client that hangs up does not cancel it
+    // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
+    let _in_flight = in_flight;
+    let limit = config.response_body_limit;
+    let produced = CatchPanic::new(run_inner(inner, req, limit)).await;
+    let Some(conn) = TransactionHandle::take(&slot, config.store_timeout).await else {
+        return Ok(handler_failed());
+    };
+    let produced = match produced {
+        Ok(produced) => produced,
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the handler panicked; rolling back"
+            );
+            rollback(conn).await;
+            return Ok(handler_failed());
+        }
+    };
+    let (stored, res) = match produced {
+        Produced::ServiceFailed(e) => {
+            rollback(conn).await;
+            return Err(e);
+        }
+        Produced::BodyFailed(e) => {
+            tracing::error!(error = %e, "the response body failed; rolling back");
+            rollback(conn).await;
+            return Ok(handler_failed());
+        }
+        Produced::Buffered(parts, body) => {
+            if !(config.policy)(parts.status, &parts.headers) {
+                // Not kept: neither are the handler's writes.
+                rollback(conn).await;
+                let res = Response::from_parts(parts, ResponseBody::full(body));
+                return Ok(with_outcome(res, Outcome::Executed));
             }
+            let stored = crate::service::to_store(&config, &parts, &body);
+            let mut res = Response::from_parts(parts, ResponseBody::full(body));
+            res.headers_mut().remove(http::header::CONTENT_LENGTH);
+            (stored, res)
         }
-        .in_current_span(),
-    );
-    match supervisor.await {
-        Ok(answer) => answer,
-        Err(e) => {
-            tracing::error!(error = %e, "the idempotency task failed; its transaction is rolled back");
-            Ok(handler_failed())
+        Produced::TooLarge(parts, prefix, rest) => {
+            if !(config.policy)(parts.status, &parts.headers) {
+                rollback(conn).await;
+                let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+                return Ok(with_outcome(res, Outcome::Executed));
+            }
+            let (p, b) = crate::service::not_stored_problem(limit).into_parts();
+            let stored = StoredResponse {
+                status: p.status,
+                headers: p.headers,
+                body: b,
+            };
+            (
+                stored,
+                Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)),
+            )
         }
+    };
+    if commit(&store, conn, &lease, &stored, config.ttl).await {
+        Ok(with_outcome(res, Outcome::Executed))
+    } else {
+        Ok(not_committed())
     }
 }

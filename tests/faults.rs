@@ -290,6 +290,33 @@ async fn a_client_that_hangs_up_does_not_cancel_the_handler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_hangs_up_during_its_claim_is_still_served_once() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 2).await;
+    // A long lease: a claim left behind by the hang-up would answer 409 for a minute.
+    let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
+    let (router, counter) = app(layer);
+    // Warm: the claim statement is prepared, so the stalled claim is on the wire whole.
+    assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+    proxy.stall(true);
+    let client = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post("k", "{}")).await }
+    });
+    // Let the claim reach the proxy, then hang up while it is held there.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    client.abort();
+    assert_eq!(counter.runs_of("k"), 0);
+    proxy.stall(false);
+    // The claim lands, the request runs without its client, and the retry replays it.
+    wait_for_state(&schema, "k", "completed").await;
+    let retry = send(&router, post("k", "{}")).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs_of("k"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     let schema = TestSchema::new();
     let store = schema.store().await;

@@ -245,6 +245,47 @@ async fn a_panic_rolls_back_and_the_connection_is_not_reused_mid_transaction() {
 }
 
 #[tokio::test]
+async fn a_client_that_hangs_up_does_not_cancel_the_transaction() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    let client = in_flight(&router, post_with("k", &[("x-delay-ms", "200")]), &counter).await;
+    client.abort();
+    // The handler finishes and commits without its client: the retry is its replay.
+    let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_panic_after_the_client_hung_up_still_rolls_back() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    let client = in_flight(
+        &router,
+        post_with("k", &[("x-delay-ms", "200"), ("x-panic", "1")]),
+        &counter,
+    )
+    .await;
+    client.abort();
+    // Rolled back with nobody to answer: the retry runs, and only its row is written.
+    let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
+
+#[tokio::test]
 async fn a_response_the_policy_does_not_store_rolls_everything_back() {
     let schema = TestSchema::new();
     let store = schema.store().await;

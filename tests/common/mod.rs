@@ -97,7 +97,12 @@ impl TestSchema {
 
 impl Drop for TestSchema {
     fn drop(&mut self) {
-        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        // Bounded: after a failed test, a connection of the test's own runtime (not
+        // polled while this blocks) may still hold a lock in the schema.
+        let sql = format!(
+            "SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.name
+        );
         // Runs on a thread of its own: Drop may run inside an async test.
         let done = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -247,15 +252,24 @@ pub async fn in_flight(
 /// Retries `POST /payments` with `key` until a 201 (at most ~5 s, 20 ms apart); every
 /// other answer must have a status in `allowed`.
 pub async fn retry_until_created(router: &Router, key: &str, allowed: &[u16]) -> Reply {
+    retry_until_created_with(router, || post(key, "{}"), allowed).await
+}
+
+/// [`retry_until_created`] with the request `make` builds.
+pub async fn retry_until_created_with(
+    router: &Router,
+    mut make: impl FnMut() -> Request<Body>,
+    allowed: &[u16],
+) -> Reply {
     let mut statuses = Vec::new();
     loop {
-        let r = send(router, post(key, "{}")).await;
+        let r = send(router, make()).await;
         statuses.push(r.status.as_u16());
         if r.status == 201 {
             return r;
         }
         assert!(allowed.contains(&r.status.as_u16()), "{statuses:?}");
-        assert!(statuses.len() < 250, "no 201 for {key}: {statuses:?}");
+        assert!(statuses.len() < 250, "no 201: {statuses:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

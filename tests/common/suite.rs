@@ -15,7 +15,9 @@ macro_rules! layer_suite {
                 store::{Claim, ClaimRequest, Store},
             };
 
-            use $crate::common::{app, in_flight, post, req, send};
+            use $crate::common::{
+                app, eventually, in_flight, post, req, retry_until_created, send,
+            };
 
             async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
                 let (store, guard) = super::$make().await;
@@ -309,6 +311,26 @@ macro_rules! layer_suite {
                 assert_eq!(r.problem(), "handler-failed");
                 let retry = send(&router, post("k", "{}")).await;
                 assert_eq!(retry.status, 201);
+                assert_eq!(retry.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 2);
+            }
+
+            #[tokio::test]
+            async fn a_handler_that_panics_after_its_client_hung_up_releases_its_key() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let panicking = req("POST")
+                    .header("idempotency-key", "k")
+                    .header("x-delay-ms", "200")
+                    .header("x-panic", "1")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let client = in_flight(&router, panicking, &counter).await;
+                // The client hangs up while the handler runs: nobody awaits the answer.
+                client.abort();
+                eventually(|| counter.finished() == 1).await;
+                // Released, not held for a lease: the retry runs (409 only until then).
+                let retry = retry_until_created(&router, "k", &[409]).await;
                 assert_eq!(retry.outcome, Some(Outcome::Executed));
                 assert_eq!(counter.runs(), 2);
             }

@@ -1,0 +1,84 @@
+//! [`CatchPanic`]: a handler's panic as a value, so the task that runs the handler can
+//! release its key instead of dying with it.
+
+use std::{
+    any::Any,
+    future::Future,
+    panic::{AssertUnwindSafe, catch_unwind},
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+use pin_project_lite::pin_project;
+
+/// The payload of a caught panic.
+pub(crate) type Panicked = Box<dyn Any + Send>;
+
+pin_project! {
+    /// Polls `future`, turning a panic during a poll into `Err`.
+    ///
+    /// The handler runs inside the layer's own task (one task per request rather than
+    /// one for the handler and one to watch it); this is what lets that task still
+    /// release or roll back after the handler panicked, whether or not its client is
+    /// still there to be answered.
+    pub(crate) struct CatchPanic<F> {
+        #[pin]
+        future: F,
+    }
+}
+
+impl<F> CatchPanic<F> {
+    pub(crate) fn new(future: F) -> Self {
+        Self { future }
+    }
+}
+
+impl<F: Future> Future for CatchPanic<F> {
+    type Output = Result<F::Output, Panicked>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let future = self.project().future;
+        // Unwind safety: after a panic the future is never polled again (its owner
+        // only releases the key and answers 500), so no broken invariant is observed.
+        match catch_unwind(AssertUnwindSafe(|| future.poll(cx))) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
+
+/// The panic's message, when it has one, for the log.
+pub(crate) fn message(panic: &Panicked) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_becomes_an_error_and_a_value_passes_through() {
+        let ok = CatchPanic::new(async { 7 }).await;
+        assert_eq!(ok.ok(), Some(7));
+
+        let caught = CatchPanic::new(async {
+            tokio::task::yield_now().await;
+            panic!("the handler broke");
+        })
+        .await;
+        let panic = caught.expect_err("the panic is caught");
+        assert_eq!(message(&panic), "the handler broke");
+
+        let formatted = CatchPanic::new(async {
+            let n = 3;
+            panic!("broke at step {n}");
+        })
+        .await;
+        assert_eq!(message(&formatted.expect_err("caught")), "broke at step 3");
+    }
+}
