@@ -8,6 +8,8 @@
 #![allow(missing_docs)]
 
 mod support;
+#[path = "support/wire.rs"]
+mod wire;
 
 use std::{
     collections::BTreeMap,
@@ -124,6 +126,9 @@ struct Settings {
     replay_keys: usize,
     url: String,
     out_dir: PathBuf,
+    /// `wire` (one connection per worker, see `support/wire.rs`) or `hyper` (the
+    /// hyper-util pooled client).
+    client: String,
 }
 
 fn env_or<T: FromStr>(name: &str, default: T) -> T {
@@ -162,6 +167,10 @@ impl Settings {
                 "postgres://postgres@127.0.0.1:5432/tower_idempotency_bench".to_owned(),
             ),
             out_dir: PathBuf::from(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
+            client: match env_or("BENCH_CLIENT", "wire".to_owned()).as_str() {
+                c @ ("wire" | "hyper") => c.to_owned(),
+                other => panic!("BENCH_CLIENT={other:?}: wire or hyper"),
+            },
         }
     }
 }
@@ -857,6 +866,22 @@ async fn send(client: &HttpClient, uri: &str, key: Option<&str>) -> Result<Strin
     })
 }
 
+/// A wire client's reply as an outcome, like [`send`]'s.
+fn outcome(reply: wire::Reply) -> Result<String, String> {
+    if reply.status >= 500 {
+        return Err(format!(
+            "{}: {}",
+            reply.status,
+            String::from_utf8_lossy(&reply.body)
+        ));
+    }
+    Ok(if reply.replayed {
+        format!("{} replayed", reply.status)
+    } else {
+        reply.status.to_string()
+    })
+}
+
 // ---------------------------------------------------------------------------------------
 // The load
 // ---------------------------------------------------------------------------------------
@@ -1105,11 +1130,13 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
     let op: Op = if let Some(router) = router {
         let srv = serve(router).await;
         let uri: Arc<str> = Arc::from(format!("http://{}/payments", srv.addr));
+        let addr = srv.addr;
         server = Some(srv);
         let client = http_client();
+        let wire = (ctx.settings.client == "wire").then(|| Arc::new(wire::Clients::new(addr, c)));
         let tag: Arc<str> = Arc::from(tag.as_str());
         Arc::new(move |w, seq| {
-            let (client, uri, tag) = (client.clone(), uri.clone(), tag.clone());
+            let (client, wire, uri, tag) = (client.clone(), wire.clone(), uri.clone(), tag.clone());
             Box::pin(async move {
                 let key = match kind {
                     Kind::Bare | Kind::PassThrough => None,
@@ -1117,7 +1144,10 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
                     _ => Some(format!("{tag}-w{w}-{seq}")),
                 };
-                send(&client, &uri, key.as_deref()).await
+                match wire {
+                    Some(wire) => outcome(wire.post(w, key.as_deref(), REQUEST_BODY).await?),
+                    None => send(&client, &uri, key.as_deref()).await,
+                }
             })
         })
     } else {
