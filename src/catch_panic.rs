@@ -17,10 +17,9 @@ pub(crate) type Panicked = Box<dyn Any + Send>;
 pin_project! {
     /// Polls `future`, turning a panic during a poll into `Err`.
     ///
-    /// The handler runs inside the layer's own task (one task per request rather than
-    /// one for the handler and one to watch it); this is what lets that task still
-    /// release or roll back after the handler panicked, whether or not its client is
-    /// still there to be answered.
+    /// The handler is polled inside the layer's own future, not in a task of its own;
+    /// this is what lets the layer still release the key or roll back after the
+    /// handler panicked, whether or not its client is still there to be answered.
     pub(crate) struct CatchPanic<F> {
         #[pin]
         future: F,

@@ -570,7 +570,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let limit = config.response_body_limit;
-    // Polled here, in this request's own task: no second task to hand the result over.
+    // Polled inline, not spawned: no second task to hand the result over.
     let handler = CatchPanic::new(run_inner(inner, req, limit));
     let joined = renew_while(&*config.store, &lease, config.lease, handler).await;
     let produced = match joined {
