@@ -3,7 +3,10 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -51,10 +54,12 @@ pin_project! {
     /// The response future of [`Idempotency`].
     ///
     /// Dropping it before it is done (the client hung up, or a timeout outside this layer
-    /// gave up) does not cancel the work: the rest of a guarded request moves to a task
-    /// of its own, which runs the handler to the end and stores or releases its result.
-    /// Outside a Tokio runtime it cannot, and the key then frees when its lease lapses,
-    /// as after a crash.
+    /// gave up) does not cancel a request that has begun to claim its key: the rest of
+    /// it moves to a task of its own, which finishes the claim, runs the handler to the
+    /// end and stores or releases its result. Dropped earlier (before its first poll, or
+    /// while the body is being read), the request is simply dropped: nothing was
+    /// claimed. Outside a Tokio runtime the work cannot move, and the key then frees
+    /// when its lease lapses, as after a crash.
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,
@@ -62,9 +67,11 @@ pin_project! {
 
     impl<F, B, E> PinnedDrop for ResponseFuture<F, B, E> {
         fn drop(this: Pin<&mut Self>) {
-            if let KindProj::Guarded { future, detach } = this.project().kind.project() {
+            if let KindProj::Guarded { future, detach, claiming } = this.project().kind.project() {
                 if let Some(future) = future.take() {
-                    detach(future);
+                    if claiming.load(Ordering::Acquire) {
+                        detach(future);
+                    }
                 }
             }
         }
@@ -81,6 +88,8 @@ pin_project! {
             future: Option<BoxFuture<'static, Answer<B, E>>>,
             // Spawns an unfinished `future`; built where its bounds are known.
             detach: fn(BoxFuture<'static, Answer<B, E>>),
+            // Set by the future when it starts claiming: from then on, it finishes.
+            claiming: Arc<AtomicBool>,
         },
     }
 }
@@ -174,8 +183,22 @@ where
             span.record("key", key.as_str());
         }
         let config = config.clone();
+        let claiming = Arc::new(AtomicBool::new(false));
+        let started = claiming.clone();
         let future = async move {
-            let res = guarded(config, inner, req, key).await;
+            // Whatever panics before the claim (a scope or fingerprint function, a
+            // store) or in transactional mode (where dropping the transaction rolls it
+            // back) answers 500 too, and leaves nothing behind to be resumed.
+            let res = match CatchPanic::new(guarded(config, inner, req, key, &started)).await {
+                Ok(res) => res,
+                Err(panic) => {
+                    tracing::error!(
+                        panic = crate::catch_panic::message(&panic),
+                        "the request panicked"
+                    );
+                    Ok(handler_failed())
+                }
+            };
             if let Ok(res) = &res {
                 if let Some(outcome) = res.extensions().get::<Outcome>() {
                     Span::current().record("outcome", outcome.as_str());
@@ -187,6 +210,7 @@ where
             kind: Kind::Guarded {
                 future: Some(Box::pin(future.instrument(span))),
                 detach: detach::<ResBody, S::Error>,
+                claiming,
             },
         }
     }
@@ -228,6 +252,7 @@ async fn guarded<S, ReqBody, ResBody>(
     inner: S,
     req: Request<ReqBody>,
     key: String,
+    claiming: &AtomicBool,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -294,6 +319,9 @@ where
         lease: config.lease,
         ttl: config.ttl,
     };
+    // From here on the key may be claimed: the request finishes even if its client
+    // goes, so that no claim is left behind with nobody to run or release it.
+    claiming.store(true, Ordering::Release);
     #[cfg(feature = "postgres")]
     if let Some(store) = &config.transactional {
         let store = store.clone();
@@ -321,7 +349,19 @@ where
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
-    execute(config, inner, req, lease, in_flight).await
+    // A panic (the handler's, the storage policy's, a store's) releases the key.
+    let held = lease.clone();
+    match CatchPanic::new(execute(config.clone(), inner, req, lease, in_flight)).await {
+        Ok(answer) => answer,
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the request panicked; releasing the key"
+            );
+            release(&config, &held).await;
+            Ok(handler_failed())
+        }
+    }
 }
 
 /// The record of a response to store: its status, its storable headers, its body.
@@ -571,19 +611,8 @@ where
 {
     let limit = config.response_body_limit;
     // Polled inline, not spawned: no second task to hand the result over.
-    let handler = CatchPanic::new(run_inner(inner, req, limit));
-    let joined = renew_while(&*config.store, &lease, config.lease, handler).await;
-    let produced = match joined {
-        Ok(produced) => produced,
-        Err(panic) => {
-            tracing::error!(
-                panic = crate::catch_panic::message(&panic),
-                "the handler panicked; releasing the key"
-            );
-            release(&config, &lease).await;
-            return Ok(handler_failed());
-        }
-    };
+    let handler = run_inner(inner, req, limit);
+    let produced = renew_while(&*config.store, &lease, config.lease, handler).await;
     match produced {
         Produced::ServiceFailed(e) => {
             release(&config, &lease).await;
@@ -629,6 +658,9 @@ where
 }
 
 /// Awaits `handler`, renewing `lease` every third of `duration` meanwhile.
+///
+/// The handler is polled all along, a renewal in flight included: a slow or stalled
+/// store delays the renewal, never the handler.
 pub(crate) async fn renew_while<F: Future>(
     store: &dyn crate::store::Store,
     lease: &Lease,
@@ -639,13 +671,20 @@ pub(crate) async fn renew_while<F: Future>(
     let period = duration / 3;
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut renewal: Option<BoxFuture<'_, Result<Result<bool, crate::store::StoreError>, _>>> =
+        None;
     let mut lost = false;
-    loop {
-        tokio::select! {
-            biased;
-            joined = &mut handler => return joined,
-            _ = ticker.tick(), if !lost => {
-                match tokio::time::timeout(period, store.renew(lease, duration)).await {
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(output) = handler.as_mut().poll(cx) {
+            return Poll::Ready(output);
+        }
+        loop {
+            if let Some(running) = renewal.as_mut() {
+                let Poll::Ready(renewed) = running.as_mut().poll(cx) else {
+                    return Poll::Pending;
+                };
+                renewal = None;
+                match renewed {
                     Ok(Ok(true)) => {}
                     Ok(Ok(false)) => {
                         lost = true;
@@ -655,8 +694,16 @@ pub(crate) async fn renew_while<F: Future>(
                     Err(_) => tracing::warn!("lease renewal timed out"),
                 }
             }
+            if lost || ticker.poll_tick(cx).is_pending() {
+                return Poll::Pending;
+            }
+            renewal = Some(Box::pin(tokio::time::timeout(
+                period,
+                store.renew(lease, duration),
+            )));
         }
-    }
+    })
+    .await
 }
 
 /// Stores the response. The first attempt is made before answering; if it fails, the

@@ -63,6 +63,7 @@ async fn create(
     {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
+    app.counter.count_finished();
     if headers.contains_key("x-panic") {
         panic!("handler panicked on purpose");
     }
@@ -275,7 +276,10 @@ async fn a_panic_after_the_client_hung_up_still_rolls_back() {
     )
     .await;
     client.abort();
-    // Rolled back with nobody to answer: the retry runs, and only its row is written.
+    // The handler runs on to its panic without its client, ...
+    common::eventually(|| counter.finished() == 1).await;
+    // ... which rolls back with nobody to answer: the retry runs, and only its row is
+    // written.
     let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
     assert_eq!(retry.outcome, Some(Outcome::Executed));
     assert_eq!(counter.runs(), 2);

@@ -336,6 +336,28 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
+            async fn a_panicking_storage_policy_answers_500_and_releases_the_key() {
+                let (layer, _store, _g) = layer().await;
+                let armed = Arc::new(std::sync::atomic::AtomicBool::new(true));
+                let trip = armed.clone();
+                let layer = layer.store_response_if(move |status, _| {
+                    if trip.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                        panic!("the storage policy broke");
+                    }
+                    status.is_success()
+                });
+                let (router, counter) = app(layer);
+                let r = send(&router, post("k", "{}")).await;
+                assert_eq!(r.status, 500);
+                assert_eq!(r.problem(), "handler-failed");
+                assert!(!armed.load(std::sync::atomic::Ordering::SeqCst));
+                let retry = send(&router, post("k", "{}")).await;
+                assert_eq!(retry.status, 201);
+                assert_eq!(retry.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 2);
+            }
+
+            #[tokio::test]
             async fn a_response_over_the_storage_limit_never_runs_twice() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.response_body_limit(8));
