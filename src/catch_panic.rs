@@ -17,9 +17,10 @@ pub(crate) type Panicked = Box<dyn Any + Send>;
 pin_project! {
     /// Polls `future`, turning a panic during a poll into `Err`.
     ///
-    /// The handler is polled inside the layer's own future, not in a task of its own;
-    /// this is what lets the layer still release the key or roll back after the
-    /// handler panicked, whether or not its client is still there to be answered.
+    /// A guarded request runs inside the layer's own future, not in a task of its own;
+    /// this is what lets the layer still release the key or roll back after a panic
+    /// (the handler's, the storage policy's, a store's), whether or not its client is
+    /// still there to be answered.
     pub(crate) struct CatchPanic<F> {
         #[pin]
         future: F,
