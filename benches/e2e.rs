@@ -292,6 +292,11 @@ impl Kind {
         !matches!(self, Kind::Bare | Kind::PassThrough | Kind::Memory)
     }
 
+    /// Requests with a key through the layer over PostgreSQL.
+    fn guarded(self) -> bool {
+        matches!(self, Kind::Lease | Kind::Tx | Kind::Replay | Kind::Dup)
+    }
+
     fn over_http(self) -> bool {
         !matches!(
             self,
@@ -1030,6 +1035,8 @@ struct RowResult {
     ratio_bare: Option<f64>,
     errors: u64,
     outcomes: String,
+    /// The process's resident memory once the row was done and its server shut down.
+    rss_mib: f64,
 }
 
 struct Ctx {
@@ -1249,7 +1256,21 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         ratio_bare: None,
         errors: load.errors,
         outcomes,
+        rss_mib: memory_kib("VmRSS") as f64 / 1024.0,
     }
+}
+
+/// A `/proc/self/status` figure in KiB (`VmRSS`: resident now).
+fn memory_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status.lines().find_map(|line| {
+                let rest = line.strip_prefix(field)?.strip_prefix(':')?;
+                rest.trim().trim_end_matches("kB").trim().parse().ok()
+            })
+        })
+        .unwrap_or(0)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1333,13 +1354,13 @@ fn print_table(results: &[RowResult]) {
 
 fn write_csv(results: &[RowResult], path: &PathBuf) {
     let mut out = String::from(
-        "row,label,concurrency,requests,rps,rps_min,rps_max,p50_ms,p99_ms,statements_per_req,commits_per_req,rollbacks_per_req,app_cpu_us_per_req,pg_cpu_us_per_req,machine_busy,other_cpu,ratio_floor,ratio_bare,errors,outcomes\n",
+        "row,label,concurrency,requests,rps,rps_min,rps_max,p50_ms,p99_ms,statements_per_req,commits_per_req,rollbacks_per_req,app_cpu_us_per_req,pg_cpu_us_per_req,machine_busy,other_cpu,ratio_floor,ratio_bare,errors,outcomes,rss_mib\n",
     );
     for r in results {
         let (floor, bare) = (r.ratio_floor, r.ratio_bare);
         let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
         out.push_str(&format!(
-            "{},\"{}\",{},{},{:.1},{:.1},{:.1},{:.4},{:.4},{},{},{},{:.1},{:.1},{:.3},{:.3},{},{},{},\"{}\"\n",
+            "{},\"{}\",{},{},{:.1},{:.1},{:.1},{:.4},{:.4},{},{},{},{:.1},{:.1},{:.3},{:.3},{},{},{},\"{}\",{:.1}\n",
             r.kind.id(),
             r.kind.label().replace('"', "\"\""),
             r.c,
@@ -1360,6 +1381,7 @@ fn write_csv(results: &[RowResult], path: &PathBuf) {
             opt(bare),
             r.errors,
             r.outcomes,
+            r.rss_mib,
         ));
     }
     if let Some(dir) = path.parent() {
@@ -1440,6 +1462,10 @@ async fn run() {
             .is_none_or(|rows| rows.iter().any(|r| r == k.id()))
     };
     let mut runs: Vec<Vec<RowResult>> = Vec::new();
+    // Memory must not grow with the keys the layer has seen: resident memory before the
+    // rows and after each.
+    let rss_before = memory_kib("VmRSS") as f64 / 1024.0;
+    let mut keys_seen = 0u64;
     for round in 1..=ctx.settings.repeat {
         eprintln!("round {round} of {}", ctx.settings.repeat);
         let mut slot = 0;
@@ -1450,7 +1476,7 @@ async fn run() {
                 }
                 let r = run_row(&ctx, kind, c, round).await;
                 eprintln!(
-                    "{:>22} c={c:<3} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  stmts {}  commits {}  app {:.0} µs  pg {:.0} µs  other {:.0}%",
+                    "{:>22} c={c:<3} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  stmts {}  commits {}  app {:.0} µs  pg {:.0} µs  other {:.0}%  rss {:.1} MiB",
                     kind.id(),
                     r.rps,
                     r.p50_ms,
@@ -1459,8 +1485,12 @@ async fn run() {
                     fmt_opt(r.commits, 2),
                     r.app_cpu_us,
                     r.pg_cpu_us,
-                    r.other_cpu * 100.0
+                    r.other_cpu * 100.0,
+                    r.rss_mib
                 );
+                if kind.guarded() {
+                    keys_seen += r.requests;
+                }
                 if round == 1 {
                     runs.push(Vec::new());
                 }
@@ -1517,6 +1547,10 @@ async fn run() {
         .collect();
 
     print_table(&results);
+    println!(
+        "\nmemory: resident {rss_before:.1} MiB before the rows, {:.1} MiB after them; {keys_seen} keyed requests measured through the layer",
+        memory_kib("VmRSS") as f64 / 1024.0,
+    );
     let csv = ctx.settings.out_dir.join("e2e.csv");
     write_csv(&results, &csv);
     eprintln!("\nwrote {}", csv.display());
