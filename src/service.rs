@@ -54,11 +54,11 @@ pin_project! {
     /// The response future of [`Idempotency`].
     ///
     /// Dropping it before it is done (the client hung up, or a timeout outside this layer
-    /// gave up) does not cancel a request that has begun to claim its key: the rest of
-    /// it moves to a task of its own, which finishes the claim, runs the handler to the
-    /// end and stores or releases its result. Dropped earlier (before its first poll, or
-    /// while the body is being read), the request is simply dropped: nothing was
-    /// claimed. Outside a Tokio runtime the work cannot move, and the key then frees
+    /// gave up) does not cancel a request whose claim may be in flight or held: the rest
+    /// of it moves to a task of its own, which finishes the claim, runs the handler to
+    /// the end and stores or releases its result. Dropped while it holds no claim
+    /// (before its first poll, while the body is being read, while a duplicate waits
+    /// for the running request), the request is simply dropped. Outside a Tokio runtime the work cannot move, and the key then frees
     /// when its lease lapses, as after a crash.
     pub struct ResponseFuture<F, B, E> {
         #[pin]
@@ -88,7 +88,8 @@ pin_project! {
             future: Option<BoxFuture<'static, Answer<B, E>>>,
             // Spawns an unfinished `future`; built where its bounds are known.
             detach: fn(BoxFuture<'static, Answer<B, E>>),
-            // Set by the future when it starts claiming: from then on, it finishes.
+            // Set by the future while a claim may be on its way or held: it then
+            // finishes even if dropped.
             claiming: Arc<AtomicBool>,
         },
     }
@@ -319,9 +320,6 @@ where
         lease: config.lease,
         ttl: config.ttl,
     };
-    // From here on the key may be claimed: the request finishes even if its client
-    // goes, so that no claim is left behind with nobody to run or release it.
-    claiming.store(true, Ordering::Release);
     #[cfg(feature = "postgres")]
     if let Some(store) = &config.transactional {
         let store = store.clone();
@@ -335,10 +333,11 @@ where
             body,
             claim_request,
             in_flight,
+            claiming,
         ))
         .await;
     }
-    let lease = match claim(&config, &claim_request).await {
+    let lease = match claim(&config, &claim_request, claiming).await {
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
@@ -349,8 +348,9 @@ where
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
-    // A panic (the handler's, the storage policy's, a store's) releases the key.
-    let held = lease.clone();
+    // A panic (the handler's, the storage policy's, a store's) releases the key; the
+    // request counts as in flight for a graceful shutdown until it has.
+    let (held, counted) = (lease.clone(), in_flight.clone());
     match CatchPanic::new(execute(config.clone(), inner, req, lease, in_flight)).await {
         Ok(answer) => answer,
         Err(panic) => {
@@ -359,6 +359,7 @@ where
                 "the request panicked; releasing the key"
             );
             release(&config, &held).await;
+            drop(counted);
             Ok(handler_failed())
         }
     }
@@ -386,14 +387,20 @@ pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
 
 /// Claims the key in lease mode, waiting (up to `wait_for_running`) for a running
 /// holder to finish. `Err` is the answer when the key is not ours to run.
+///
+/// `claiming` is set while a claim may be on its way to the store (the request then
+/// finishes even if its client goes, so that no claim is left behind with nobody to
+/// run or release it) and cleared while the request only waits.
 async fn claim<B>(
     config: &Config,
     request: &ClaimRequest<'_>,
+    claiming: &AtomicBool,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
     loop {
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
+        claiming.store(true, Ordering::Release);
         let claim = bounded_claim(config, request).await;
         match claim {
             Ok(Ok(Claim::Running { fingerprint, .. }))
@@ -409,6 +416,8 @@ async fn claim<B>(
                 if matches!(registered, Ok(Ok(false))) {
                     continue;
                 }
+                // Holding nothing while waiting: a client that goes now takes it along.
+                claiming.store(false, Ordering::Release);
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
                     let _ = tokio::time::timeout_at(until, changed).await;
                 }

@@ -41,6 +41,15 @@ struct State {
 /// Held while a claimed request runs and stores its result.
 pub(crate) struct InFlight(Arc<State>);
 
+impl Clone for InFlight {
+    /// Another count for the same request: it stays in flight until every clone is
+    /// dropped, even once the handle is closing.
+    fn clone(&self) -> Self {
+        self.0.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(self.0.clone())
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {

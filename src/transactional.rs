@@ -41,7 +41,14 @@
 //! too, but at most half of the pool's: the others queue in-process until a permit
 //! frees, so the handler they wait for always finds a connection.
 
-use std::{ops::Deref, sync::Arc, time::Duration};
+use std::{
+    ops::Deref,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use bytes::Bytes;
 use deadpool_postgres::{Client, ClientWrapper};
@@ -360,6 +367,7 @@ pub(crate) async fn guarded<S, ReqBody, ResBody>(
     body: Bytes,
     request: ClaimRequest<'_>,
     in_flight: InFlight,
+    claiming: &AtomicBool,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -371,7 +379,12 @@ where
 {
     let (conn, lease) =
         match open(&store, &request, config.lock_timeout, config.store_timeout).await {
-            Opened::Acquired(conn, lease) => (conn, lease),
+            Opened::Acquired(conn, lease) => {
+                // Until now, dropping the request dropped its connection, which rolled
+                // back anything claimed; from now on it finishes even if its client goes.
+                claiming.store(true, Ordering::Release);
+                (conn, lease)
+            }
             Opened::Found(found) => {
                 // Found is never ours to run: a replay, a 409 or a 422.
                 return Ok(settle(found, request.fingerprint)
