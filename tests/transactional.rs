@@ -263,6 +263,39 @@ async fn a_client_that_hangs_up_does_not_cancel_the_transaction() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    // Warm: the statements are prepared, so the stalled claim is on the wire whole.
+    assert_eq!(send(&router, post_with("warm-up", &[])).await.status, 201);
+    proxy.stall(true);
+    let client = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    // Let BEGIN and the claim reach the proxy, then hang up while they are held there.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    client.abort();
+    proxy.stall(false);
+    // Its connection was closed with the transaction open: the claim rolled back, and
+    // the retry runs as a new request.
+    let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2, "the warm-up and the retry");
+    assert_eq!(
+        count(
+            &schema,
+            &format!("SELECT count(*) FROM {table} WHERE key = 'k'")
+        )
+        .await,
+        1
+    );
+}
+
 #[tokio::test]
 async fn a_panic_after_the_client_hung_up_still_rolls_back() {
     let schema = TestSchema::new();
