@@ -57,10 +57,15 @@ use tower_idempotency::{
 // `{t}` standing for the quoted, schema-qualified table. Keep them in step with the store.
 // ---------------------------------------------------------------------------------------
 
-/// The claim: `INSERT … ON CONFLICT DO NOTHING`, returning the existing row otherwise.
-const CLAIM_SQL: &str = "WITH ins AS (
+/// The claim: the existing row if there is one, else `INSERT … ON CONFLICT DO NOTHING`.
+const CLAIM_SQL: &str = "WITH found AS (
+                    SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body
+                    FROM {t} WHERE scope = $1 AND key = $2
+                 ),
+                 ins AS (
                     INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
-                    VALUES ($1, $2, $3, 'running', $6, now() + $4::bigint * interval '1 millisecond', now() + $5::bigint * interval '1 millisecond')
+                    SELECT $1::text, $2::text, $3::bytea, 'running', $6::bigint, now() + $4::bigint * interval '1 millisecond', now() + $5::bigint * interval '1 millisecond'
+                    WHERE NOT EXISTS (SELECT 1 FROM found)
                     ON CONFLICT (scope, key) DO NOTHING
                     RETURNING token
                  )
@@ -69,13 +74,12 @@ const CLAIM_SQL: &str = "WITH ins AS (
                         NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body
                  FROM ins
                  UNION ALL
-                 SELECT false, t.token, t.fingerprint, t.state,
-                        coalesce(t.locked_until <= now(), false),
-                        coalesce(ceil(extract(epoch FROM t.locked_until - now()) * 1000), 0)::bigint,
-                        t.expires_at <= now() AND (t.state = 'completed' OR t.locked_until <= now()),
-                        t.status, t.headers, t.body
-                 FROM {t} t
-                 WHERE t.scope = $1 AND t.key = $2 AND NOT EXISTS (SELECT 1 FROM ins)";
+                 SELECT false, f.token, f.fingerprint, f.state,
+                        coalesce(f.locked_until <= now(), false),
+                        coalesce(ceil(extract(epoch FROM f.locked_until - now()) * 1000), 0)::bigint,
+                        f.expires_at <= now() AND (f.state = 'completed' OR f.locked_until <= now()),
+                        f.status, f.headers, f.body
+                 FROM found f";
 
 /// The completion, token-checked; it notifies only when a duplicate registered as waiting.
 const COMPLETE_SQL: &str = "WITH done AS (

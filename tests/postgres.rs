@@ -126,6 +126,40 @@ async fn a_new_key_costs_two_statements_and_a_replay_one() {
     assert_eq!(proxy.executes(), before);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_takes_no_row_lock_and_writes_nothing() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = store.table().to_owned();
+    // A claim that waited for a row lock would be answered 503 after this.
+    let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_secs(2));
+    let (router, counter) = app(layer);
+    let first = send(&router, post("k", "{}")).await;
+    assert_eq!(first.status, 201);
+    let version = format!("SELECT xmin::text FROM {table} WHERE key = 'k'");
+    let before: String = schema.query(&version).await[0].get(0);
+
+    // Another transaction holds the row locked while the key is replayed.
+    let (locker, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {table} WHERE key = 'k' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    let replay = send(&router, post("k", "{}")).await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counter.runs(), 1);
+    let after: String = schema.query(&version).await[0].get(0);
+    assert_eq!(before, after, "the replay wrote a new version of the row");
+}
+
 #[tokio::test]
 async fn an_unreachable_database_is_503_and_the_handler_does_not_run() {
     let schema = TestSchema::new();

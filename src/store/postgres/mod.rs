@@ -46,7 +46,7 @@ const CLAIM_ATTEMPTS: usize = 16;
 ///
 /// | step | statements |
 /// |---|---|
-/// | claim of a new key | 1 (`INSERT … ON CONFLICT DO NOTHING`, returning the existing row otherwise) |
+/// | claim of a new key | 1 (the existing row if there is one, else `INSERT … ON CONFLICT DO NOTHING`) |
 /// | replay, 409, 422 | 1 (the same statement) |
 /// | completion | 1 (`UPDATE … WHERE token = $lease`) |
 /// | takeover of a lapsed lease | 2 (the claim, then a token-checked `UPDATE`) |
@@ -122,10 +122,19 @@ impl Sql {
         let t = format!("\"{schema}\".\"{table}\"");
         let ms = "$ms::bigint * interval '1 millisecond'";
         Self {
+            // The row is looked up first and inserted only when absent: an existing key
+            // (a replay, a 409, a 422) costs one index probe and no insert attempt. Two
+            // requests that both find nothing race on the insert, and `ON CONFLICT`
+            // settles it; the loser returns no row and is run again (`claim_on`).
             claim: format!(
-                "WITH ins AS (
+                "WITH found AS (
+                    SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body
+                    FROM {t} WHERE scope = $1 AND key = $2
+                 ),
+                 ins AS (
                     INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
-                    VALUES ($1, $2, $3, 'running', $6, now() + {l}, now() + {e})
+                    SELECT $1::text, $2::text, $3::bytea, 'running', $6::bigint, now() + {l}, now() + {e}
+                    WHERE NOT EXISTS (SELECT 1 FROM found)
                     ON CONFLICT (scope, key) DO NOTHING
                     RETURNING token
                  )
@@ -134,13 +143,12 @@ impl Sql {
                         NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body
                  FROM ins
                  UNION ALL
-                 SELECT false, t.token, t.fingerprint, t.state,
-                        coalesce(t.locked_until <= now(), false),
-                        coalesce(ceil(extract(epoch FROM t.locked_until - now()) * 1000), 0)::bigint,
-                        t.expires_at <= now() AND (t.state = 'completed' OR t.locked_until <= now()),
-                        t.status, t.headers, t.body
-                 FROM {t} t
-                 WHERE t.scope = $1 AND t.key = $2 AND NOT EXISTS (SELECT 1 FROM ins)",
+                 SELECT false, f.token, f.fingerprint, f.state,
+                        coalesce(f.locked_until <= now(), false),
+                        coalesce(ceil(extract(epoch FROM f.locked_until - now()) * 1000), 0)::bigint,
+                        f.expires_at <= now() AND (f.state = 'completed' OR f.locked_until <= now()),
+                        f.status, f.headers, f.body
+                 FROM found f",
                 l = ms.replace("$ms", "$4"),
                 e = ms.replace("$ms", "$5"),
             ),
