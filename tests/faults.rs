@@ -8,7 +8,8 @@ use std::{sync::Arc, time::Duration};
 
 use axum::{Router, body::Body, extract::State, routing::post as post_route};
 use common::{
-    TestSchema, app, eventually, in_flight, post, proxy::PgProxy, req, retry_until_created, send,
+    TestSchema, app, eventually, in_flight, post, post_with_headers, proxy::PgProxy, req,
+    retry_until_created, send,
 };
 use tokio::io::AsyncWriteExt;
 use tower_idempotency::{IdempotencyLayer, Outcome};
@@ -73,11 +74,7 @@ async fn a_cut_while_the_handler_runs_still_stores_its_response() {
     let proxy = PgProxy::start().await;
     let store = schema.store_at(&proxy.url(), 4).await;
     let (router, counter) = app(IdempotencyLayer::new(store));
-    let slow = req("POST")
-        .header("idempotency-key", "k")
-        .header("x-delay-ms", "300")
-        .body(Body::from("{}"))
-        .unwrap();
+    let slow = post_with_headers("k", &[("x-delay-ms", "300")]);
     let first = in_flight(&router, slow, &counter).await;
     proxy.cut();
     let first = first.await.unwrap();
@@ -127,11 +124,7 @@ async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response()
         .lease_duration(Duration::from_secs(10));
     let shutdown = layer.shutdown_handle();
     let (router, counter) = app(layer);
-    let slow = req("POST")
-        .header("idempotency-key", "k")
-        .header("x-delay-ms", "300")
-        .body(Body::from("{}"))
-        .unwrap();
+    let slow = post_with_headers("k", &[("x-delay-ms", "300")]);
     let first = in_flight(&router, slow, &counter).await;
     proxy.stall(true);
     // The database cannot be reached when the handler finishes: the client is answered
@@ -323,11 +316,7 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     let layer = IdempotencyLayer::new(store.clone());
     let shutdown = layer.shutdown_handle();
     let (router, counter) = app(layer);
-    let slow = req("POST")
-        .header("idempotency-key", "running")
-        .header("x-delay-ms", "400")
-        .body(Body::from("{}"))
-        .unwrap();
+    let slow = post_with_headers("running", &[("x-delay-ms", "400")]);
     let running = in_flight(&router, slow, &counter).await;
 
     let drained = tokio::spawn({

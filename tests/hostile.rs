@@ -11,7 +11,7 @@ use std::{
 };
 
 use axum::body::{Body, Bytes};
-use common::{TestSchema, app, post, req, send};
+use common::{TestSchema, app, post, post_with_headers, req, send};
 use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower_idempotency::{IdempotencyLayer, Outcome};
@@ -94,11 +94,7 @@ async fn every_bad_key_is_a_specific_400_and_leaves_no_row() {
         let detail = r.json()["detail"].as_str().unwrap().to_owned();
         assert!(detail.contains(expected), "{raw:?}: {detail}");
     }
-    let two = req("POST")
-        .header("idempotency-key", "a")
-        .header("idempotency-key", "b")
-        .body(Body::from("{}"))
-        .unwrap();
+    let two = post_with_headers("a", &[("idempotency-key", "b")]);
     let r = send(&router, two).await;
     assert!(
         r.json()["detail"]
@@ -169,11 +165,7 @@ async fn a_body_over_the_limit_is_413_with_or_without_content_length() {
     let layer = IdempotencyLayer::new(schema.store().await).request_body_limit(16);
     let (router, counter) = app(layer);
     // Declared over the limit: refused before reading.
-    let declared = req("POST")
-        .header("idempotency-key", "k")
-        .header("content-length", "1000000")
-        .body(Body::from("{}"))
-        .unwrap();
+    let declared = post_with_headers("k", &[("content-length", "1000000")]);
     assert_eq!(send(&router, declared).await.problem(), "body-too-large");
     // Declared under the limit, but the body is larger: the reader counts the bytes.
     let lying = req("POST")
@@ -237,11 +229,7 @@ async fn credentials_are_never_stored_in_clear() {
     let (router, _) = app(IdempotencyLayer::new(schema.store().await));
     let r = send(
         &router,
-        req("POST")
-            .header("idempotency-key", "k")
-            .header("authorization", "Bearer sk_live_very_secret")
-            .body(Body::from("{}"))
-            .unwrap(),
+        post_with_headers("k", &[("authorization", "Bearer sk_live_very_secret")]),
     )
     .await;
     assert_eq!(r.status, 201);

@@ -166,17 +166,29 @@ mod scheduling {
         );
     }
 
+    /// A handler that counts its runs and answers 200.
+    fn counting(
+        runs: Arc<AtomicUsize>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = Infallible,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, Infallible>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        service_fn(move |_req: http::Request<Body>| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(http::Response::new(Body::from("done"))) }
+        })
+    }
+
     #[tokio::test]
     async fn a_request_dropped_before_it_claims_is_not_run() {
         let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            service_fn(move |_req: http::Request<Body>| {
-                runs.fetch_add(1, Ordering::SeqCst);
-                async { Ok::<_, Infallible>(http::Response::new(Body::from("done"))) }
-            })
-        };
-        let mut svc = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
+        let mut svc = IdempotencyLayer::new(MemoryStore::new()).layer(counting(runs.clone()));
         let dropped = svc.ready().await.unwrap().call(post("k", "{}"));
         drop(dropped);
         // Anything spawned on this single-threaded runtime gets to run now.
@@ -192,14 +204,7 @@ mod scheduling {
     #[tokio::test]
     async fn a_request_dropped_while_its_body_uploads_is_not_run() {
         let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            service_fn(move |_req: http::Request<Body>| {
-                runs.fetch_add(1, Ordering::SeqCst);
-                async { Ok::<_, Infallible>(http::Response::new(Body::from("done"))) }
-            })
-        };
-        let mut svc = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
+        let mut svc = IdempotencyLayer::new(MemoryStore::new()).layer(counting(runs.clone()));
         let (upload, arriving) = tokio::sync::mpsc::channel::<Bytes>(1);
         let uploading = req("POST")
             .header("idempotency-key", "k")

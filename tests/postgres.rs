@@ -5,7 +5,7 @@ mod common;
 use std::{sync::Arc, time::Duration};
 
 use axum::body::Body;
-use common::{TestSchema, app, post, proxy::PgProxy, req, send};
+use common::{TestSchema, app, post, post_with_headers, proxy::PgProxy, req, send};
 use tower_idempotency::{IdempotencyLayer, Outcome, store::PostgresStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -179,20 +179,6 @@ async fn an_unreachable_database_is_503_and_the_handler_does_not_run() {
 }
 
 #[tokio::test]
-async fn a_stalled_database_is_503_within_the_store_timeout() {
-    let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 2).await;
-    let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
-    let (router, counter) = app(layer);
-    proxy.stall(true);
-    let r = send(&router, post("k", "{}")).await;
-    assert_eq!(r.status, 503);
-    assert_eq!(counter.runs(), 0);
-    proxy.stall(false);
-}
-
-#[tokio::test]
 async fn a_refused_connection_is_503() {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
@@ -303,11 +289,7 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     let (router_a, counter_a) = app(IdempotencyLayer::new(a));
     let (router_b, counter_b) =
         app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
-    let slow = req("POST")
-        .header("idempotency-key", "k")
-        .header("x-delay-ms", "400")
-        .body(Body::from("{}"))
-        .unwrap();
+    let slow = post_with_headers("k", &[("x-delay-ms", "400")]);
     let first = common::in_flight(&router_a, slow, &counter_a).await;
     let before = b.metrics();
     let waited = send(&router_b, post("k", "{}")).await;

@@ -338,6 +338,16 @@ pub fn post(key: &str, body: &str) -> Request<Body> {
         .expect("request")
 }
 
+/// `POST /payments` with `key`, a `{}` body and `headers` (those that steer the handler:
+/// `x-delay-ms`, `x-status`, `x-panic`, or any other).
+pub fn post_with_headers(key: &str, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut builder = req("POST").header("idempotency-key", key);
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    builder.body(Body::from("{}")).expect("request")
+}
+
 /// A request body in chunks, with no length known in advance (as with chunked encoding).
 pub struct Chunked(std::collections::VecDeque<Bytes>);
 

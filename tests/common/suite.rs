@@ -16,7 +16,7 @@ macro_rules! layer_suite {
             };
 
             use $crate::common::{
-                app, eventually, in_flight, post, req, retry_until_created, send,
+                app, eventually, in_flight, post, post_with_headers, req, retry_until_created, send,
             };
 
             async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
@@ -109,11 +109,7 @@ macro_rules! layer_suite {
             async fn a_duplicate_in_flight_gets_409_with_retry_after() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer);
-                let slow = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "600")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let slow = post_with_headers("k", &[("x-delay-ms", "600")]);
                 let first = in_flight(&router, slow, &counter).await;
                 let dup = send(&router, post("k", "{}")).await;
                 assert_eq!(dup.status, 409);
@@ -163,11 +159,7 @@ macro_rules! layer_suite {
                     .body(Body::from("{}"))
                     .unwrap();
                 assert_eq!(send(&router, non_ascii).await.status, 400);
-                let two = req("POST")
-                    .header("idempotency-key", "a")
-                    .header("idempotency-key", "a")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let two = post_with_headers("a", &[("idempotency-key", "a")]);
                 let r = send(&router, two).await;
                 assert_eq!(r.status, 400);
                 assert!(
@@ -244,23 +236,11 @@ macro_rules! layer_suite {
             async fn server_errors_release_the_key_client_errors_are_stored() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer);
-                let failing = || {
-                    req("POST")
-                        .header("idempotency-key", "k5")
-                        .header("x-status", "503")
-                        .body(Body::from("{}"))
-                        .unwrap()
-                };
+                let failing = || post_with_headers("k5", &[("x-status", "503")]);
                 assert_eq!(send(&router, failing()).await.status, 503);
                 assert_eq!(send(&router, failing()).await.status, 503);
                 assert_eq!(counter.runs_of("k5"), 2);
-                let rejected = || {
-                    req("POST")
-                        .header("idempotency-key", "k4")
-                        .header("x-status", "400")
-                        .body(Body::from("{}"))
-                        .unwrap()
-                };
+                let rejected = || post_with_headers("k4", &[("x-status", "400")]);
                 let first = send(&router, rejected()).await;
                 let again = send(&router, rejected()).await;
                 assert_eq!(
@@ -279,13 +259,7 @@ macro_rules! layer_suite {
                 let (layer, _store, _g) = layer().await;
                 // Store everything, 5xx included, as Stripe does.
                 let (router, counter) = app(layer.store_response_if(|_, _| true));
-                let failing = || {
-                    req("POST")
-                        .header("idempotency-key", "k")
-                        .header("x-status", "500")
-                        .body(Body::from("{}"))
-                        .unwrap()
-                };
+                let failing = || post_with_headers("k", &[("x-status", "500")]);
                 assert_eq!(
                     send(&router, failing()).await.outcome,
                     Some(Outcome::Executed)
@@ -301,11 +275,7 @@ macro_rules! layer_suite {
             async fn a_panicking_handler_releases_its_key() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer);
-                let panicking = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-panic", "1")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let panicking = post_with_headers("k", &[("x-panic", "1")]);
                 let r = send(&router, panicking).await;
                 assert_eq!(r.status, 500);
                 assert_eq!(r.problem(), "handler-failed");
@@ -319,12 +289,7 @@ macro_rules! layer_suite {
             async fn a_handler_that_panics_after_its_client_hung_up_releases_its_key() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer);
-                let panicking = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "200")
-                    .header("x-panic", "1")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let panicking = post_with_headers("k", &[("x-delay-ms", "200"), ("x-panic", "1")]);
                 let client = in_flight(&router, panicking, &counter).await;
                 // The client hangs up while the handler runs: nobody awaits the answer.
                 client.abort();
@@ -441,11 +406,7 @@ macro_rules! layer_suite {
                 let (layer, _store, _g) = layer().await;
                 // The handler runs five leases long; renewal must keep duplicates out.
                 let (router, counter) = app(layer.lease_duration(Duration::from_millis(150)));
-                let slow = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "750")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let slow = post_with_headers("k", &[("x-delay-ms", "750")]);
                 let first = in_flight(&router, slow, &counter).await;
                 let mut dups = Vec::new();
                 while !first.is_finished() {
@@ -461,11 +422,7 @@ macro_rules! layer_suite {
             async fn a_duplicate_can_wait_for_the_running_request_and_replay_it() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.wait_for_running(Duration::from_secs(30)));
-                let slow = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "400")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let slow = post_with_headers("k", &[("x-delay-ms", "400")]);
                 let first = in_flight(&router, slow, &counter).await;
                 let waited = send(&router, post("k", "{}")).await;
                 let first = first.await.unwrap();
@@ -479,12 +436,7 @@ macro_rules! layer_suite {
             async fn a_waiting_duplicate_runs_the_handler_when_the_first_fails() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.wait_for_running(Duration::from_secs(30)));
-                let failing = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "300")
-                    .header("x-status", "503")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let failing = post_with_headers("k", &[("x-delay-ms", "300"), ("x-status", "503")]);
                 let first = in_flight(&router, failing, &counter).await;
                 // Released, not completed: the waiter claims the key and runs.
                 let waited = send(&router, post("k", "{}")).await;
@@ -498,11 +450,7 @@ macro_rules! layer_suite {
             async fn a_waiting_duplicate_gives_up_at_its_bound() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.wait_for_running(Duration::from_millis(200)));
-                let slow = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "2000")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let slow = post_with_headers("k", &[("x-delay-ms", "2000")]);
                 let first = in_flight(&router, slow, &counter).await;
                 let waited = send(&router, post("k", "{}")).await;
                 assert_eq!(waited.status, 409);
@@ -675,11 +623,7 @@ macro_rules! layer_suite {
             async fn a_running_request_outlives_a_shorter_ttl() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.ttl(Duration::from_millis(100)));
-                let slow = req("POST")
-                    .header("idempotency-key", "k")
-                    .header("x-delay-ms", "600")
-                    .body(Body::from("{}"))
-                    .unwrap();
+                let slow = post_with_headers("k", &[("x-delay-ms", "600")]);
                 let first = in_flight(&router, slow, &counter).await;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 // Past the TTL, but the holder's lease is live: still a conflict.
