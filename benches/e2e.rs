@@ -52,42 +52,11 @@ use tower_idempotency::{
 // ---------------------------------------------------------------------------------------
 // The statements of the floor.
 //
-// Copied from `Sql::new` in src/store/postgres/mod.rs (the store keeps its SQL private):
-// the claim, the completion and the transactional BEGIN of src/transactional.rs, with
-// `{t}` standing for the quoted, schema-qualified table. Keep them in step with the store.
+// The claim and the completion are the store's own (`claim_and_completion_sql`); the
+// others are written here, with `{t}` standing for the quoted, schema-qualified table
+// and `{s}` for the schema. The transactional BEGIN is the one src/transactional.rs
+// sends with the default lock timeout.
 // ---------------------------------------------------------------------------------------
-
-/// The claim: the existing row if there is one, else `INSERT … ON CONFLICT DO NOTHING`.
-const CLAIM_SQL: &str = "WITH found AS (
-                    SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body
-                    FROM {t} WHERE scope = $1 AND key = $2
-                 ),
-                 ins AS (
-                    INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
-                    SELECT $1::text, $2::text, $3::bytea, 'running', $6::bigint, now() + $4::bigint * interval '1 millisecond', now() + $5::bigint * interval '1 millisecond'
-                    WHERE NOT EXISTS (SELECT 1 FROM found)
-                    ON CONFLICT (scope, key) DO NOTHING
-                    RETURNING token
-                 )
-                 SELECT true AS acquired, token, NULL::bytea AS fingerprint, NULL::text AS state,
-                        false AS lapsed, 0::bigint AS lease_left_ms, false AS expired,
-                        NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body
-                 FROM ins
-                 UNION ALL
-                 SELECT false, f.token, f.fingerprint, f.state,
-                        coalesce(f.locked_until <= now(), false),
-                        coalesce(ceil(extract(epoch FROM f.locked_until - now()) * 1000), 0)::bigint,
-                        f.expires_at <= now() AND (f.state = 'completed' OR f.locked_until <= now()),
-                        f.status, f.headers, f.body
-                 FROM found f";
-
-/// The completion, token-checked; it notifies only when a duplicate registered as waiting.
-const COMPLETE_SQL: &str = "WITH done AS (
-                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
-                           headers = $5, body = $6, completed_at = now(), expires_at = now() + $7::bigint * interval '1 millisecond'
-                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING waiters)
-                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done";
 
 /// The completion without any `pg_notify` (a diagnostic floor).
 const COMPLETE_NO_NOTIFY_SQL: &str = "WITH done AS (
@@ -508,14 +477,15 @@ struct Sql {
 }
 
 impl Sql {
-    fn new(table: &str, schema: &str) -> Self {
+    fn new(store: &PostgresStore, schema: &str) -> Self {
         let t = |s: &str| {
-            s.replace("{t}", table)
+            s.replace("{t}", store.table())
                 .replace("{s}", &format!("\"{schema}\""))
         };
+        let (claim, complete) = store.claim_and_completion_sql();
         Self {
-            claim: t(CLAIM_SQL),
-            complete: t(COMPLETE_SQL),
+            claim: claim.to_owned(),
+            complete: complete.to_owned(),
             complete_no_notify: t(COMPLETE_NO_NOTIFY_SQL),
             select: t(SELECT_SQL),
             insert: t(INSERT_SQL),
@@ -1442,11 +1412,12 @@ async fn run() {
         ))
         .await
         .expect("create the payments table");
+    let sql = Arc::new(Sql::new(&setup, &schema));
     setup.pool().close();
     drop(setup);
 
     let ctx = Ctx {
-        sql: Arc::new(Sql::new(&table, &schema)),
+        sql,
         settings,
         db,
         schema,

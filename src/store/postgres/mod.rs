@@ -394,6 +394,14 @@ impl PostgresStore {
         &self.sql.qualified
     }
 
+    /// The claim and the completion statements exactly as this store sends them, so that
+    /// a benchmark can issue them directly (the database floor of `benches/e2e.rs`).
+    /// Not part of the stable API.
+    #[doc(hidden)]
+    pub fn claim_and_completion_sql(&self) -> (&str, &str) {
+        (&self.sql.claim, &self.sql.complete)
+    }
+
     /// How many statements this store (and its clones) has executed, migrations aside.
     pub fn statements_executed(&self) -> u64 {
         self.statements.load(Ordering::Relaxed)
