@@ -8,7 +8,7 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use bytes::Bytes;
@@ -31,6 +31,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
         include_str!("../../../migrations/0001_create_idempotency_keys.sql"),
     ),
     (2, include_str!("../../../migrations/0002_waiters.sql")),
+    (3, include_str!("../../../migrations/0003_claim_insert.sql")),
 ];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
@@ -115,42 +116,27 @@ struct Sql {
     qualified: String,
     expires_index: String,
     migrations_table: String,
+    claim_function: String,
 }
 
 impl Sql {
     fn new(schema: &str, table: &str) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
+        let claim_function = format!("\"{schema}\".\"{table}_claim\"");
         let ms = "$ms::bigint * interval '1 millisecond'";
         Self {
-            // The row is looked up first and inserted only when absent: an existing key
-            // (a replay, a 409, a 422) costs one index probe and no insert attempt. Two
-            // requests that both find nothing race on the insert, and `ON CONFLICT`
-            // settles it; the loser returns no row and is run again (`claim_on`).
+            // A primary-key read that inserts only when the key has no row: the insert
+            // is a function (migration 0003) called from a branch that an existing key
+            // never takes, so a replay, a 409 or a 422 costs PostgreSQL what a plain read
+            // does. Two requests that both find nothing race on the insert, and its
+            // `ON CONFLICT` settles it; the loser gets neither a row nor a token and
+            // reads again (`claim_on`). Times are compared in Rust against the
+            // database's `now()`, which is cheaper than numeric arithmetic in SQL.
             claim: format!(
-                "WITH found AS (
-                    SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body
-                    FROM {t} WHERE scope = $1 AND key = $2
-                 ),
-                 ins AS (
-                    INSERT INTO {t} AS t (scope, key, fingerprint, state, token, locked_until, expires_at)
-                    SELECT $1::text, $2::text, $3::bytea, 'running', $6::bigint, now() + {l}, now() + {e}
-                    WHERE NOT EXISTS (SELECT 1 FROM found)
-                    ON CONFLICT (scope, key) DO NOTHING
-                    RETURNING token
-                 )
-                 SELECT true AS acquired, token, NULL::bytea AS fingerprint, NULL::text AS state,
-                        false AS lapsed, 0::bigint AS lease_left_ms, false AS expired,
-                        NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body
-                 FROM ins
-                 UNION ALL
-                 SELECT false, f.token, f.fingerprint, f.state,
-                        coalesce(f.locked_until <= now(), false),
-                        coalesce(ceil(extract(epoch FROM f.locked_until - now()) * 1000), 0)::bigint,
-                        f.expires_at <= now() AND (f.state = 'completed' OR f.locked_until <= now()),
-                        f.status, f.headers, f.body
-                 FROM found f",
-                l = ms.replace("$ms", "$4"),
-                e = ms.replace("$ms", "$5"),
+                "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                        f.status, f.headers, f.body, now() AS now,
+                        CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
+                 FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
             ),
             takeover: format!(
                 "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
@@ -194,6 +180,7 @@ impl Sql {
                     LIMIT $1 FOR UPDATE SKIP LOCKED))"
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
+            claim_function,
             expires_index: format!("\"{table}_expires_at\""),
             qualified: t,
         }
@@ -225,6 +212,14 @@ fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// What is left of a lease at the database's `now`, rounded up to the millisecond.
+fn lease_left(locked_until: Option<SystemTime>, now: SystemTime) -> Duration {
+    let left = locked_until
+        .and_then(|until| until.duration_since(now).ok())
+        .unwrap_or_default();
+    Duration::from_millis(u64::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX))
+}
+
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -245,6 +240,7 @@ fn classify(e: tokio_postgres::Error) -> StoreError {
             SqlState::QUERY_CANCELED | SqlState::LOCK_NOT_AVAILABLE => StoreErrorKind::Timeout,
             SqlState::UNDEFINED_TABLE
             | SqlState::UNDEFINED_COLUMN
+            | SqlState::UNDEFINED_FUNCTION
             | SqlState::INVALID_SCHEMA_NAME
             | SqlState::INSUFFICIENT_PRIVILEGE => StoreErrorKind::Misconfigured,
             _ => StoreErrorKind::Other,
@@ -442,7 +438,8 @@ impl PostgresStore {
             }
             let sql = sql
                 .replace("{{table}}", &self.sql.qualified)
-                .replace("{{expires_index}}", &self.sql.expires_index);
+                .replace("{{expires_index}}", &self.sql.expires_index)
+                .replace("{{claim_function}}", &self.sql.claim_function);
             tx.batch_execute(&sql).await.map_err(classify)?;
             tx.execute(
                 &format!(
@@ -585,25 +582,30 @@ impl PostgresStore {
                 ],
             )
             .await?;
-        // No row: the conflicting row was committed after this statement's snapshot, or
-        // released in between. Either way, look again.
-        let Some(row) = rows.first() else {
-            return Ok(None);
-        };
-        let token: i64 = row.get("token");
+        let row = rows
+            .first()
+            .ok_or_else(|| corrupt("the claim returned no row"))?;
         let lease = |token| Lease {
             scope: req.scope.clone(),
             key: Arc::from(req.key),
             token,
         };
-        if row.get::<_, bool>("acquired") {
-            return Ok(Some(Claim::Acquired(lease(token))));
-        }
+        let Some(token) = row.get::<_, Option<i64>>("token") else {
+            // No row for the key. A token: ours, inserted. None: a concurrent request
+            // inserted it after this statement's snapshot (or it was released in
+            // between); either way, look again.
+            return Ok(row
+                .get::<_, Option<i64>>("claimed")
+                .map(|token| Claim::Acquired(lease(token))));
+        };
         let fingerprint = Fingerprint::from_slice(row.get("fingerprint"))
             .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-        let expired: bool = row.get("expired");
-        let lapsed: bool = row.get("lapsed");
+        let now: SystemTime = row.get("now");
+        let locked_until: Option<SystemTime> = row.get("locked_until");
+        let expires_at: SystemTime = row.get("expires_at");
         let state: &str = row.get("state");
+        let lapsed = locked_until.is_some_and(|until| until <= now);
+        let expired = expires_at <= now && (state == "completed" || lapsed);
         let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
         if take_over {
             let rows = self
@@ -625,9 +627,7 @@ impl PostgresStore {
         match state {
             "running" => Ok(Some(Claim::Running {
                 fingerprint,
-                retry_after: Duration::from_millis(
-                    u64::try_from(row.get::<_, i64>("lease_left_ms")).unwrap_or(0),
-                ),
+                retry_after: lease_left(locked_until, now),
             })),
             "completed" => {
                 let status: i16 = row
