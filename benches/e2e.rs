@@ -256,7 +256,9 @@ impl Kind {
             Kind::PassThrough => Some(Kind::Bare),
             Kind::Lease | Kind::HttpFloorLease => Some(Kind::FloorLease),
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
-            Kind::Replay | Kind::HttpFloorReplay => Some(Kind::FloorReplay),
+            // Replays are held to a plain read of the row by its primary key.
+            Kind::Replay => Some(Kind::FloorSelect),
+            Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
         }
     }
@@ -549,10 +551,10 @@ impl Floor {
             .await
             .map_err(err)?;
         let row = rows.first().ok_or("claim: no row")?;
-        if !row.get::<_, bool>("acquired") {
-            return Err(format!("claim: {key} was not new"));
+        match row.get::<_, Option<i64>>("claimed") {
+            Some(token) => Ok(token),
+            None => Err(format!("claim: {key} was not new")),
         }
-        Ok(row.get("token"))
     }
 
     async fn complete(
@@ -648,7 +650,7 @@ impl Floor {
             .await
             .map_err(err)?;
         let row = rows.first().ok_or("replay: no row")?;
-        if row.get::<_, bool>("acquired") || row.get::<_, &str>("state") != "completed" {
+        if row.get::<_, Option<&str>>("state") != Some("completed") {
             return Err(format!("replay: {key} was not completed"));
         }
         stored(row)
@@ -1365,9 +1367,115 @@ fn write_csv(results: &[RowResult], path: &PathBuf) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Split cores (`BENCH_CORES=split`): PostgreSQL alone on the first CPU, the app and the
+// load generator on the others, as when the database has a machine of its own. Pinned
+// with `taskset`; PostgreSQL's processes get every CPU back when the run ends.
+// ---------------------------------------------------------------------------------------
+
+fn split_cores() -> bool {
+    match env_or("BENCH_CORES", "shared".to_owned()).as_str() {
+        "shared" => false,
+        "split" => true,
+        other => panic!("BENCH_CORES={other:?}: shared or split"),
+    }
+}
+
+fn app_cpus() -> String {
+    let n = cpus_of_machine();
+    assert!(n >= 2, "BENCH_CORES=split needs at least 2 CPUs");
+    format!("1-{}", n - 1)
+}
+
+/// Pins every thread of `pid` to `cpus` (a `taskset` CPU list).
+fn pin(pid: i32, cpus: &str) {
+    let status = std::process::Command::new("taskset")
+        .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run taskset (util-linux)");
+    assert!(
+        status.success(),
+        "taskset could not pin process {pid} to CPUs {cpus}: pinning PostgreSQL needs its user or root"
+    );
+}
+
+/// The parent process of `pid`.
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 2..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The postmaster and its children (backends started later inherit its CPUs).
+struct PinnedPostgres {
+    postmaster: i32,
+}
+
+impl PinnedPostgres {
+    async fn pin(db: &Db) -> Self {
+        let backend: i32 = db
+            .base
+            .admin
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pg_backend_pid")
+            .get(0);
+        let postmaster = parent_of(backend).expect("the postmaster's pid");
+        let pinned = Self { postmaster };
+        pinned.set("0");
+        eprintln!(
+            "split cores: PostgreSQL (postmaster {postmaster}) on CPU 0, this process on CPUs {}",
+            app_cpus()
+        );
+        pinned
+    }
+
+    fn set(&self, cpus: &str) {
+        pin(self.postmaster, cpus);
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+                continue;
+            };
+            if parent_of(pid) == Some(self.postmaster) {
+                // A backend may exit in between: nothing to pin then.
+                let _ = std::process::Command::new("taskset")
+                    .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status();
+            }
+        }
+    }
+}
+
+impl Drop for PinnedPostgres {
+    fn drop(&mut self) {
+        self.set(&format!("0-{}", cpus_of_machine() - 1));
+    }
+}
+
+/// Every CPU of the machine, whatever this process is pinned to.
+fn cpus_of_machine() -> usize {
+    std::fs::read_to_string("/proc/stat")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .count()
+        .max(1)
+}
+
+// ---------------------------------------------------------------------------------------
 
 fn main() {
     // `cargo bench` passes `--bench`; nothing else is read from the command line.
+    // Pinned before the runtime starts, so that its workers (one per CPU it may use)
+    // are pinned too.
+    if split_cores() {
+        pin(std::process::id() as i32, &app_cpus());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -1378,6 +1486,11 @@ fn main() {
 async fn run() {
     let settings = Settings::from_env();
     let db = Db::open(&settings.url).await;
+    let _postgres_pinned = if split_cores() {
+        Some(PinnedPostgres::pin(&db).await)
+    } else {
+        None
+    };
     let schema = format!(
         "bench_{}_{}",
         std::process::id(),
