@@ -47,7 +47,7 @@ const CLAIM_ATTEMPTS: usize = 16;
 ///
 /// | step | statements |
 /// |---|---|
-/// | claim of a new key | 1 (the existing row if there is one, else `INSERT … ON CONFLICT DO NOTHING`) |
+/// | claim of a new key | 1 (a primary-key read that, finding no row, inserts one with `INSERT … ON CONFLICT DO NOTHING`) |
 /// | replay, 409, 422 | 1 (the same statement) |
 /// | completion | 1 (`UPDATE … WHERE token = $lease`) |
 /// | takeover of a lapsed lease | 2 (the claim, then a token-checked `UPDATE`) |
