@@ -1386,16 +1386,20 @@ fn app_cpus() -> String {
     format!("1-{}", n - 1)
 }
 
-/// Pins every thread of `pid` to `cpus` (a `taskset` CPU list).
-fn pin(pid: i32, cpus: &str) {
-    let status = std::process::Command::new("taskset")
+/// Pins every thread of `pid` to `cpus` (a `taskset` CPU list); whether it could.
+fn try_pin(pid: i32, cpus: &str) -> bool {
+    std::process::Command::new("taskset")
         .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
         .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .status()
-        .expect("run taskset (util-linux)");
+        .is_ok_and(|status| status.success())
+}
+
+fn pin(pid: i32, cpus: &str) {
     assert!(
-        status.success(),
-        "taskset could not pin process {pid} to CPUs {cpus}: pinning PostgreSQL needs its user or root"
+        try_pin(pid, cpus),
+        "taskset (util-linux) could not pin process {pid} to CPUs {cpus}: pinning PostgreSQL needs its user or root"
     );
 }
 
@@ -1441,11 +1445,7 @@ impl PinnedPostgres {
             };
             if parent_of(pid) == Some(self.postmaster) {
                 // A backend may exit in between: nothing to pin then.
-                let _ = std::process::Command::new("taskset")
-                    .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status();
+                try_pin(pid, cpus);
             }
         }
     }
