@@ -388,12 +388,12 @@ async fn store_errors_are_classified_by_sqlstate_and_connection_state() {
     )
     .await
     .unwrap();
-    // Another replica whose sessions give up on locks after 50 ms.
+    // Another replica whose sessions give up on locks after 50 ms. The schema is
+    // migrated already: migrating under that timeout would race other tests' migrations
+    // for the shared migration lock.
     let url = common::database_url();
     let sep = if url.contains('?') { '&' } else { '?' };
-    let other = schema
-        .store_at(&format!("{url}{sep}options=-c%20lock_timeout%3D50"), 1)
-        .await;
+    let other = schema.unmigrated_store_at(&format!("{url}{sep}options=-c%20lock_timeout%3D50"));
     // Renewal needs the row lock the transaction above holds: it times out.
     let e = other
         .renew(&lease, Duration::from_secs(1))
