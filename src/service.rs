@@ -351,7 +351,11 @@ where
     // A panic (the handler's, the storage policy's, a store's) releases the key; the
     // request counts as in flight for a graceful shutdown until it has.
     let (held, counted) = (lease.clone(), in_flight.clone());
-    match CatchPanic::new(execute(config.clone(), inner, req, lease, in_flight)).await {
+    // Boxed, like the transactional path: embedded, the handler's future and the
+    // storing would double the size of every request's future, replays and rejections
+    // included, and every move of it (3.6 KB against 1.8 KB with axum's handlers).
+    let executing = Box::pin(execute(config.clone(), inner, req, lease, in_flight));
+    match CatchPanic::new(executing).await {
         Ok(answer) => answer,
         Err(panic) => {
             tracing::error!(
