@@ -137,6 +137,9 @@ fn uuid_key(seed: &str) -> String {
 const KEY_SQL: &str = "(SELECT substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-' || substr(h, 13, 4) || '-' || substr(h, 17, 4) || '-' || substr(h, 21, 12)
                         FROM (SELECT encode(sha256(convert_to('{prefix}' || i, 'UTF8')), 'hex') AS h) x)";
 
+/// The label of the plain primary-key reads measured beside the replays.
+const PK_READ: &str = "SELECT by primary key";
+
 fn loaded_key(prefix: &str, i: u64) -> String {
     uuid_key(&format!("{prefix}{i}"))
 }
@@ -318,6 +321,9 @@ enum Work {
     NewKeys,
     /// A completed key, picked at random among `n`.
     Replays { n: u64, prefix: &'static str },
+    /// The same keys read by a plain `SELECT` by primary key, not claimed: the floor
+    /// the replays are compared with.
+    Reads { n: u64, prefix: &'static str },
 }
 
 #[derive(Default)]
@@ -350,6 +356,8 @@ fn percentile(sorted: &[u64], q: f64) -> f64 {
 
 struct Ctx {
     store: PostgresStore,
+    /// A plain read of a stored response by primary key (the e2e benchmark's j′).
+    select: String,
     scopes: Arc<Vec<Scope>>,
     fingerprint: Fingerprint,
     response: StoredResponse,
@@ -381,7 +389,7 @@ fn spawn_workers(
                             uuid_key(&format!("{tag}-{seq}")),
                             ctx.fingerprint,
                         ),
-                        Work::Replays { n, prefix } => {
+                        Work::Replays { n, prefix } | Work::Reads { n, prefix } => {
                             let i = rng.below(n);
                             (
                                 ctx.scopes[(i % TENANTS) as usize].clone(),
@@ -399,6 +407,16 @@ fn spawn_workers(
                     };
                     let record = measuring.load(Ordering::Relaxed);
                     let t = Instant::now();
+                    if let Work::Reads { .. } = work {
+                        let read = read_completed(&ctx, &scope, &key).await;
+                        let took = t.elapsed().as_nanos() as u64;
+                        match read {
+                            Ok(true) if record => lat.claims.push(took),
+                            Ok(true) => {}
+                            _ => lat.errors += 1,
+                        }
+                        continue;
+                    }
                     let claim = ctx.store.claim(&request).await;
                     let claimed = t.elapsed().as_nanos() as u64;
                     match (work, claim) {
@@ -470,10 +488,37 @@ struct Row {
     errors: u64,
 }
 
+/// Whether the row for `key` is there and completed, read by primary key.
+async fn read_completed(ctx: &Ctx, scope: &Scope, key: &str) -> Result<bool, String> {
+    let client = ctx.store.pool().get().await.map_err(|e| e.to_string())?;
+    let stmt = client
+        .prepare_cached(&ctx.select)
+        .await
+        .map_err(|e| e.to_string())?;
+    let row = client
+        .query_opt(&stmt, &[&scope.as_str(), &key])
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(row.is_some_and(|r| r.get::<_, &str>("state") == "completed"))
+}
+
 fn rows_of(table_rows: i64, test: &str, c: usize, lat: &Latencies, window: f64) -> Vec<Row> {
+    rows_named(table_rows, test, "claim", c, lat, window)
+}
+
+/// The rows of one measurement: `{test}: {what}` for the first call of each operation,
+/// and `{test}: completion` when there were completions.
+fn rows_named(
+    table_rows: i64,
+    test: &str,
+    what: &str,
+    c: usize,
+    lat: &Latencies,
+    window: f64,
+) -> Vec<Row> {
     let mut rows = vec![Row {
         table_rows,
-        test: format!("{test}: claim"),
+        test: format!("{test}: {what}"),
         concurrency: c,
         ops: lat.claims.len(),
         ops_per_s: lat.claims.len() as f64 / window,
@@ -559,6 +604,9 @@ async fn run() {
     let headers = StoredResponse::encode_headers(&h);
     let ctx = Arc::new(Ctx {
         store: store.clone(),
+        select: format!(
+            "SELECT token, fingerprint, state, status, headers, body FROM {table} WHERE scope = $1 AND key = $2"
+        ),
         scopes: Arc::new((0..TENANTS).map(tenant_scope).collect()),
         fingerprint: Fingerprint(Sha256::digest(b"POST /payments").into()),
         response: StoredResponse {
@@ -600,6 +648,12 @@ async fn run() {
                 };
                 let (lat, window) = measure(&ctx, c, work, "replay", &s).await;
                 results.extend(rows_of(size as i64, "replays", c, &lat, window));
+                let work = Work::Reads {
+                    n: loaded,
+                    prefix: "key-",
+                };
+                let (lat, window) = measure(&ctx, c, work, "read", &s).await;
+                results.extend(rows_named(size as i64, "replays", PK_READ, c, &lat, window));
             }
             for r in &results[first..] {
                 eprintln!(
@@ -619,11 +673,18 @@ async fn run() {
                 };
                 let (lat, window) = measure(&ctx, c, work, "replay", &s).await;
                 results.extend(rows_of(0, "replays", c, &lat, window));
-                let r = &results[results.len() - 1];
-                eprintln!(
-                    "  {:>10} rows  {:<22} c={:<3} {:>7.0} ops/s  p50 {:.2} ms  p99 {:.2} ms",
-                    0, r.test, r.concurrency, r.ops_per_s, r.p50_ms, r.p99_ms
-                );
+                let work = Work::Reads {
+                    n: 1000,
+                    prefix: "small-",
+                };
+                let (lat, window) = measure(&ctx, c, work, "read", &s).await;
+                results.extend(rows_named(0, "replays", PK_READ, c, &lat, window));
+                for r in &results[results.len() - 2..] {
+                    eprintln!(
+                        "  {:>10} rows  {:<22} c={:<3} {:>7.0} ops/s  p50 {:.2} ms  p99 {:.2} ms",
+                        0, r.test, r.concurrency, r.ops_per_s, r.p50_ms, r.p99_ms
+                    );
+                }
             }
         }
     }

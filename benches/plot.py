@@ -107,7 +107,8 @@ def plot_growth(rows, out):
     phases = ("before", "during", "after")
     sized = [r for r in rows if not r["test"].startswith(phases)]
     purge = [r for r in rows if r["test"].startswith(phases)]
-    tests = [t for t in ("new keys: claim", "new keys: completion", "replays: claim")
+    tests = [t for t in ("new keys: claim", "new keys: completion", "replays: claim",
+                         "replays: SELECT by primary key")
              if any(r["test"] == t for r in sized)]
     panels = len(tests) + (1 if purge else 0)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.8), squeeze=False)
