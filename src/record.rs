@@ -83,7 +83,9 @@ impl StoredResponse {
             return None;
         }
         let count = bytes.get_u32() as usize;
-        let mut headers = HeaderMap::with_capacity(count.min(64));
+        // One more than stored: a replay adds `Idempotent-Replayed`, and a map sized for
+        // exactly `count` would grow (allocate and rehash) to take it.
+        let mut headers = HeaderMap::with_capacity(count.min(64) + 1);
         for _ in 0..count {
             let name = HeaderName::from_bytes(chunk(&mut bytes)?).ok()?;
             let value = HeaderValue::from_bytes(chunk(&mut bytes)?).ok()?;
@@ -108,6 +110,24 @@ mod tests {
         assert_eq!(decoded, h);
         let xa: Vec<_> = decoded.get_all("x-a").iter().collect();
         assert_eq!(xa, ["1", "2"]);
+    }
+
+    #[test]
+    fn a_decoded_map_takes_the_replay_header_without_growing() {
+        for n in 0..12 {
+            let mut h = HeaderMap::new();
+            for i in 0..n {
+                h.append(
+                    HeaderName::from_bytes(format!("x-{i}").as_bytes()).unwrap(),
+                    HeaderValue::from_static("v"),
+                );
+            }
+            let mut decoded =
+                StoredResponse::decode_headers(&StoredResponse::encode_headers(&h)).unwrap();
+            let capacity = decoded.capacity();
+            decoded.insert("idempotent-replayed", HeaderValue::from_static("true"));
+            assert_eq!(decoded.capacity(), capacity, "{n} stored headers");
+        }
     }
 
     #[test]

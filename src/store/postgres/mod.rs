@@ -40,6 +40,21 @@ const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
 /// How many times a claim is re-read when the row changes under it.
 const CLAIM_ATTEMPTS: usize = 16;
 
+/// The claim statement's columns, by position (`Sql::new` lists them in this order):
+/// read by index, a replay does not search the columns by name ten times over.
+mod col {
+    pub(super) const TOKEN: usize = 0;
+    pub(super) const FINGERPRINT: usize = 1;
+    pub(super) const STATE: usize = 2;
+    pub(super) const LOCKED_UNTIL: usize = 3;
+    pub(super) const EXPIRES_AT: usize = 4;
+    pub(super) const STATUS: usize = 5;
+    pub(super) const HEADERS: usize = 6;
+    pub(super) const BODY: usize = 7;
+    pub(super) const NOW: usize = 8;
+    pub(super) const CLAIMED: usize = 9;
+}
+
 /// A [`Store`] in PostgreSQL, shared by every replica of the app.
 ///
 /// Every statement is a single-row statement on the primary key `(scope, key)`, prepared
@@ -132,6 +147,7 @@ impl Sql {
             // `ON CONFLICT` settles it; the loser gets neither a row nor a token and
             // reads again (`claim_on`). Times are compared in Rust against the
             // database's `now()`, which is cheaper than numeric arithmetic in SQL.
+            // The columns are read by position: keep them in the order of `col`.
             claim: format!(
                 "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
                         f.status, f.headers, f.body, now() AS now,
@@ -590,20 +606,20 @@ impl PostgresStore {
             key: Arc::from(req.key),
             token,
         };
-        let Some(token) = row.get::<_, Option<i64>>("token") else {
+        let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
             // No row for the key. A token: ours, inserted. None: a concurrent request
             // inserted it after this statement's snapshot (or it was released in
             // between); either way, look again.
             return Ok(row
-                .get::<_, Option<i64>>("claimed")
+                .get::<_, Option<i64>>(col::CLAIMED)
                 .map(|token| Claim::Acquired(lease(token))));
         };
-        let fingerprint = Fingerprint::from_slice(row.get("fingerprint"))
+        let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
             .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-        let now: SystemTime = row.get("now");
-        let locked_until: Option<SystemTime> = row.get("locked_until");
-        let expires_at: SystemTime = row.get("expires_at");
-        let state: &str = row.get("state");
+        let now: SystemTime = row.get(col::NOW);
+        let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
+        let expires_at: SystemTime = row.get(col::EXPIRES_AT);
+        let state: &str = row.get(col::STATE);
         let lapsed = locked_until.is_some_and(|until| until <= now);
         let expired = expires_at <= now && (state == "completed" || lapsed);
         let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
@@ -631,19 +647,19 @@ impl PostgresStore {
             })),
             "completed" => {
                 let status: i16 = row
-                    .try_get("status")
+                    .try_get(col::STATUS)
                     .map_err(|_| corrupt("completed record without status"))?;
                 let status = u16::try_from(status)
                     .ok()
                     .and_then(|s| StatusCode::from_u16(s).ok())
                     .ok_or_else(|| corrupt("stored status out of range"))?;
                 let headers = row
-                    .try_get::<_, &[u8]>("headers")
+                    .try_get::<_, &[u8]>(col::HEADERS)
                     .ok()
                     .and_then(StoredResponse::decode_headers)
                     .ok_or_else(|| corrupt("stored headers undecodable"))?;
                 let body: &[u8] = row
-                    .try_get("body")
+                    .try_get(col::BODY)
                     .map_err(|_| corrupt("completed record without body"))?;
                 Ok(Some(Claim::Completed {
                     fingerprint,
@@ -781,6 +797,43 @@ impl Store for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
+        let sql = Sql::new("s", "t").claim;
+        let select_list = &sql[..sql.find(" FROM ").expect("a FROM clause")];
+        // Split at the commas outside parentheses (the insert's call has its own).
+        let mut depth = 0;
+        let names: Vec<&str> = select_list
+            .trim_start_matches("SELECT")
+            .split(|c: char| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                c == ',' && depth == 0
+            })
+            .map(|c| c.split_whitespace().last().expect("a column"))
+            .map(|c| c.rsplit('.').next().unwrap_or(c))
+            .collect();
+        let expected = [
+            (col::TOKEN, "token"),
+            (col::FINGERPRINT, "fingerprint"),
+            (col::STATE, "state"),
+            (col::LOCKED_UNTIL, "locked_until"),
+            (col::EXPIRES_AT, "expires_at"),
+            (col::STATUS, "status"),
+            (col::HEADERS, "headers"),
+            (col::BODY, "body"),
+            (col::NOW, "now"),
+            (col::CLAIMED, "claimed"),
+        ];
+        assert_eq!(names.len(), expected.len(), "{names:?}");
+        for (index, name) in expected {
+            assert_eq!(names[index], name, "column {index} of {names:?}");
+        }
+    }
 
     #[test]
     fn identifiers_are_validated() {
