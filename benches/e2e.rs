@@ -165,13 +165,14 @@ enum Kind {
     FloorTx,
     FloorReplay,
     FloorSelect,
+    FloorReplayShared,
     FloorLeaseNoNotify,
     HttpFloorLease,
     HttpFloorTx,
     HttpFloorReplay,
 }
 
-const KINDS: [Kind; 15] = [
+const KINDS: [Kind; 16] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -183,6 +184,7 @@ const KINDS: [Kind; 15] = [
     Kind::FloorTx,
     Kind::FloorReplay,
     Kind::FloorSelect,
+    Kind::FloorReplayShared,
     Kind::FloorLeaseNoNotify,
     Kind::HttpFloorLease,
     Kind::HttpFloorTx,
@@ -191,7 +193,7 @@ const KINDS: [Kind; 15] = [
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 15] = [
+const RUN_ORDER: [Kind; 16] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
@@ -206,6 +208,7 @@ const RUN_ORDER: [Kind; 15] = [
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::FloorSelect,
+    Kind::FloorReplayShared,
     Kind::Dup,
 ];
 
@@ -223,6 +226,7 @@ impl Kind {
             Kind::FloorTx => "floor_tx",
             Kind::FloorReplay => "floor_replay",
             Kind::FloorSelect => "floor_select",
+            Kind::FloorReplayShared => "floor_replay_shared",
             Kind::FloorLeaseNoNotify => "floor_lease_nonotify",
             Kind::HttpFloorLease => "http_floor_lease",
             Kind::HttpFloorTx => "http_floor_tx",
@@ -243,6 +247,7 @@ impl Kind {
             Kind::FloorTx => "(i) floor: BEGIN+claim, INSERT, completion+COMMIT",
             Kind::FloorReplay => "(j) floor: claim on an existing key",
             Kind::FloorSelect => "(j′) floor: SELECT by primary key",
+            Kind::FloorReplayShared => "(j‴) floor (j), pipelined on 4 shared connections",
             Kind::FloorLeaseNoNotify => "(h′) floor (h) without pg_notify",
             Kind::HttpFloorLease => "(h″) floor (h) in a bare handler, over HTTP",
             Kind::HttpFloorTx => "(i″) floor (i) in a bare handler, over HTTP",
@@ -279,6 +284,7 @@ impl Kind {
                 | Kind::FloorTx
                 | Kind::FloorReplay
                 | Kind::FloorSelect
+                | Kind::FloorReplayShared
                 | Kind::FloorLeaseNoNotify
         )
     }
@@ -289,7 +295,11 @@ impl Kind {
             Kind::Lease | Kind::Dup | Kind::FloorLease | Kind::FloorLeaseNoNotify => 2.0,
             Kind::HttpFloorLease => 2.0,
             Kind::Tx | Kind::FloorTx | Kind::HttpFloorTx => 3.0,
-            Kind::Replay | Kind::FloorReplay | Kind::FloorSelect | Kind::HttpFloorReplay => 1.0,
+            Kind::Replay
+            | Kind::FloorReplay
+            | Kind::FloorSelect
+            | Kind::FloorReplayShared
+            | Kind::HttpFloorReplay => 1.0,
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
         }
     }
@@ -497,6 +507,9 @@ impl Sql {
 
 struct Floor {
     pool: Pool,
+    /// Connections held for the whole row and shared by every worker, each query
+    /// pipelined with the others on its connection (row j‴).
+    shared: tokio::sync::OnceCell<Vec<deadpool_postgres::Object>>,
     sql: Arc<Sql>,
     statements: AtomicU64,
     fingerprint: [u8; 32],
@@ -520,6 +533,9 @@ fn fresh_token() -> i64 {
     ((n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 2) as i64).max(1)
 }
 
+/// Connections of the pipelined floor (j‴).
+const SHARED_CONNECTIONS: usize = 4;
+
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
@@ -530,6 +546,7 @@ impl Floor {
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         Self {
             pool,
+            shared: tokio::sync::OnceCell::new(),
             sql,
             statements: AtomicU64::new(0),
             fingerprint: Sha256::digest(REQUEST_BODY).into(),
@@ -642,6 +659,42 @@ impl Floor {
     /// A replay: the claim statement on an existing key returns its stored response.
     async fn replay(&self, key: &str) -> Result<(StatusCode, HeaderMap, Bytes), String> {
         let client = self.pool.get().await.map_err(err)?;
+        let stmt = client.prepare_cached(&self.sql.claim).await.map_err(err)?;
+        self.count();
+        let fp: &[u8] = &self.fingerprint;
+        let rows = client
+            .query(&stmt, &[&"", &key, &fp, &LEASE_MS, &TTL_MS, &fresh_token()])
+            .await
+            .map_err(err)?;
+        let row = rows.first().ok_or("replay: no row")?;
+        if row.get::<_, Option<&str>>("state") != Some("completed") {
+            return Err(format!("replay: {key} was not completed"));
+        }
+        stored(row)
+    }
+
+    /// A replay as (j), but on one of `SHARED_CONNECTIONS` connections that every
+    /// worker uses at once, instead of a connection of its own from the pool: each
+    /// statement still commits on its own (its own `Sync`), and tokio-postgres pipelines
+    /// the statements of concurrent workers on a connection.
+    async fn replay_shared(
+        &self,
+        worker: usize,
+        key: &str,
+    ) -> Result<(StatusCode, HeaderMap, Bytes), String> {
+        let shared = self
+            .shared
+            .get_or_try_init(|| async {
+                let mut held = Vec::with_capacity(SHARED_CONNECTIONS);
+                for _ in 0..SHARED_CONNECTIONS {
+                    let client = self.pool.get().await.map_err(err)?;
+                    client.prepare_cached(&self.sql.claim).await.map_err(err)?;
+                    held.push(client);
+                }
+                Ok::<_, String>(held)
+            })
+            .await?;
+        let client = &shared[worker % SHARED_CONNECTIONS];
         let stmt = client.prepare_cached(&self.sql.claim).await.map_err(err)?;
         self.count();
         let fp: &[u8] = &self.fingerprint;
@@ -1104,6 +1157,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         | Kind::FloorTx
         | Kind::FloorReplay
         | Kind::FloorSelect
+        | Kind::FloorReplayShared
         | Kind::FloorLeaseNoNotify => {
             floor = Some(ctx.floor());
             None
@@ -1146,6 +1200,10 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     Kind::FloorTx => f.tx(&key).await.map(|()| "ok".into()),
                     Kind::FloorReplay => f
                         .replay(&replay_key(w, seq, n_replay))
+                        .await
+                        .map(|_| "ok".into()),
+                    Kind::FloorReplayShared => f
+                        .replay_shared(w, &replay_key(w, seq, n_replay))
                         .await
                         .map(|_| "ok".into()),
                     _ => f
