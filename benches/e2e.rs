@@ -1601,11 +1601,10 @@ async fn run() {
     );
     precreate_replays(&ctx).await;
 
-    let selected = |k: Kind| {
-        ctx.settings
-            .rows
-            .as_ref()
-            .is_none_or(|rows| rows.iter().any(|r| r == k.id()))
+    // All rows by default, except the experiment (j‴), which runs only when named.
+    let selected = |k: Kind| match ctx.settings.rows.as_ref() {
+        Some(rows) => rows.iter().any(|r| r == k.id()),
+        None => k != Kind::FloorReplayShared,
     };
     let mut runs: Vec<Vec<RowResult>> = Vec::new();
     // Memory must not grow with the keys the layer has seen: resident memory before the
