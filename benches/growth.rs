@@ -378,7 +378,13 @@ fn spawn_workers(
             let (ctx, measuring, stop) = (ctx.clone(), measuring.clone(), stop.clone());
             let tag = format!("{tag}-w{w}");
             tokio::spawn(async move {
-                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((w as u64 + 1) * 0x2545_F491_4F6C_DD1D));
+                // Seeded by the measurement too: the reads must not follow the replays
+                // just before them to keys whose pages those replays brought in.
+                let salt = tag.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
+                });
+                let mut rng =
+                    Rng(0x9E37_79B9_7F4A_7C15 ^ ((w as u64 + 1) * 0x2545_F491_4F6C_DD1D) ^ salt);
                 let mut lat = Latencies::default();
                 let mut seq = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -646,13 +652,14 @@ async fn run() {
                     n: loaded,
                     prefix: "key-",
                 };
-                let (lat, window) = measure(&ctx, c, work, "replay", &s).await;
+                let (lat, window) =
+                    measure(&ctx, c, work, &format!("replay-{size}-c{c}"), &s).await;
                 results.extend(rows_of(size as i64, "replays", c, &lat, window));
                 let work = Work::Reads {
                     n: loaded,
                     prefix: "key-",
                 };
-                let (lat, window) = measure(&ctx, c, work, "read", &s).await;
+                let (lat, window) = measure(&ctx, c, work, &format!("read-{size}-c{c}"), &s).await;
                 results.extend(rows_named(size as i64, "replays", PK_READ, c, &lat, window));
             }
             for r in &results[first..] {
@@ -671,13 +678,13 @@ async fn run() {
                     n: 1000,
                     prefix: "small-",
                 };
-                let (lat, window) = measure(&ctx, c, work, "replay", &s).await;
+                let (lat, window) = measure(&ctx, c, work, &format!("replay-0-c{c}"), &s).await;
                 results.extend(rows_of(0, "replays", c, &lat, window));
                 let work = Work::Reads {
                     n: 1000,
                     prefix: "small-",
                 };
-                let (lat, window) = measure(&ctx, c, work, "read", &s).await;
+                let (lat, window) = measure(&ctx, c, work, &format!("read-0-c{c}"), &s).await;
                 results.extend(rows_named(0, "replays", PK_READ, c, &lat, window));
                 for r in &results[results.len() - 2..] {
                     eprintln!(
