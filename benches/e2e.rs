@@ -659,6 +659,15 @@ impl Floor {
     /// A replay: the claim statement on an existing key returns its stored response.
     async fn replay(&self, key: &str) -> Result<(StatusCode, HeaderMap, Bytes), String> {
         let client = self.pool.get().await.map_err(err)?;
+        self.replay_on(&client, key).await
+    }
+
+    /// The claim statement on an existing key, on `client`.
+    async fn replay_on(
+        &self,
+        client: &deadpool_postgres::Client,
+        key: &str,
+    ) -> Result<(StatusCode, HeaderMap, Bytes), String> {
         let stmt = client.prepare_cached(&self.sql.claim).await.map_err(err)?;
         self.count();
         let fp: &[u8] = &self.fingerprint;
@@ -694,19 +703,8 @@ impl Floor {
                 Ok::<_, String>(held)
             })
             .await?;
-        let client = &shared[worker % SHARED_CONNECTIONS];
-        let stmt = client.prepare_cached(&self.sql.claim).await.map_err(err)?;
-        self.count();
-        let fp: &[u8] = &self.fingerprint;
-        let rows = client
-            .query(&stmt, &[&"", &key, &fp, &LEASE_MS, &TTL_MS, &fresh_token()])
+        self.replay_on(&shared[worker % SHARED_CONNECTIONS], key)
             .await
-            .map_err(err)?;
-        let row = rows.first().ok_or("replay: no row")?;
-        if row.get::<_, Option<&str>>("state") != Some("completed") {
-            return Err(format!("replay: {key} was not completed"));
-        }
-        stored(row)
     }
 
     /// A replay read as a plain SELECT by primary key.
