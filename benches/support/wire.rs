@@ -75,6 +75,15 @@ impl Clients {
 }
 
 impl Conn {
+    /// Reads what has arrived onto `buf`; `closed` is the error if the server hung up.
+    async fn read_more(&mut self, closed: &str) -> Result<(), String> {
+        match self.stream.read_buf(&mut self.buf).await {
+            Ok(0) => Err(closed.to_owned()),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     async fn post(
         &mut self,
         host: SocketAddr,
@@ -99,15 +108,7 @@ impl Conn {
 
         self.buf.clear();
         loop {
-            if self
-                .stream
-                .read_buf(&mut self.buf)
-                .await
-                .map_err(|e| e.to_string())?
-                == 0
-            {
-                return Err("the server closed the connection".into());
-            }
+            self.read_more("the server closed the connection").await?;
             let mut headers = [httparse::EMPTY_HEADER; 32];
             let mut res = httparse::Response::new(&mut headers);
             let head = match res.parse(&self.buf).map_err(|e| e.to_string())? {
@@ -130,15 +131,8 @@ impl Conn {
             }
             let len = len.ok_or("a response without Content-Length")?;
             while self.buf.len() < head + len {
-                if self
-                    .stream
-                    .read_buf(&mut self.buf)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    == 0
-                {
-                    return Err("the server closed the connection mid-body".into());
-                }
+                self.read_more("the server closed the connection mid-body")
+                    .await?;
             }
             if self.buf.len() > head + len {
                 return Err("bytes after the response: the server answered twice".into());

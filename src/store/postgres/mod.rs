@@ -142,8 +142,8 @@ impl Sql {
         Self {
             // A primary-key read that inserts only when the key has no row: the insert
             // is a function (migration 0003) called from a branch that an existing key
-            // never takes, so a replay, a 409 or a 422 costs PostgreSQL what a plain read
-            // does. Two requests that both find nothing race on the insert, and its
+            // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
+            // read does (0.9x its rate, docs/postgres.md). Two requests that both find nothing race on the insert, and its
             // `ON CONFLICT` settles it; the loser gets neither a row nor a token and
             // reads again (`claim_on`). Times are compared in Rust against the
             // database's `now()`, which is cheaper than numeric arithmetic in SQL.
