@@ -30,6 +30,23 @@ mod postgres {
     crate::layer_suite!(make);
 }
 
+/// The same suite with lease mode's statements pipelined on two shared connections.
+mod postgres_shared {
+    use std::sync::Arc;
+
+    use tower_idempotency::store::Store;
+
+    use crate::common::TestSchema;
+
+    async fn make() -> (Arc<dyn Store>, TestSchema) {
+        let schema = TestSchema::new();
+        let store = schema.store().await.with_shared_connections(2);
+        (Arc::new(store), schema)
+    }
+
+    crate::layer_suite!(make);
+}
+
 /// What happens to a request whose response future is dropped, and to a handler whose
 /// lease renewal is slow: the layer's own scheduling, over the in-memory store.
 mod scheduling {

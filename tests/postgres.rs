@@ -402,3 +402,206 @@ async fn store_errors_are_classified_by_sqlstate_and_connection_state() {
     assert_eq!(e.kind(), StoreErrorKind::Timeout, "{e}");
     tx.rollback().await.unwrap();
 }
+
+/// Two replicas, each with its lease-mode statements on two shared connections, under
+/// 200 concurrent requests for 20 keys: every key runs once, every duplicate is
+/// answered, and no request took a pooled connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shared_connections_serve_concurrent_duplicates_once_without_the_pool() {
+    let schema = TestSchema::new();
+    let replica = || async {
+        schema
+            .store_at(&common::database_url(), 8)
+            .await
+            .with_shared_connections(2)
+    };
+    let (a, b) = (replica().await, replica().await);
+    let (router_a, counter_a) = app(IdempotencyLayer::new(a.clone()));
+    let (router_b, counter_b) = app(IdempotencyLayer::new(b.clone()));
+    let barrier = Arc::new(tokio::sync::Barrier::new(200));
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let router = if i % 2 == 0 { &router_a } else { &router_b }.clone();
+        let (key, barrier) = (format!("key-{}", i % 20), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = req("POST")
+                .header("idempotency-key", key.as_str())
+                .header("x-delay-ms", "50")
+                .body(Body::from("{}"))
+                .unwrap();
+            barrier.wait().await;
+            (key, send(&router, r).await)
+        }));
+    }
+    for t in tasks {
+        let (key, r) = t.await.unwrap();
+        assert!(
+            matches!(r.status.as_u16(), 201 | 409),
+            "{key}: {}",
+            r.status
+        );
+    }
+    for i in 0..20 {
+        let key = format!("key-{i}");
+        let runs = counter_a.runs_of(&key) + counter_b.runs_of(&key);
+        assert_eq!(runs, 1, "{key} ran {runs} times");
+        // Each key's response was stored: a replay on either replica returns it.
+        for router in [&router_a, &router_b] {
+            let replay = send(router, post(&key, "{}")).await;
+            assert_eq!(replay.outcome, Some(Outcome::Replayed), "{key}");
+        }
+    }
+    let rows = schema
+        .query(&format!(
+            "SELECT count(*) FROM \"{}\".idempotency_keys WHERE state = 'completed'",
+            schema.name
+        ))
+        .await;
+    assert_eq!(rows[0].get::<_, i64>(0), 20);
+    for store in [&a, &b] {
+        assert_eq!(
+            store.pool().status().size,
+            0,
+            "a statement took a pooled connection"
+        );
+        assert!(store.metrics().statements >= 100);
+    }
+}
+
+/// A statement that would wait on a row lock leaves the shared connection (after its
+/// `lock_timeout`) and waits on a pooled connection of its own; the statements queued
+/// behind it on the shared connection go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_waiting_on_a_row_lock_does_not_hold_up_the_shared_connection() {
+    use tower_idempotency::{
+        Fingerprint, Scope,
+        store::{Claim, ClaimRequest, Store},
+    };
+    let schema = TestSchema::new();
+    let store = schema.store().await.with_shared_connections(1);
+    fn request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint([7; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        }
+    }
+    let scope = Scope::new("s");
+    // Another transaction inserts the key "held" and keeps it uncommitted: a claim of
+    // that key must wait for it to end.
+    let (locker, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT \"{}\".idempotency_keys_claim('s', 'held', '\\x00'::bytea, 30000, 60000, 1)",
+            schema.name
+        ))
+        .await
+        .unwrap();
+
+    let held = {
+        let store = store.clone();
+        let scope = scope.clone();
+        tokio::spawn(async move { store.claim(&request(&scope, "held")).await })
+    };
+    // With one shared connection, every claim below is queued on the connection the
+    // held key's claim went to. They all finish while the lock is still held.
+    let others = async {
+        for i in 0..20 {
+            let key = format!("free-{i}");
+            let claimed = store.claim(&request(&scope, &key)).await.unwrap();
+            assert!(matches!(claimed, Claim::Acquired(_)), "{key}: {claimed:?}");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), others)
+        .await
+        .expect("claims queued behind a lock wait were held up");
+    assert!(
+        !held.is_finished(),
+        "the held key's claim did not wait for the lock"
+    );
+    // It moved to a pooled connection to wait there.
+    common::eventually(|| store.pool().status().size == 1).await;
+
+    // The other transaction gives the key up: the waiting claim takes it.
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    let claimed = held.await.unwrap().unwrap();
+    assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
+    let rows = schema
+        .query(&format!(
+            "SELECT count(*) FROM \"{}\".idempotency_keys WHERE state = 'running'",
+            schema.name
+        ))
+        .await;
+    assert_eq!(rows[0].get::<_, i64>(0), 21);
+}
+
+/// Shared connections that the server closes are replaced when next used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_shared_connections_are_replaced() {
+    let schema = TestSchema::new();
+    let app_name = common::unique_name("ti_shared");
+    let url = common::database_url();
+    let url = format!(
+        "{url}{}application_name={app_name}",
+        if url.contains('?') { '&' } else { '?' }
+    );
+    let store = schema.store_at(&url, 4).await.with_shared_connections(2);
+    let (router, counter) = app(IdempotencyLayer::new(store.clone()));
+    for i in 0..4 {
+        assert_eq!(
+            send(&router, post(&format!("a{i}"), "{}")).await.status,
+            201
+        );
+    }
+    let backends = format!(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = '{app_name}' AND pid <> pg_backend_pid()"
+    );
+    let before: Vec<i32> = schema
+        .query(&backends)
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(before.len(), 2, "two shared connections: {before:?}");
+    schema
+        .query(&format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{app_name}'"
+        ))
+        .await;
+
+    // A statement sent before the client has seen its connection close fails (503);
+    // at most one per connection. Every later one runs on a new connection.
+    let mut failed = 0;
+    for i in 0..20 {
+        let key = format!("b{i}");
+        let r = send(&router, post(&key, "{}")).await;
+        match r.status.as_u16() {
+            201 => {}
+            503 => {
+                failed += 1;
+                assert_eq!(r.problem(), "store-unavailable");
+                assert_eq!(send(&router, post(&key, "{}")).await.status, 201, "{key}");
+            }
+            other => panic!("{key}: {other}"),
+        }
+        assert_eq!(counter.runs_of(&key), 1, "{key}");
+    }
+    assert!(failed <= 2, "{failed} requests failed after the cut");
+    let after: Vec<i32> = schema
+        .query(&backends)
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert!(
+        after.iter().all(|pid| !before.contains(pid)),
+        "{before:?} {after:?}"
+    );
+    assert_eq!(store.pool().status().size, 0);
+}

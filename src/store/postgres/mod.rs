@@ -1,6 +1,7 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
 mod listener;
+mod shared;
 
 use std::{
     fmt,
@@ -13,13 +14,14 @@ use std::{
 
 use bytes::Bytes;
 use deadpool_postgres::{
-    Client, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
+    Client, ClientWrapper, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
 };
 use http::StatusCode;
 use tokio_postgres::{NoTls, Row, error::SqlState, types::ToSql};
 
 use listener::Listener;
 use sha2::{Digest, Sha256};
+use shared::Shared;
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -91,6 +93,8 @@ pub struct PostgresStore {
     /// another request's row: at most half the pool may, so that the handlers they wait
     /// for always find connections.
     tx_claims: Arc<tokio::sync::Semaphore>,
+    /// Connections shared by lease mode's statements, if any (`with_shared_connections`).
+    shared: Option<Arc<Shared>>,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -274,6 +278,60 @@ fn classify_pool(e: PoolError) -> StoreError {
     }
 }
 
+/// Runs `$statements` (autocommit, single-row) with `$client` bound to a shared
+/// connection when the store has any, else to a pooled one. On a shared connection a
+/// wait for a row lock fails after `shared::LOCK_TIMEOUT`, having changed nothing; the
+/// statements then run again on a pooled connection, where they may wait.
+macro_rules! autocommit {
+    ($store:expr, |$client:ident| $statements:expr) => {{
+        let store = $store;
+        let connection = store.autocommit_connection().await?;
+        let $client: &ClientWrapper = &connection;
+        match $statements {
+            Err(e) if connection.is_shared() && waited_for_a_lock(&e) => {
+                let connection = store.client().await?;
+                let $client: &ClientWrapper = &connection;
+                $statements
+            }
+            done => done,
+        }
+    }};
+}
+
+/// A connection for one autocommit statement: pooled, or shared with other requests.
+// The pooled connection is held in the statement's future as before; boxing it would
+// cost an allocation per statement.
+#[allow(clippy::large_enum_variant)]
+enum Connection {
+    Pooled(Client),
+    Shared(Arc<ClientWrapper>),
+}
+
+impl Connection {
+    fn is_shared(&self) -> bool {
+        matches!(self, Self::Shared(_))
+    }
+}
+
+impl std::ops::Deref for Connection {
+    type Target = ClientWrapper;
+
+    fn deref(&self) -> &ClientWrapper {
+        match self {
+            Self::Pooled(client) => client,
+            Self::Shared(client) => client,
+        }
+    }
+}
+
+/// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
+fn waited_for_a_lock(e: &StoreError) -> bool {
+    e.source
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::code)
+        == Some(&SqlState::LOCK_NOT_AVAILABLE)
+}
+
 fn corrupt(what: &str) -> StoreError {
     StoreError::new(StoreErrorKind::Corrupt, what.to_owned())
 }
@@ -291,7 +349,7 @@ impl PostgresStore {
     /// configuration with [`with_notifications`](Self::with_notifications), or build the
     /// store with [`connect`](Self::connect), which does.
     pub fn new(pool: Pool) -> Self {
-        Self::with_names(pool, "public".into(), "idempotency_keys".into(), None)
+        Self::with_names(pool, "public".into(), "idempotency_keys".into(), None, 0)
     }
 
     /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for
@@ -305,6 +363,7 @@ impl PostgresStore {
         schema: String,
         table: String,
         listen_config: Option<tokio_postgres::Config>,
+        shared: usize,
     ) -> Self {
         let channel = format!("{table}_done");
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
@@ -319,35 +378,70 @@ impl PostgresStore {
             schema,
             table,
             statements: Arc::default(),
+            shared: (shared > 0).then(|| Arc::new(Shared::new(shared))),
         }
+    }
+
+    fn shared_connections(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.len())
     }
 
     /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
     pub fn with_schema_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("schema", name)?;
+        let shared = self.shared_connections();
         Ok(Self::with_names(
             self.pool,
             name.to_owned(),
             self.table,
             self.listen_config,
+            shared,
         ))
     }
 
     /// Uses the table `name`.
     pub fn with_table_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("table", name)?;
+        let shared = self.shared_connections();
         Ok(Self::with_names(
             self.pool,
             self.schema,
             name.to_owned(),
             self.listen_config,
+            shared,
         ))
     }
 
     /// Listens for completions on a connection made with `config`, so that requests
     /// waiting for a running key wake as soon as it completes, in any process.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
-        Self::with_names(self.pool, self.schema, self.table, Some(config))
+        let shared = self.shared_connections();
+        Self::with_names(self.pool, self.schema, self.table, Some(config), shared)
+    }
+
+    /// Runs lease mode's statements (claims, replays, completions, releases, renewals)
+    /// on `n` connections shared by all requests, instead of on a pooled connection
+    /// each; `0` turns sharing off.
+    ///
+    /// Concurrent statements on a shared connection are pipelined: written back to back,
+    /// each still its own autocommit transaction, which costs PostgreSQL less per
+    /// statement than one connection each. The connections are taken from the pool
+    /// when first needed and kept (the pool may open others in their place), and a
+    /// closed one is replaced when next used. A statement that would wait on a row
+    /// lock there gives up after 50 ms (`lock_timeout`), having changed nothing, and
+    /// runs again on a pooled connection of its own, so that it does not hold up the
+    /// statements queued behind it. Transactional mode, purges and migrations always
+    /// use pooled connections.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_shared_connections(4);
+    /// # Ok::<(), tower_idempotency::store::ConfigError>(())
+    /// ```
+    pub fn with_shared_connections(self, n: usize) -> Self {
+        Self::with_names(self.pool, self.schema, self.table, self.listen_config, n)
     }
 
     /// Counters of what this store has done, for tests and dashboards.
@@ -474,7 +568,8 @@ impl PostgresStore {
     /// a timer) until it returns less than `batch`. Rows locked by a concurrent purge are
     /// skipped, so several purgers never wait on each other.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
-        self.execute(&self.sql.purge, &[&batch]).await
+        self.execute_on(&*self.client().await?, &self.sql.purge, &[&batch])
+            .await
     }
 
     /// A permit to hold a connection for a transactional claim (see `tx_claims`).
@@ -492,7 +587,7 @@ impl PostgresStore {
 
     pub(crate) async fn query_on(
         &self,
-        client: &Client,
+        client: &ClientWrapper,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
@@ -501,26 +596,30 @@ impl PostgresStore {
         client.query(&stmt, params).await.map_err(classify)
     }
 
-    async fn query(
+    async fn execute_on(
         &self,
+        client: &ClientWrapper,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
-        self.query_on(&self.client().await?, sql, params).await
-    }
-
-    async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
-        let client = self.client().await?;
+    ) -> Result<u64, StoreError> {
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
         client.execute(&stmt, params).await.map_err(classify)
+    }
+
+    /// A shared connection when there are any, else a pooled one.
+    async fn autocommit_connection(&self) -> Result<Connection, StoreError> {
+        Ok(match &self.shared {
+            Some(shared) => Connection::Shared(shared.get(&self.pool).await?),
+            None => Connection::Pooled(self.client().await?),
+        })
     }
 
     /// Claims on `client`, which may be inside a transaction (a conflicting row that
     /// another transaction has not committed yet is then waited for).
     pub(crate) async fn claim_on(
         &self,
-        client: &Client,
+        client: &ClientWrapper,
         req: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
@@ -536,7 +635,10 @@ impl PostgresStore {
 
     /// Prepares the completion statement on `client` (a no-op once cached), so that its
     /// execution can be pipelined with a `COMMIT`.
-    pub(crate) async fn prepare_completion(&self, client: &Client) -> Result<(), StoreError> {
+    pub(crate) async fn prepare_completion(
+        &self,
+        client: &ClientWrapper,
+    ) -> Result<(), StoreError> {
         client
             .prepare_cached(&self.sql.complete)
             .await
@@ -547,7 +649,7 @@ impl PostgresStore {
     /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
     pub(crate) async fn complete_on(
         &self,
-        client: &Client,
+        client: &ClientWrapper,
         lease: &Lease,
         response: &StoredResponse,
         ttl: Duration,
@@ -578,7 +680,7 @@ impl PostgresStore {
 
     async fn claim_once(
         &self,
-        client: &Client,
+        client: &ClientWrapper,
         req: &ClaimRequest<'_>,
     ) -> Result<Option<Claim>, StoreError> {
         let lease_ms = ms(req.lease);
@@ -717,7 +819,7 @@ impl Store for PostgresStore {
         &'a self,
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(async move { self.claim_on(&self.client().await?, request).await })
+        Box::pin(async move { autocommit!(self, |client| self.claim_on(client, request).await) })
     }
 
     fn complete<'a>(
@@ -727,16 +829,18 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            self.complete_on(&self.client().await?, lease, response, ttl)
-                .await
+            autocommit!(self, |client| self
+                .complete_on(client, lease, response, ttl)
+                .await)
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let id = self.key_id(&lease.scope, &lease.key);
         Box::pin(async move {
-            let id = self.key_id(&lease.scope, &lease.key);
-            let rows = self
-                .query(
+            autocommit!(self, |client| self
+                .query_on(
+                    client,
                     &self.sql.release,
                     &[
                         &lease.scope.as_str(),
@@ -746,8 +850,8 @@ impl Store for PostgresStore {
                         &id,
                     ],
                 )
-                .await?;
-            Ok(rows.len() == 1)
+                .await
+                .map(|rows| rows.len() == 1))
         })
     }
 
@@ -757,8 +861,9 @@ impl Store for PostgresStore {
         duration: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let n = self
-                .execute(
+            autocommit!(self, |client| self
+                .execute_on(
+                    client,
                     &self.sql.renew,
                     &[
                         &lease.scope.as_str(),
@@ -767,8 +872,8 @@ impl Store for PostgresStore {
                         &ms(duration),
                     ],
                 )
-                .await?;
-            Ok(n == 1)
+                .await
+                .map(|n| n == 1))
         })
     }
 
@@ -782,10 +887,10 @@ impl Store for PostgresStore {
         key: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let n = self
-                .execute(&self.sql.wait, &[&scope.as_str(), &key])
-                .await?;
-            Ok(n == 1)
+            autocommit!(self, |client| self
+                .execute_on(client, &self.sql.wait, &[&scope.as_str(), &key])
+                .await
+                .map(|n| n == 1))
         })
     }
 
