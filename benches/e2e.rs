@@ -157,8 +157,10 @@ enum Kind {
     Bare,
     PassThrough,
     Lease,
+    LeaseShared,
     Tx,
     Replay,
+    ReplayShared,
     Dup,
     Memory,
     FloorLease,
@@ -172,12 +174,14 @@ enum Kind {
     HttpFloorReplay,
 }
 
-const KINDS: [Kind; 16] = [
+const KINDS: [Kind; 18] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
+    Kind::LeaseShared,
     Kind::Tx,
     Kind::Replay,
+    Kind::ReplayShared,
     Kind::Dup,
     Kind::Memory,
     Kind::FloorLease,
@@ -193,11 +197,12 @@ const KINDS: [Kind; 16] = [
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 16] = [
+const RUN_ORDER: [Kind; 18] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
     Kind::Lease,
+    Kind::LeaseShared,
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
@@ -205,6 +210,7 @@ const RUN_ORDER: [Kind; 16] = [
     Kind::FloorTx,
     Kind::HttpFloorTx,
     Kind::Replay,
+    Kind::ReplayShared,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::FloorSelect,
@@ -218,8 +224,10 @@ impl Kind {
             Kind::Bare => "bare",
             Kind::PassThrough => "passthrough",
             Kind::Lease => "lease",
+            Kind::LeaseShared => "lease_shared",
             Kind::Tx => "tx",
             Kind::Replay => "replay",
+            Kind::ReplayShared => "replay_shared",
             Kind::Dup => "dup",
             Kind::Memory => "memory",
             Kind::FloorLease => "floor_lease",
@@ -239,8 +247,10 @@ impl Kind {
             Kind::Bare => "(a) bare app, no layer",
             Kind::PassThrough => "(b) layer, pass-through (no key)",
             Kind::Lease => "(c) lease mode, new keys",
+            Kind::LeaseShared => "(c′) lease mode, new keys, claims on 4 shared connections",
             Kind::Tx => "(d) transactional, new keys + 1 INSERT",
             Kind::Replay => "(e) replays",
+            Kind::ReplayShared => "(e′) replays, claims on 4 shared connections",
             Kind::Dup => "(f) c duplicates of one key per round",
             Kind::Memory => "(g) MemoryStore, new keys",
             Kind::FloorLease => "(h) floor: claim + completion",
@@ -259,10 +269,10 @@ impl Kind {
     fn floor(self) -> Option<Kind> {
         match self {
             Kind::PassThrough => Some(Kind::Bare),
-            Kind::Lease | Kind::HttpFloorLease => Some(Kind::FloorLease),
+            Kind::Lease | Kind::LeaseShared | Kind::HttpFloorLease => Some(Kind::FloorLease),
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
             // Replays are held to a plain read of the row by its primary key.
-            Kind::Replay => Some(Kind::FloorSelect),
+            Kind::Replay | Kind::ReplayShared => Some(Kind::FloorSelect),
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
         }
@@ -274,7 +284,21 @@ impl Kind {
 
     /// Requests with a key through the layer over PostgreSQL.
     fn guarded(self) -> bool {
-        matches!(self, Kind::Lease | Kind::Tx | Kind::Replay | Kind::Dup)
+        matches!(
+            self,
+            Kind::Lease
+                | Kind::LeaseShared
+                | Kind::Tx
+                | Kind::Replay
+                | Kind::ReplayShared
+                | Kind::Dup
+        )
+    }
+
+    /// Rows whose store runs its claims on `SHARED_CONNECTIONS` shared
+    /// connections (`PostgresStore::with_shared_claim_connections`).
+    fn shared(self) -> bool {
+        matches!(self, Kind::LeaseShared | Kind::ReplayShared)
     }
 
     fn over_http(self) -> bool {
@@ -292,10 +316,15 @@ impl Kind {
     /// Distinct statements each connection prepares (each is one commit of its own).
     fn prepared_per_connection(self) -> f64 {
         match self {
-            Kind::Lease | Kind::Dup | Kind::FloorLease | Kind::FloorLeaseNoNotify => 2.0,
+            Kind::Lease
+            | Kind::LeaseShared
+            | Kind::Dup
+            | Kind::FloorLease
+            | Kind::FloorLeaseNoNotify => 2.0,
             Kind::HttpFloorLease => 2.0,
             Kind::Tx | Kind::FloorTx | Kind::HttpFloorTx => 3.0,
             Kind::Replay
+            | Kind::ReplayShared
             | Kind::FloorReplay
             | Kind::FloorSelect
             | Kind::FloorReplayShared
@@ -1117,8 +1146,13 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     .layer(IdempotencyLayer::new(st)),
             )
         }
-        Kind::Lease | Kind::Replay | Kind::Dup => {
-            let st = ctx.store();
+        Kind::Lease | Kind::LeaseShared | Kind::Replay | Kind::ReplayShared | Kind::Dup => {
+            let st = if kind.shared() {
+                ctx.store()
+                    .with_shared_claim_connections(SHARED_CONNECTIONS)
+            } else {
+                ctx.store()
+            };
             store = Some(st.clone());
             Some(
                 Router::new()
@@ -1175,7 +1209,9 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
             Box::pin(async move {
                 let key = match kind {
                     Kind::Bare | Kind::PassThrough => None,
-                    Kind::Replay | Kind::HttpFloorReplay => Some(replay_key(w, seq, n_replay)),
+                    Kind::Replay | Kind::ReplayShared | Kind::HttpFloorReplay => {
+                        Some(replay_key(w, seq, n_replay))
+                    }
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
                     _ => Some(format!("{tag}-w{w}-{seq}")),
                 };
@@ -1230,7 +1266,9 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         .map(|s| s.pool().clone())
         .or_else(|| floor.as_ref().map(|f| f.pool.clone()));
     let (commits, rollbacks) = if let Some(pool) = pool {
-        let connections = pool.status().size as f64;
+        // Shared connections are taken out of the pool; they open and prepare too.
+        let shared = if kind.shared() { SHARED_CONNECTIONS } else { 0 };
+        let connections = (pool.status().size + shared) as f64;
         pool.close();
         drop(store);
         drop(floor);

@@ -38,9 +38,21 @@ async fn wait_for_state(schema: &TestSchema, key: &str, state: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cut_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+    cut_connections_answer_503_or_recover(0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cut_shared_claim_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+    cut_connections_answer_503_or_recover(2).await;
+}
+
+async fn cut_connections_answer_503_or_recover(shared_claim_connections: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 4).await;
+    let store = schema
+        .store_at(&proxy.url(), 4)
+        .await
+        .with_shared_claim_connections(shared_claim_connections);
     let (router, counter) = app(IdempotencyLayer::new(store));
     for i in 0..4 {
         assert_eq!(
@@ -88,9 +100,21 @@ async fn a_cut_while_the_handler_runs_still_stores_its_response() {
 
 #[tokio::test]
 async fn a_stalled_database_is_a_bounded_503_then_recovers() {
+    stalled_database_is_a_bounded_503_then_recovers(0).await;
+}
+
+#[tokio::test]
+async fn a_stalled_database_is_a_bounded_503_then_recovers_with_shared_claim_connections() {
+    stalled_database_is_a_bounded_503_then_recovers(2).await;
+}
+
+async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connections: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 2).await;
+    let store = schema
+        .store_at(&proxy.url(), 2)
+        .await
+        .with_shared_claim_connections(shared_claim_connections);
     let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
     let (router, counter) = app(layer);
     proxy.stall(true);

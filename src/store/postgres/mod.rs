@@ -93,7 +93,7 @@ pub struct PostgresStore {
     /// another request's row: at most half the pool may, so that the handlers they wait
     /// for always find connections.
     tx_claims: Arc<tokio::sync::Semaphore>,
-    /// Connections shared by lease mode's statements, if any (`with_shared_connections`).
+    /// Connections shared by claims, if any (`with_shared_claim_connections`).
     shared: Option<Arc<Shared>>,
 }
 
@@ -110,6 +110,11 @@ pub struct StoreMetrics {
     pub notified_wakeups: u64,
     /// Waiters woken by the fallback timer (while the listener was not connected).
     pub timer_wakeups: u64,
+    /// Claims run on shared connections
+    /// ([`with_shared_claim_connections`](PostgresStore::with_shared_claim_connections)).
+    pub shared_claims: u64,
+    /// Of those, claims that met a row lock there and ran again on a pooled connection.
+    pub shared_claims_moved: u64,
 }
 
 /// A rejected store setting.
@@ -278,52 +283,6 @@ fn classify_pool(e: PoolError) -> StoreError {
     }
 }
 
-/// Runs `$statements` (autocommit, single-row) with `$client` bound to a shared
-/// connection when the store has any, else to a pooled one. On a shared connection a
-/// wait for a row lock fails after `shared::LOCK_TIMEOUT`, having changed nothing; the
-/// statements then run again on a pooled connection, where they may wait.
-macro_rules! autocommit {
-    ($store:expr, |$client:ident| $statements:expr) => {{
-        let store = $store;
-        let connection = store.autocommit_connection().await?;
-        let $client: &ClientWrapper = &connection;
-        match $statements {
-            Err(e) if connection.is_shared() && waited_for_a_lock(&e) => {
-                let connection = store.client().await?;
-                let $client: &ClientWrapper = &connection;
-                $statements
-            }
-            done => done,
-        }
-    }};
-}
-
-/// A connection for one autocommit statement: pooled, or shared with other requests.
-// The pooled connection is held in the statement's future as before; boxing it would
-// cost an allocation per statement.
-#[allow(clippy::large_enum_variant)]
-enum Connection {
-    Pooled(Client),
-    Shared(Arc<ClientWrapper>),
-}
-
-impl Connection {
-    fn is_shared(&self) -> bool {
-        matches!(self, Self::Shared(_))
-    }
-}
-
-impl std::ops::Deref for Connection {
-    type Target = ClientWrapper;
-
-    fn deref(&self) -> &ClientWrapper {
-        match self {
-            Self::Pooled(client) => client,
-            Self::Shared(client) => client,
-        }
-    }
-}
-
 /// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
 fn waited_for_a_lock(e: &StoreError) -> bool {
     e.source
@@ -419,28 +378,35 @@ impl PostgresStore {
         Self::with_names(self.pool, self.schema, self.table, Some(config), shared)
     }
 
-    /// Runs lease mode's statements (claims, replays, completions, releases, renewals)
-    /// on `n` connections shared by all requests, instead of on a pooled connection
-    /// each; `0` turns sharing off.
+    /// Runs lease mode's claims (and so its replays, 409s and 422s) on `n` connections
+    /// shared by all requests, instead of on a pooled connection each; `0`, the
+    /// default, turns sharing off.
     ///
-    /// Concurrent statements on a shared connection are pipelined: written back to back,
-    /// each still its own autocommit transaction, which costs PostgreSQL less per
-    /// statement than one connection each. The connections are taken from the pool
-    /// when first needed and kept (the pool may open others in their place), and a
-    /// closed one is replaced when next used. A statement that would wait on a row
-    /// lock there gives up after 50 ms (`lock_timeout`), having changed nothing, and
-    /// runs again on a pooled connection of its own, so that it does not hold up the
-    /// statements queued behind it. Transactional mode, purges and migrations always
-    /// use pooled connections.
+    /// Concurrent claims on a shared connection are pipelined: written back to back,
+    /// each still its own autocommit statement, which costs PostgreSQL less per
+    /// statement than a connection each. Replays gain most. A shared connection runs
+    /// its claims one after another, and a claim that inserts a new key waits there for
+    /// its commit to reach the disk, so new keys are held to about `n` claims per
+    /// commit latency: turn it on where duplicates are a large share of the traffic
+    /// (client retries, at-least-once queues) and commits are quick. See
+    /// `docs/postgres.md` for measurements.
+    ///
+    /// The connections are taken from the pool when first needed and kept (the pool
+    /// may open others in their place); a closed one is replaced when next used. A
+    /// claim that would wait there on a row lock gives up after 50 ms (`lock_timeout`),
+    /// having changed nothing, and runs again on a pooled connection of its own, so
+    /// that it does not hold up the claims queued behind it. Completions, releases,
+    /// renewals, purges, migrations and all of transactional mode use pooled
+    /// connections.
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
     ///
     /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
-    ///     .with_shared_connections(4);
+    ///     .with_shared_claim_connections(4);
     /// # Ok::<(), tower_idempotency::store::ConfigError>(())
     /// ```
-    pub fn with_shared_connections(self, n: usize) -> Self {
+    pub fn with_shared_claim_connections(self, n: usize) -> Self {
         Self::with_names(self.pool, self.schema, self.table, self.listen_config, n)
     }
 
@@ -451,6 +417,8 @@ impl PostgresStore {
             notifications: self.listener.notifications.load(Ordering::Relaxed),
             notified_wakeups: self.listener.notified_wakeups.load(Ordering::Relaxed),
             timer_wakeups: self.listener.timer_wakeups.load(Ordering::Relaxed),
+            shared_claims: self.shared.as_ref().map_or(0, |s| s.claims()),
+            shared_claims_moved: self.shared.as_ref().map_or(0, |s| s.moved()),
         }
     }
 
@@ -605,14 +573,6 @@ impl PostgresStore {
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
         client.execute(&stmt, params).await.map_err(classify)
-    }
-
-    /// A shared connection when there are any, else a pooled one.
-    async fn autocommit_connection(&self) -> Result<Connection, StoreError> {
-        Ok(match &self.shared {
-            Some(shared) => Connection::Shared(shared.get(&self.pool).await?),
-            None => Connection::Pooled(self.client().await?),
-        })
     }
 
     /// Claims on `client`, which may be inside a transaction (a conflicting row that
@@ -819,7 +779,22 @@ impl Store for PostgresStore {
         &'a self,
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(async move { autocommit!(self, |client| self.claim_on(client, request).await) })
+        Box::pin(async move {
+            if let Some(shared) = &self.shared {
+                let client = shared.get(&self.pool).await?;
+                match self.claim_on(&client, request).await {
+                    Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
+                    Err(e) => {
+                        if e.kind() == StoreErrorKind::Unavailable {
+                            shared.evict(&client);
+                        }
+                        return Err(e);
+                    }
+                    claimed => return claimed,
+                }
+            }
+            self.claim_on(&*self.client().await?, request).await
+        })
     }
 
     fn complete<'a>(
@@ -829,29 +804,27 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            autocommit!(self, |client| self
-                .complete_on(client, lease, response, ttl)
-                .await)
+            self.complete_on(&*self.client().await?, lease, response, ttl)
+                .await
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         let id = self.key_id(&lease.scope, &lease.key);
         Box::pin(async move {
-            autocommit!(self, |client| self
-                .query_on(
-                    client,
-                    &self.sql.release,
-                    &[
-                        &lease.scope.as_str(),
-                        &&*lease.key,
-                        &lease.token,
-                        &self.listener.channel(),
-                        &id,
-                    ],
-                )
-                .await
-                .map(|rows| rows.len() == 1))
+            self.query_on(
+                &*self.client().await?,
+                &self.sql.release,
+                &[
+                    &lease.scope.as_str(),
+                    &&*lease.key,
+                    &lease.token,
+                    &self.listener.channel(),
+                    &id,
+                ],
+            )
+            .await
+            .map(|rows| rows.len() == 1)
         })
     }
 
@@ -861,19 +834,18 @@ impl Store for PostgresStore {
         duration: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            autocommit!(self, |client| self
-                .execute_on(
-                    client,
-                    &self.sql.renew,
-                    &[
-                        &lease.scope.as_str(),
-                        &&*lease.key,
-                        &lease.token,
-                        &ms(duration),
-                    ],
-                )
-                .await
-                .map(|n| n == 1))
+            self.execute_on(
+                &*self.client().await?,
+                &self.sql.renew,
+                &[
+                    &lease.scope.as_str(),
+                    &&*lease.key,
+                    &lease.token,
+                    &ms(duration),
+                ],
+            )
+            .await
+            .map(|n| n == 1)
         })
     }
 
@@ -887,10 +859,13 @@ impl Store for PostgresStore {
         key: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            autocommit!(self, |client| self
-                .execute_on(client, &self.sql.wait, &[&scope.as_str(), &key])
-                .await
-                .map(|n| n == 1))
+            self.execute_on(
+                &*self.client().await?,
+                &self.sql.wait,
+                &[&scope.as_str(), &key],
+            )
+            .await
+            .map(|n| n == 1)
         })
     }
 
