@@ -95,6 +95,8 @@ struct Settings {
     repeat: usize,
     concurrency: Vec<usize>,
     pool_size: usize,
+    /// `with_shared_claim_connections` of rows (c′) and (e′).
+    shared_claim_connections: usize,
     rows: Option<Vec<String>>,
     replay_keys: usize,
     url: String,
@@ -133,6 +135,7 @@ impl Settings {
                     .collect()
             }),
             pool_size: env_or("BENCH_POOL_SIZE", 16),
+            shared_claim_connections: env_or("BENCH_SHARED_CLAIM_CONNECTIONS", 4),
             rows: env_list("BENCH_ROWS"),
             replay_keys: env_or("BENCH_REPLAY_KEYS", 2000),
             url: env_or(
@@ -247,10 +250,10 @@ impl Kind {
             Kind::Bare => "(a) bare app, no layer",
             Kind::PassThrough => "(b) layer, pass-through (no key)",
             Kind::Lease => "(c) lease mode, new keys",
-            Kind::LeaseShared => "(c′) lease mode, new keys, claims on 4 shared connections",
+            Kind::LeaseShared => "(c′) lease mode, new keys, claims on shared connections",
             Kind::Tx => "(d) transactional, new keys + 1 INSERT",
             Kind::Replay => "(e) replays",
-            Kind::ReplayShared => "(e′) replays, claims on 4 shared connections",
+            Kind::ReplayShared => "(e′) replays, claims on shared connections",
             Kind::Dup => "(f) c duplicates of one key per round",
             Kind::Memory => "(g) MemoryStore, new keys",
             Kind::FloorLease => "(h) floor: claim + completion",
@@ -295,8 +298,8 @@ impl Kind {
         )
     }
 
-    /// Rows whose store runs its claims on `SHARED_CONNECTIONS` shared
-    /// connections (`PostgresStore::with_shared_claim_connections`).
+    /// Rows whose store runs its claims on shared connections
+    /// (`PostgresStore::with_shared_claim_connections`, `BENCH_SHARED_CLAIM_CONNECTIONS`).
     fn shared(self) -> bool {
         matches!(self, Kind::LeaseShared | Kind::ReplayShared)
     }
@@ -1149,7 +1152,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         Kind::Lease | Kind::LeaseShared | Kind::Replay | Kind::ReplayShared | Kind::Dup => {
             let st = if kind.shared() {
                 ctx.store()
-                    .with_shared_claim_connections(SHARED_CONNECTIONS)
+                    .with_shared_claim_connections(ctx.settings.shared_claim_connections)
             } else {
                 ctx.store()
             };
@@ -1267,7 +1270,11 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         .or_else(|| floor.as_ref().map(|f| f.pool.clone()));
     let (commits, rollbacks) = if let Some(pool) = pool {
         // Shared connections are taken out of the pool; they open and prepare too.
-        let shared = if kind.shared() { SHARED_CONNECTIONS } else { 0 };
+        let shared = if kind.shared() {
+            ctx.settings.shared_claim_connections
+        } else {
+            0
+        };
         let connections = (pool.status().size + shared) as f64;
         pool.close();
         drop(store);

@@ -781,16 +781,17 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             if let Some(shared) = &self.shared {
-                let client = shared.get(&self.pool).await?;
-                match self.claim_on(&client, request).await {
-                    Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
-                    Err(e) => {
-                        if e.kind() == StoreErrorKind::Unavailable {
-                            shared.evict(&client);
+                if let Some(client) = shared.get(&self.pool).await? {
+                    match self.claim_on(&client, request).await {
+                        Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
+                        Err(e) => {
+                            if e.kind() == StoreErrorKind::Unavailable {
+                                shared.evict(&client);
+                            }
+                            return Err(e);
                         }
-                        return Err(e);
+                        claimed => return claimed,
                     }
-                    claimed => return claimed,
                 }
             }
             self.claim_on(&*self.client().await?, request).await

@@ -31,8 +31,14 @@ use crate::store::StoreError;
 /// claims queued behind it before it moves to a connection of its own.
 pub(super) const LOCK_TIMEOUT: Duration = Duration::from_millis(50);
 
-/// `n` connections, taken from the pool when first used and kept; claims are dealt to
-/// them in turn.
+/// Claims queued on the least busy shared connection beyond which the next claim takes
+/// a pooled connection instead: when commits are slow, claims that insert drain the
+/// queues slowly, and the pool's connections overlap their commits.
+pub(super) const MAX_QUEUED: usize = 8;
+
+/// `n` connections, taken from the pool when first used and kept; each claim is dealt
+/// to the one with the fewest claims in flight, so that claims queue behind a commit
+/// as little as they can.
 pub(super) struct Shared {
     slots: Box<[Slot]>,
     next: AtomicUsize,
@@ -44,6 +50,8 @@ pub(super) struct Shared {
 #[derive(Default)]
 struct Slot {
     current: Mutex<Option<Arc<ClientWrapper>>>,
+    /// Claims dealt to this slot and not yet answered.
+    in_flight: AtomicUsize,
     /// Held while the slot connects, so that a burst of statements opens one connection.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -63,13 +71,22 @@ impl Slot {
     }
 }
 
+/// A claim counted in flight on a slot until dropped (answered, failed or cancelled).
+struct Queued<'a>(&'a Slot);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A shared connection, and the slot it was dealt from.
-pub(super) struct SharedClient {
-    index: usize,
+pub(super) struct SharedClient<'a> {
+    queued: Queued<'a>,
     client: Arc<ClientWrapper>,
 }
 
-impl std::ops::Deref for SharedClient {
+impl std::ops::Deref for SharedClient<'_> {
     type Target = ClientWrapper;
 
     fn deref(&self) -> &ClientWrapper {
@@ -87,18 +104,27 @@ impl Shared {
         }
     }
 
-    /// The next connection in turn, opened (or reopened) from `pool` if need be.
-    pub(super) async fn get(&self, pool: &Pool) -> Result<SharedClient, StoreError> {
+    /// The connection with the fewest claims in flight, opened (or reopened) from `pool`
+    /// if need be; `None` when every one has `MAX_QUEUED`.
+    pub(super) async fn get(&self, pool: &Pool) -> Result<Option<SharedClient<'_>>, StoreError> {
+        let n = self.slots.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let slot = (0..n)
+            .map(|i| &self.slots[(start + i) % n])
+            .min_by_key(|s| s.in_flight.load(Ordering::Relaxed))
+            .expect("at least one slot");
+        if slot.in_flight.load(Ordering::Relaxed) >= MAX_QUEUED {
+            return Ok(None);
+        }
         self.claims.fetch_add(1, Ordering::Relaxed);
-        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let slot = &self.slots[index];
-        let shared = |client| SharedClient { index, client };
+        slot.in_flight.fetch_add(1, Ordering::Relaxed);
+        let queued = Queued(slot);
         if let Some(client) = slot.open() {
-            return Ok(shared(client));
+            return Ok(Some(SharedClient { queued, client }));
         }
         let _connecting = slot.connecting.lock().await;
         if let Some(client) = slot.open() {
-            return Ok(shared(client));
+            return Ok(Some(SharedClient { queued, client }));
         }
         // Taken out of the pool for good: the pool may open another in its place, and
         // this one, with its own settings, never goes back to serve a transaction.
@@ -112,14 +138,16 @@ impl Shared {
             .map_err(classify)?;
         let client = Arc::new(client);
         *slot.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(client.clone());
-        Ok(shared(client))
+        Ok(Some(SharedClient { queued, client }))
     }
 
     /// Forgets `client` after it failed as unavailable: the next claim dealt to its slot
     /// opens a new connection rather than finding out again. (A connection that the
     /// server ended reports it closed only once its task has seen the end.)
-    pub(super) fn evict(&self, client: &SharedClient) {
-        let mut current = self.slots[client.index]
+    pub(super) fn evict(&self, client: &SharedClient<'_>) {
+        let mut current = client
+            .queued
+            .0
             .current
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -147,5 +175,67 @@ impl Shared {
 
     pub(super) fn moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> Pool {
+        let url = std::env::var("DATABASE_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        super::super::pool_for_url(&url, 4).expect("pool")
+    }
+
+    fn in_flight(shared: &Shared) -> Vec<usize> {
+        let count = |s: &Slot| s.in_flight.load(Ordering::Relaxed);
+        shared.slots.iter().map(count).collect()
+    }
+
+    #[tokio::test]
+    async fn claims_go_to_the_least_busy_connection_then_to_the_pool() {
+        let (pool, shared) = (pool(), Shared::new(2));
+        let mut held = Vec::new();
+        for _ in 0..2 * MAX_QUEUED {
+            let client = shared.get(&pool).await.expect("connects");
+            held.push(client.expect("room on a shared connection"));
+        }
+        // Dealt evenly over two connections, MAX_QUEUED each, and then full.
+        assert_eq!(in_flight(&shared), [MAX_QUEUED, MAX_QUEUED]);
+        let on_first = |c: &SharedClient<'_>| Arc::ptr_eq(&c.client, &held[0].client);
+        assert_eq!(held.iter().filter(|c| on_first(c)).count(), MAX_QUEUED);
+        assert!(
+            shared
+                .get(&pool)
+                .await
+                .expect("no connection needed")
+                .is_none()
+        );
+
+        // A claim on the second connection is answered: the next one goes there.
+        let second = held.iter().position(|c| !on_first(c)).expect("a second");
+        let freed = held.swap_remove(second);
+        let connection = freed.client.clone();
+        drop(freed);
+        assert_eq!(in_flight(&shared), [MAX_QUEUED, MAX_QUEUED - 1]);
+        let next = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(Arc::ptr_eq(&next.client, &connection));
+        assert_eq!(shared.claims(), 2 * MAX_QUEUED as u64 + 1);
+    }
+
+    #[tokio::test]
+    async fn a_claim_cancelled_while_its_connection_opens_is_not_counted_in_flight() {
+        let (pool, shared) = (pool(), Shared::new(1));
+        // Polled once: the connection is still opening when the claim is dropped.
+        let cancelled = tokio::time::timeout(Duration::ZERO, shared.get(&pool)).await;
+        assert!(cancelled.is_err(), "the connection opened at once");
+        assert_eq!(in_flight(&shared), [0]);
+        let client = shared.get(&pool).await.expect("connects").expect("room");
+        assert_eq!(in_flight(&shared), [1]);
+        drop(client);
+        assert_eq!(in_flight(&shared), [0]);
     }
 }
