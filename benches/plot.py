@@ -22,6 +22,7 @@ E2E_ROWS = [
     ("passthrough", "layer, no key"),
     ("memory", "MemoryStore\nnew keys"),
     ("lease", "lease\nnew keys"),
+    ("lease_shared", "lease, shared\nclaims"),
     ("http_floor_lease", "floor (h)\nover HTTP"),
     ("floor_lease", "floor (h)"),
     ("floor_lease_nonotify", "floor (h)\nno pg_notify"),
@@ -29,13 +30,23 @@ E2E_ROWS = [
     ("http_floor_tx", "floor (i)\nover HTTP"),
     ("floor_tx", "floor (i)"),
     ("replay", "replays"),
+    ("replay_shared", "replays,\nshared claims"),
     ("http_floor_replay", "floor (j)\nover HTTP"),
     ("floor_replay", "floor (j)"),
     ("floor_select", "SELECT\nby PK"),
     ("dup", "duplicates"),
 ]
 
-LAYER_ROWS = {"passthrough", "memory", "lease", "tx", "replay", "dup"}
+LAYER_ROWS = {
+    "passthrough",
+    "memory",
+    "lease",
+    "lease_shared",
+    "tx",
+    "replay",
+    "replay_shared",
+    "dup",
+}
 PALETTE = ["#9ecae1", "#4292c6", "#08306b", "#6a51a3", "#238b45"]
 
 
