@@ -18,35 +18,7 @@ async fn two_replicas_with_their_own_pools_run_each_key_once() {
     let (router_a, counter_a) = app(IdempotencyLayer::new(a));
     let (router_b, counter_b) = app(IdempotencyLayer::new(b));
     let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
-    let barrier = Arc::new(tokio::sync::Barrier::new(keys.len() * 10));
-    let mut tasks = Vec::new();
-    for key in &keys {
-        for i in 0..10 {
-            let router = if i % 2 == 0 {
-                router_a.clone()
-            } else {
-                router_b.clone()
-            };
-            let (key, barrier) = (key.clone(), barrier.clone());
-            tasks.push(tokio::spawn(async move {
-                let r = req("POST")
-                    .header("idempotency-key", key.as_str())
-                    .header("x-delay-ms", "100")
-                    .body(Body::from("{}"))
-                    .unwrap();
-                barrier.wait().await;
-                (key, send(&router, r).await)
-            }));
-        }
-    }
-    for t in tasks {
-        let (key, r) = t.await.unwrap();
-        assert!(
-            matches!(r.status.as_u16(), 201 | 409),
-            "{key}: {}",
-            r.status
-        );
-    }
+    duplicate_burst([&router_a, &router_b], &keys, 10, "100").await;
     for key in &keys {
         assert_eq!(
             counter_a.runs_of(key) + counter_b.runs_of(key),
@@ -62,6 +34,41 @@ async fn two_replicas_with_their_own_pools_run_each_key_once() {
         (rows[0].get::<_, i64>(0), rows[0].get::<_, i64>(1)),
         (20, 20)
     );
+}
+
+/// Sends `per_key` requests for each of `keys` at once, alternating between the two
+/// routers, each handler taking `delay_ms`; every one is answered 201 or 409.
+async fn duplicate_burst(
+    routers: [&axum::Router; 2],
+    keys: &[String],
+    per_key: usize,
+    delay_ms: &str,
+) {
+    let barrier = Arc::new(tokio::sync::Barrier::new(keys.len() * per_key));
+    let mut tasks = Vec::new();
+    for key in keys {
+        for i in 0..per_key {
+            let router = routers[i % 2].clone();
+            let (key, barrier, delay_ms) = (key.clone(), barrier.clone(), delay_ms.to_owned());
+            tasks.push(tokio::spawn(async move {
+                let r = req("POST")
+                    .header("idempotency-key", key.as_str())
+                    .header("x-delay-ms", delay_ms)
+                    .body(Body::from("{}"))
+                    .expect("request");
+                barrier.wait().await;
+                (key, send(&router, r).await)
+            }));
+        }
+    }
+    for t in tasks {
+        let (key, r) = t.await.expect("request task");
+        assert!(
+            matches!(r.status.as_u16(), 201 | 409),
+            "{key}: {}",
+            r.status
+        );
+    }
 }
 
 #[tokio::test]
@@ -140,16 +147,7 @@ async fn a_replay_takes_no_row_lock_and_writes_nothing() {
     let before: String = schema.query(&version).await[0].get(0);
 
     // Another transaction holds the row locked while the key is replayed.
-    let (locker, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    locker
-        .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM {table} WHERE key = 'k' FOR UPDATE"
-        ))
-        .await
-        .unwrap();
+    let locker = begin(&format!("SELECT 1 FROM {table} WHERE key = 'k' FOR UPDATE")).await;
     let replay = send(&router, post("k", "{}")).await;
     locker.batch_execute("ROLLBACK").await.unwrap();
 
@@ -418,29 +416,8 @@ async fn shared_claim_connections_serve_concurrent_duplicates_once() {
     let (a, b) = (replica().await, replica().await);
     let (router_a, counter_a) = app(IdempotencyLayer::new(a.clone()));
     let (router_b, counter_b) = app(IdempotencyLayer::new(b.clone()));
-    let barrier = Arc::new(tokio::sync::Barrier::new(200));
-    let mut tasks = Vec::new();
-    for i in 0..200 {
-        let router = if i % 2 == 0 { &router_a } else { &router_b }.clone();
-        let (key, barrier) = (format!("key-{}", i % 20), barrier.clone());
-        tasks.push(tokio::spawn(async move {
-            let r = req("POST")
-                .header("idempotency-key", key.as_str())
-                .header("x-delay-ms", "50")
-                .body(Body::from("{}"))
-                .unwrap();
-            barrier.wait().await;
-            (key, send(&router, r).await)
-        }));
-    }
-    for t in tasks {
-        let (key, r) = t.await.unwrap();
-        assert!(
-            matches!(r.status.as_u16(), 201 | 409),
-            "{key}: {}",
-            r.status
-        );
-    }
+    let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
+    duplicate_burst([&router_a, &router_b], &keys, 10, "50").await;
     let before = [a.metrics().shared_claims, b.metrics().shared_claims];
     for i in 0..20 {
         let key = format!("key-{i}");
@@ -455,13 +432,30 @@ async fn shared_claim_connections_serve_concurrent_duplicates_once() {
     // One at a time, every replay's claim went to a shared connection.
     let after = [a.metrics().shared_claims, b.metrics().shared_claims];
     assert_eq!([after[0] - before[0], after[1] - before[1]], [20, 20]);
-    let rows = schema
-        .query(&format!(
-            "SELECT count(*) FROM \"{}\".idempotency_keys WHERE state = 'completed'",
-            schema.name
-        ))
-        .await;
-    assert_eq!(rows[0].get::<_, i64>(0), 20);
+    assert_eq!(rows_in_state(&schema, "completed").await, 20);
+}
+
+/// A connection of its own that has begun a transaction and run `sql` in it; the
+/// transaction stays open until the test ends it.
+async fn begin(sql: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!("BEGIN; {sql}"))
+        .await
+        .expect("begin");
+    client
+}
+
+/// How many rows of the test's table are in `state`.
+async fn rows_in_state(schema: &TestSchema, state: &str) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE state = '{state}'",
+        schema.name
+    );
+    schema.query(&sql).await[0].get(0)
 }
 
 /// A statement that would wait on a row lock leaves the shared connection (after its
@@ -487,17 +481,11 @@ async fn a_claim_waiting_on_a_row_lock_does_not_hold_up_the_shared_connection() 
     let scope = Scope::new("s");
     // Another transaction inserts the key "held" and keeps it uncommitted: a claim of
     // that key must wait for it to end.
-    let (locker, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    locker
-        .batch_execute(&format!(
-            "BEGIN; SELECT \"{}\".idempotency_keys_claim('s', 'held', '\\x00'::bytea, 30000, 60000, 1)",
-            schema.name
-        ))
-        .await
-        .unwrap();
+    let locker = begin(&format!(
+        "SELECT \"{}\".idempotency_keys_claim('s', 'held', '\\x00'::bytea, 30000, 60000, 1)",
+        schema.name
+    ))
+    .await;
 
     let held = {
         let store = store.clone();
@@ -528,13 +516,7 @@ async fn a_claim_waiting_on_a_row_lock_does_not_hold_up_the_shared_connection() 
     locker.batch_execute("ROLLBACK").await.unwrap();
     let claimed = held.await.unwrap().unwrap();
     assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
-    let rows = schema
-        .query(&format!(
-            "SELECT count(*) FROM \"{}\".idempotency_keys WHERE state = 'running'",
-            schema.name
-        ))
-        .await;
-    assert_eq!(rows[0].get::<_, i64>(0), 21);
+    assert_eq!(rows_in_state(&schema, "running").await, 21);
 }
 
 /// Shared connections that the server closes are replaced when next used.
