@@ -53,7 +53,7 @@ async fn cut_connections_answer_503_or_recover(shared_claim_connections: usize) 
         .store_at(&proxy.url(), 4)
         .await
         .with_shared_claim_connections(shared_claim_connections);
-    let (router, counter) = app(IdempotencyLayer::new(store));
+    let (router, counter) = app(IdempotencyLayer::new(store.clone()));
     for i in 0..4 {
         assert_eq!(
             send(&router, post(&format!("k{i}"), "{}")).await.status,
@@ -78,6 +78,12 @@ async fn cut_connections_answer_503_or_recover(shared_claim_connections: usize) 
         }
         assert_eq!(counter.runs_of(&key), 1, "{key}: {answers:?}");
     }
+    let shared = store.metrics().shared_claims;
+    assert_eq!(
+        shared > 0,
+        shared_claim_connections > 0,
+        "{shared} shared claims"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -115,7 +121,7 @@ async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connection
         .store_at(&proxy.url(), 2)
         .await
         .with_shared_claim_connections(shared_claim_connections);
-    let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
+    let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
     let (router, counter) = app(layer);
     proxy.stall(true);
     let r = send(&router, post("k", "{}")).await;
@@ -136,6 +142,12 @@ async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connection
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(counter.runs() <= 1, "{statuses:?}");
+    let shared = store.metrics().shared_claims;
+    assert_eq!(
+        shared > 0,
+        shared_claim_connections > 0,
+        "{shared} shared claims"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

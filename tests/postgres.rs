@@ -574,11 +574,11 @@ async fn terminated_shared_claim_connections_are_replaced() {
     let mut failed = 0;
     for i in 0..20 {
         let key = format!("b{i}");
-        loop {
+        for attempt in 0.. {
             match claim(key.clone()).await {
                 Ok(Claim::Acquired(_)) => break,
-                Err(e) if e.kind() == StoreErrorKind::Unavailable && failed < 2 => failed += 1,
-                other => panic!("{key}, after {failed} failed claims: {other:?}"),
+                Err(e) if e.kind() == StoreErrorKind::Unavailable && attempt < 3 => failed += 1,
+                other => panic!("{key}, attempt {attempt}: {other:?}"),
             }
         }
     }

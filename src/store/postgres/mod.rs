@@ -110,8 +110,9 @@ pub struct StoreMetrics {
     pub notified_wakeups: u64,
     /// Waiters woken by the fallback timer (while the listener was not connected).
     pub timer_wakeups: u64,
-    /// Claims run on shared connections
-    /// ([`with_shared_claim_connections`](PostgresStore::with_shared_claim_connections)).
+    /// Claims dealt to shared connections
+    /// ([`with_shared_claim_connections`](PostgresStore::with_shared_claim_connections)),
+    /// those that then failed or were cancelled included.
     pub shared_claims: u64,
     /// Of those, claims that met a row lock there and ran again on a pooled connection.
     pub shared_claims_moved: u64,
@@ -291,6 +292,26 @@ fn waited_for_a_lock(e: &StoreError) -> bool {
         == Some(&SqlState::LOCK_NOT_AVAILABLE)
 }
 
+/// Whether `e` ended its connection: an I/O error or a closed connection (no SQLSTATE),
+/// a connection exception (class `08`), or the server shutting the session down.
+fn lost_its_connection(e: &StoreError) -> bool {
+    let Some(e) = e.source.downcast_ref::<tokio_postgres::Error>() else {
+        return false;
+    };
+    match e.code() {
+        None => true,
+        Some(code) => {
+            code.code().starts_with("08")
+                || [
+                    SqlState::ADMIN_SHUTDOWN,
+                    SqlState::CRASH_SHUTDOWN,
+                    SqlState::CANNOT_CONNECT_NOW,
+                ]
+                .contains(code)
+        }
+    }
+}
+
 fn corrupt(what: &str) -> StoreError {
     StoreError::new(StoreErrorKind::Corrupt, what.to_owned())
 }
@@ -386,18 +407,23 @@ impl PostgresStore {
     /// each still its own autocommit statement, which costs PostgreSQL less per
     /// statement than a connection each. Replays gain most. A shared connection runs
     /// its claims one after another, and a claim that inserts a new key waits there for
-    /// its commit to reach the disk, so new keys are held to about `n` claims per
-    /// commit latency: turn it on where duplicates are a large share of the traffic
-    /// (client retries, at-least-once queues) and commits are quick. See
-    /// `docs/postgres.md` for measurements.
+    /// its commit to reach the disk, so each claim goes to the connection with the
+    /// fewest in flight, and past 8 on each to a pooled connection. At low concurrency
+    /// new keys are slower (their claim and completion run on two backends): turn it
+    /// on where duplicates are a large share of the traffic at high concurrency (client
+    /// retries, at-least-once queues), and measure. See `docs/postgres.md`.
     ///
     /// The connections are taken from the pool when first needed and kept (the pool
-    /// may open others in their place); a closed one is replaced when next used. A
-    /// claim that would wait there on a row lock gives up after 50 ms (`lock_timeout`),
-    /// having changed nothing, and runs again on a pooled connection of its own, so
-    /// that it does not hold up the claims queued behind it. Completions, releases,
-    /// renewals, purges, migrations and all of transactional mode use pooled
-    /// connections.
+    /// may open others in their place, and does not see or close these); one that
+    /// loses its connection is replaced when next used. A claim that would wait there
+    /// on a row lock gives up after 50 ms (`lock_timeout`), having changed nothing, and
+    /// runs again on a pooled connection of its own, so that it does not hold up the
+    /// claims queued behind it. Completions, releases, renewals, purges, migrations and
+    /// all of transactional mode use pooled connections.
+    ///
+    /// The `lock_timeout` is a session setting: connect directly or through session
+    /// pooling. Behind PgBouncer's transaction pooling it would leak to other clients'
+    /// transactions and not hold for the claims; leave sharing off there.
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
@@ -785,7 +811,7 @@ impl Store for PostgresStore {
                     match self.claim_on(&client, request).await {
                         Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
                         Err(e) => {
-                            if e.kind() == StoreErrorKind::Unavailable {
+                            if lost_its_connection(&e) {
                                 shared.evict(&client);
                             }
                             return Err(e);

@@ -54,6 +54,9 @@ struct Slot {
     in_flight: AtomicUsize,
     /// Held while the slot connects, so that a burst of statements opens one connection.
     connecting: tokio::sync::Mutex<()>,
+    /// Attempts to connect that failed: claims that waited for one take the pool
+    /// rather than each trying again in turn.
+    failures: AtomicU64,
 }
 
 impl Slot {
@@ -94,6 +97,16 @@ impl std::ops::Deref for SharedClient<'_> {
     }
 }
 
+/// A connection for a slot, taken out of the pool for good: the pool may open another
+/// in its place, and this one, with its own `lock_timeout`, never goes back to serve a
+/// transaction.
+async fn connect(pool: &Pool) -> Result<ClientWrapper, StoreError> {
+    let client = Object::take(pool.get().await.map_err(classify_pool)?);
+    let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
+    client.batch_execute(&set).await.map_err(classify)?;
+    Ok(client)
+}
+
 impl Shared {
     pub(super) fn new(n: usize) -> Self {
         Self {
@@ -105,7 +118,8 @@ impl Shared {
     }
 
     /// The connection with the fewest claims in flight, opened (or reopened) from `pool`
-    /// if need be; `None` when every one has `MAX_QUEUED`.
+    /// if need be. `None`, for a pooled connection instead: every shared one has
+    /// `MAX_QUEUED`, or an attempt to open this one failed while the claim waited for it.
     pub(super) async fn get(&self, pool: &Pool) -> Result<Option<SharedClient<'_>>, StoreError> {
         let n = self.slots.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
@@ -113,37 +127,38 @@ impl Shared {
             .map(|i| &self.slots[(start + i) % n])
             .min_by_key(|s| s.in_flight.load(Ordering::Relaxed))
             .expect("at least one slot");
-        if slot.in_flight.load(Ordering::Relaxed) >= MAX_QUEUED {
+        let room = |queued: usize| (queued < MAX_QUEUED).then_some(queued + 1);
+        if slot
+            .in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, room)
+            .is_err()
+        {
             return Ok(None);
         }
-        self.claims.fetch_add(1, Ordering::Relaxed);
-        slot.in_flight.fetch_add(1, Ordering::Relaxed);
         let queued = Queued(slot);
+        self.claims.fetch_add(1, Ordering::Relaxed);
         if let Some(client) = slot.open() {
             return Ok(Some(SharedClient { queued, client }));
         }
+        let failures = slot.failures.load(Ordering::Relaxed);
         let _connecting = slot.connecting.lock().await;
         if let Some(client) = slot.open() {
             return Ok(Some(SharedClient { queued, client }));
         }
-        // Taken out of the pool for good: the pool may open another in its place, and
-        // this one, with its own settings, never goes back to serve a transaction.
-        let client = Object::take(pool.get().await.map_err(classify_pool)?);
-        client
-            .batch_execute(&format!(
-                "SET lock_timeout = '{}ms'",
-                LOCK_TIMEOUT.as_millis()
-            ))
-            .await
-            .map_err(classify)?;
+        if slot.failures.load(Ordering::Relaxed) != failures {
+            return Ok(None);
+        }
+        let client = connect(pool).await.inspect_err(|_| {
+            slot.failures.fetch_add(1, Ordering::Relaxed);
+        })?;
         let client = Arc::new(client);
         *slot.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(client.clone());
         Ok(Some(SharedClient { queued, client }))
     }
 
-    /// Forgets `client` after it failed as unavailable: the next claim dealt to its slot
-    /// opens a new connection rather than finding out again. (A connection that the
-    /// server ended reports it closed only once its task has seen the end.)
+    /// Forgets `client` after it lost its connection: the next claim dealt to its slot
+    /// opens a new one rather than finding out again. (A connection that the server
+    /// ended reports it closed only once its task has seen the end.)
     pub(super) fn evict(&self, client: &SharedClient<'_>) {
         let mut current = client
             .queued
@@ -224,6 +239,56 @@ mod tests {
         let next = shared.get(&pool).await.expect("connects").expect("room");
         assert!(Arc::ptr_eq(&next.client, &connection));
         assert_eq!(shared.claims(), 2 * MAX_QUEUED as u64 + 1);
+    }
+
+    #[tokio::test]
+    async fn a_lost_connection_is_replaced_and_a_late_eviction_spares_its_successor() {
+        let (pool, shared) = (pool(), Shared::new(1));
+        let first = shared.get(&pool).await.expect("connects").expect("room");
+        shared.evict(&first);
+        let second = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(!Arc::ptr_eq(&first.client, &second.client), "not replaced");
+        // A claim still holding the old connection fails later: the new one stays.
+        shared.evict(&first);
+        let third = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(
+            Arc::ptr_eq(&second.client, &third.client),
+            "evicted its successor"
+        );
+    }
+
+    #[tokio::test]
+    async fn claims_waiting_on_a_failed_connection_attempt_take_the_pool() {
+        // A server that accepts connections and never answers.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = silent.local_addr().expect("address").port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                held.push(socket);
+            }
+        });
+        let config: tokio_postgres::Config = format!("postgres://postgres@127.0.0.1:{port}/x")
+            .parse()
+            .expect("url");
+        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+        let pool = Pool::builder(manager)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(Duration::from_millis(200)))
+            .build()
+            .expect("pool");
+        let shared = Shared::new(1);
+        let get = || shared.get(&pool);
+        let (a, b, c, d) = tokio::join!(get(), get(), get(), get());
+        let claims = [a, b, c, d];
+        // One claim tried to connect and failed; the others, which waited for it, did
+        // not try again one after another.
+        let failed = claims.iter().filter(|c| c.is_err()).count();
+        let to_the_pool = claims.iter().filter(|c| matches!(c, Ok(None))).count();
+        assert_eq!((failed, to_the_pool), (1, 3));
+        assert_eq!(in_flight(&shared), [0]);
     }
 
     #[tokio::test]
