@@ -409,8 +409,7 @@ impl PostgresStore {
     /// its claims one after another, and a claim that inserts a new key waits there for
     /// its commit to reach the disk, so each claim goes to the connection with the
     /// fewest in flight, and past 8 on each to a pooled connection. At low concurrency
-    /// new keys are slower (their claim and completion run on two backends): turn it
-    /// on where duplicates are a large share of the traffic at high concurrency (client
+    /// new keys are slower (up to a tenth in the measurements): turn it on where duplicates are a large share of the traffic at high concurrency (client
     /// retries, at-least-once queues), and measure. See `docs/postgres.md`.
     ///
     /// The connections are taken from the pool when first needed and kept (the pool
