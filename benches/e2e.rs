@@ -1115,6 +1115,15 @@ impl Ctx {
             .with_notifications(self.db.row_url.parse().expect("url"))
     }
 
+    /// The shared claim connections of `kind`'s store: none but for (c′) and (e′).
+    fn shared_claim_connections(&self, kind: Kind) -> usize {
+        if kind.shared() {
+            self.settings.shared_claim_connections
+        } else {
+            0
+        }
+    }
+
     fn floor(&self) -> Arc<Floor> {
         Arc::new(Floor::new(
             pool_for_url(&self.db.row_url, self.settings.pool_size).expect("pool"),
@@ -1150,12 +1159,9 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
             )
         }
         Kind::Lease | Kind::LeaseShared | Kind::Replay | Kind::ReplayShared | Kind::Dup => {
-            let st = if kind.shared() {
-                ctx.store()
-                    .with_shared_claim_connections(ctx.settings.shared_claim_connections)
-            } else {
-                ctx.store()
-            };
+            let st = ctx
+                .store()
+                .with_shared_claim_connections(ctx.shared_claim_connections(kind));
             store = Some(st.clone());
             Some(
                 Router::new()
@@ -1270,12 +1276,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         .or_else(|| floor.as_ref().map(|f| f.pool.clone()));
     let (commits, rollbacks) = if let Some(pool) = pool {
         // Shared connections are taken out of the pool; they open and prepare too.
-        let shared = if kind.shared() {
-            ctx.settings.shared_claim_connections
-        } else {
-            0
-        };
-        let connections = (pool.status().size + shared) as f64;
+        let connections = (pool.status().size + ctx.shared_claim_connections(kind)) as f64;
         pool.close();
         drop(store);
         drop(floor);

@@ -153,9 +153,9 @@ impl Sql {
             // A primary-key read that inserts only when the key has no row: the insert
             // is a function (migration 0003) called from a branch that an existing key
             // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
-            // read does (0.9x its rate, docs/postgres.md). Two requests that both find nothing race on the insert, and its
-            // `ON CONFLICT` settles it; the loser gets neither a row nor a token and
-            // reads again (`claim_on`). Times are compared in Rust against the
+            // read does (0.9x its rate, docs/postgres.md). Two requests that both find
+            // nothing race on the insert, and its `ON CONFLICT` settles it; the loser gets
+            // neither a row nor a token and reads again (`claim_on`). Times are compared in Rust against the
             // database's `now()`, which is cheaper than numeric arithmetic in SQL.
             // The columns are read by position: keep them in the order of `col`.
             claim: format!(
@@ -409,7 +409,8 @@ impl PostgresStore {
     /// its claims one after another, and a claim that inserts a new key waits there for
     /// its commit to reach the disk, so each claim goes to the connection with the
     /// fewest in flight, and past 8 on each to a pooled connection. At low concurrency
-    /// new keys are slower (up to a tenth in the measurements): turn it on where duplicates are a large share of the traffic at high concurrency (client
+    /// new keys are slower (3–22 % at concurrency 1 in the measurements): turn it on
+    /// where duplicates are a large share of the traffic at high concurrency (client
     /// retries, at-least-once queues), and measure. See `docs/postgres.md`.
     ///
     /// The connections are taken from the pool when first needed and kept (the pool
@@ -805,18 +806,18 @@ impl Store for PostgresStore {
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
-            if let Some(shared) = &self.shared {
-                if let Some(client) = shared.get(&self.pool).await? {
-                    match self.claim_on(&client, request).await {
-                        Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
-                        Err(e) => {
-                            if lost_its_connection(&e) {
-                                shared.evict(&client);
-                            }
-                            return Err(e);
+            if let Some(shared) = &self.shared
+                && let Some(client) = shared.get(&self.pool).await?
+            {
+                match self.claim_on(&client, request).await {
+                    Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
+                    Err(e) => {
+                        if lost_its_connection(&e) {
+                            shared.evict(&client);
                         }
-                        claimed => return claimed,
+                        return Err(e);
                     }
+                    claimed => return claimed,
                 }
             }
             self.claim_on(&*self.client().await?, request).await

@@ -29,12 +29,12 @@ use crate::store::StoreError;
 
 /// The `lock_timeout` of a shared connection: how long one claim may hold up the
 /// claims queued behind it before it moves to a connection of its own.
-pub(super) const LOCK_TIMEOUT: Duration = Duration::from_millis(50);
+const LOCK_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// Claims queued on the least busy shared connection beyond which the next claim takes
 /// a pooled connection instead: when commits are slow, claims that insert drain the
 /// queues slowly, and the pool's connections overlap their commits.
-pub(super) const MAX_QUEUED: usize = 8;
+const MAX_QUEUED: usize = 8;
 
 /// `n` connections, taken from the pool when first used and kept; each claim is dealt
 /// to the one with the fewest claims in flight, so that claims queue behind a commit
