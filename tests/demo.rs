@@ -10,7 +10,7 @@
 
 use std::{
     io::{BufRead, BufReader},
-    net::{SocketAddr, TcpListener},
+    net::SocketAddr,
     path::PathBuf,
     process::{Child, Command, Stdio},
     sync::{
@@ -67,12 +67,20 @@ fn demo_binary() -> PathBuf {
     bin
 }
 
-/// A port nobody listens on right now.
-fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    listener
-        .local_addr()
-        .expect("the address of the bound listener")
+/// What the demo prints first, followed by the address it is serving on.
+const LISTENING: &str = "payments demo listening on http://";
+
+/// The first of `lines` not read yet that starts with `prefix`, or `None` when the demo
+/// ends or prints none within the polling bound.
+fn first_line_starting_with(lines: &mpsc::Receiver<String>, prefix: &str) -> Option<String> {
+    for _ in 0..POLL_ATTEMPTS {
+        match lines.recv_timeout(POLL_INTERVAL) {
+            Ok(line) if line.starts_with(prefix) => return Some(line),
+            Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+        }
+    }
+    None
 }
 
 fn client() -> HttpClient {
@@ -141,17 +149,20 @@ struct Demo {
 }
 
 impl Demo {
-    /// Starts the demo on a free port, on `schema` in PostgreSQL, or on the memory store
-    /// when `schema` is `None` (then `DATABASE_URL` is removed from its environment).
+    /// Starts the demo on a port of its own, on `schema` in PostgreSQL, or on the memory
+    /// store when `schema` is `None` (then `DATABASE_URL` is removed from its environment).
     fn start(schema: Option<&Schema>) -> Self {
         Self::start_with(schema, &[])
     }
 
     /// Like [`start`](Self::start), with more command-line arguments.
+    ///
+    /// The demo binds port 0 and the test reads the port it was given from its first
+    /// line. A port found free beforehand could be taken by anything else on the machine
+    /// before the demo binds it.
     fn start_with(schema: Option<&Schema>, args: &[&str]) -> Self {
-        let addr = free_addr();
         let mut cmd = Command::new(demo_binary());
-        cmd.arg("--addr").arg(addr.to_string()).args(args);
+        cmd.arg("--addr").arg("127.0.0.1:0").args(args);
         match schema {
             Some(schema) => {
                 cmd.arg("--database-url").arg(&schema.url);
@@ -166,16 +177,22 @@ impl Demo {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("start the payments demo");
+        let pid = child.id();
         let out = child.stdout.take().expect("the demo's stdout");
         let (tx, rx) = mpsc::channel();
         // Drains stdout until the process ends, so the demo never blocks on a full pipe.
         // The lines also go to the test's captured output, shown when a test fails.
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                println!("[demo {addr}] {line}");
+                println!("[demo {pid}] {line}");
                 let _ = tx.send(line);
             }
         });
+        let listening = first_line_starting_with(&rx, LISTENING)
+            .unwrap_or_else(|| panic!("the demo (pid {pid}) did not say where it listens"));
+        let addr = listening[LISTENING.len()..]
+            .parse()
+            .unwrap_or_else(|e| panic!("the demo's address in {listening:?}: {e}"));
         Self {
             child,
             addr,
@@ -185,17 +202,12 @@ impl Demo {
 
     /// The first line of stdout (from those not read yet) that starts with `prefix`.
     fn line_starting_with(&self, prefix: &str) -> String {
-        for _ in 0..POLL_ATTEMPTS {
-            match self.stdout.recv_timeout(POLL_INTERVAL) {
-                Ok(line) if line.starts_with(prefix) => return line,
-                Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        panic!(
-            "the demo at {} printed no line starting with {prefix:?}",
-            self.addr
-        );
+        first_line_starting_with(&self.stdout, prefix).unwrap_or_else(|| {
+            panic!(
+                "the demo at {} printed no line starting with {prefix:?}",
+                self.addr
+            )
+        })
     }
 
     /// Polls `GET /stats` until the demo answers 200.

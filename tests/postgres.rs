@@ -161,10 +161,7 @@ async fn a_replay_takes_no_row_lock_and_writes_nothing() {
 #[tokio::test]
 async fn an_unreachable_database_is_503_and_the_handler_does_not_run() {
     let schema = TestSchema::new();
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let (_holder, closed) = common::refusing_port();
     let store =
         schema.unmigrated_store_at(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"));
     let (router, counter) = app(IdempotencyLayer::new(store));
@@ -362,10 +359,7 @@ async fn store_errors_are_classified_by_sqlstate_and_connection_state() {
     let e = unmigrated.claim(&request).await.unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
     // Nothing listening: the connection is refused.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let (_holder, closed) = common::refusing_port();
     let down =
         schema.unmigrated_store_at(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"));
     let e = down.claim(&request).await.unwrap_err();

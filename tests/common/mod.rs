@@ -36,6 +36,18 @@ pub fn database_url() -> String {
         .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// A port on 127.0.0.1 where connections are refused for as long as the returned socket
+/// lives: it is bound, without `SO_REUSEADDR`, and never listens, so nothing else on the
+/// machine can start listening there in the meantime.
+pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind(([127, 0, 0, 1], 0).into())
+        .expect("bind 127.0.0.1:0");
+    let port = socket.local_addr().expect("the bound address").port();
+    (socket, port)
+}
+
 /// A name no other test (in this or another process) uses.
 pub fn unique_name(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
