@@ -545,9 +545,12 @@ async fn terminated_shared_claim_connections_are_replaced() {
             store.claim(&request).await
         }
     };
-    for i in 0..4 {
-        let claimed = claim(format!("a{i}")).await.unwrap();
-        assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
+    // Two at a time, so that both shared connections are dealt claims and open.
+    for i in 0..2 {
+        let (a, b) = tokio::join!(claim(format!("a{i}")), claim(format!("b{i}")));
+        for claimed in [a.unwrap(), b.unwrap()] {
+            assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
+        }
     }
     // Claims alone: the pool lends nothing, so the backends are the shared ones.
     let backends = format!(
@@ -565,16 +568,27 @@ async fn terminated_shared_claim_connections_are_replaced() {
 
     // A claim sent before the client has seen its connection close fails, as
     // unavailable; at most one per connection. Every later one runs on a new connection.
-    let mut failed = 0;
-    for i in 0..20 {
-        let key = format!("b{i}");
-        for attempt in 0.. {
-            match claim(key.clone()).await {
-                Ok(Claim::Acquired(_)) => break,
-                Err(e) if e.kind() == StoreErrorKind::Unavailable && attempt < 3 => failed += 1,
-                other => panic!("{key}, attempt {attempt}: {other:?}"),
+    // Again two at a time, so that both connections are dealt claims.
+    let acquire = |key: String| {
+        let claim = &claim;
+        async move {
+            let mut failed = 0;
+            for attempt in 0.. {
+                match claim(key.clone()).await {
+                    Ok(Claim::Acquired(_)) => break,
+                    Err(e) if e.kind() == StoreErrorKind::Unavailable && attempt < 3 => {
+                        failed += 1;
+                    }
+                    other => panic!("{key}, attempt {attempt}: {other:?}"),
+                }
             }
+            failed
         }
+    };
+    let mut failed = 0;
+    for i in 0..10 {
+        let (a, b) = tokio::join!(acquire(format!("c{i}")), acquire(format!("d{i}")));
+        failed += a + b;
     }
     assert!(failed <= 2, "{failed} claims failed after the cut");
     let after = pids(schema.query(&backends).await);

@@ -408,10 +408,11 @@ impl PostgresStore {
     /// statement than a connection each. Replays gain most. A shared connection runs
     /// its claims one after another, and a claim that inserts a new key waits there for
     /// its commit to reach the disk, so each claim goes to the connection with the
-    /// fewest in flight, and past 8 on each to a pooled connection. At low concurrency
-    /// new keys are slower (3–22 % at concurrency 1 in the measurements): turn it on
-    /// where duplicates are a large share of the traffic at high concurrency (client
-    /// retries, at-least-once queues), and measure. See `docs/postgres.md`.
+    /// fewest in flight (the first on a tie: light load stays on one connection), and
+    /// past 8 on each to a pooled connection. At low concurrency new keys are slower
+    /// (1–6 % at concurrency 1 in the latest measurements): turn it on where
+    /// duplicates are a large share of the traffic at high concurrency (client retries,
+    /// at-least-once queues), and measure. See `docs/postgres.md`.
     ///
     /// The connections are taken from the pool when first needed and kept (the pool
     /// may open others in their place, and does not see or close these); one that

@@ -38,10 +38,11 @@ const MAX_QUEUED: usize = 8;
 
 /// `n` connections, taken from the pool when first used and kept; each claim is dealt
 /// to the one with the fewest claims in flight, so that claims queue behind a commit
-/// as little as they can.
+/// as little as they can, and among those to the first: under light load claims stay
+/// on one connection (one backend, its caches warm), and the others open only when
+/// concurrent claims need them.
 pub(super) struct Shared {
     slots: Box<[Slot]>,
-    next: AtomicUsize,
     /// Claims dealt to a shared connection, and those of them moved off it.
     claims: AtomicU64,
     moved: AtomicU64,
@@ -111,20 +112,18 @@ impl Shared {
     pub(super) fn new(n: usize) -> Self {
         Self {
             slots: (0..n).map(|_| Slot::default()).collect(),
-            next: AtomicUsize::new(0),
             claims: AtomicU64::new(0),
             moved: AtomicU64::new(0),
         }
     }
 
-    /// The connection with the fewest claims in flight, opened (or reopened) from `pool`
-    /// if need be. `None`, for a pooled connection instead: every shared one has
+    /// The connection with the fewest claims in flight (the first of them on a tie),
+    /// opened (or reopened) from `pool` if need be. `None`, for a pooled connection instead: every shared one has
     /// `MAX_QUEUED`, or an attempt to open this one failed while the claim waited for it.
     pub(super) async fn get(&self, pool: &Pool) -> Result<Option<SharedClient<'_>>, StoreError> {
-        let n = self.slots.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let slot = (0..n)
-            .map(|i| &self.slots[(start + i) % n])
+        let slot = self
+            .slots
+            .iter()
             .min_by_key(|s| s.in_flight.load(Ordering::Relaxed))
             .expect("at least one slot");
         let room = |queued: usize| (queued < MAX_QUEUED).then_some(queued + 1);
@@ -239,6 +238,28 @@ mod tests {
         let next = shared.get(&pool).await.expect("connects").expect("room");
         assert!(Arc::ptr_eq(&next.client, &connection));
         assert_eq!(shared.claims(), 2 * MAX_QUEUED as u64 + 1);
+    }
+
+    #[tokio::test]
+    async fn claims_one_at_a_time_stay_on_the_first_connection() {
+        let (pool, shared) = (pool(), Shared::new(4));
+        let first = shared.get(&pool).await.expect("connects").expect("room");
+        let connection = first.client.clone();
+        drop(first);
+        for _ in 0..5 {
+            let next = shared.get(&pool).await.expect("connects").expect("room");
+            assert!(Arc::ptr_eq(&next.client, &connection), "moved to another");
+        }
+        let opened = |s: &Slot| s.current.lock().expect("not poisoned").is_some();
+        let opened: Vec<bool> = shared.slots.iter().map(opened).collect();
+        assert_eq!(opened, [true, false, false, false]);
+        // Two at once: the second goes to the next connection, which opens then.
+        let (a, b) = (shared.get(&pool).await, shared.get(&pool).await);
+        let (a, b) = (a.expect("connects"), b.expect("connects"));
+        let (a, b) = (a.expect("room"), b.expect("room"));
+        assert!(Arc::ptr_eq(&a.client, &connection));
+        assert!(!Arc::ptr_eq(&b.client, &connection));
+        assert_eq!(in_flight(&shared), [1, 1, 0, 0]);
     }
 
     #[tokio::test]
