@@ -147,6 +147,17 @@ impl JobRunner {
         self
     }
 
+    /// How long to wait for the store on each call: the claim (then the run fails with
+    /// [`JobError::Store`] and the work does not run), storing the result, a release,
+    /// and in transactional mode opening the transaction (default 5 s; at least 1 ms).
+    /// A claim that lands after the bound is released at once, so that a redelivery
+    /// can run the work rather than wait out the lease.
+    #[must_use]
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
     /// Transactional mode: how long to wait on another worker's uncommitted claim
     /// before answering [`JobOutcome::Running`] (default 5 s).
     #[cfg(feature = "postgres")]
@@ -186,7 +197,7 @@ impl JobRunner {
                 .run_transactional(store, *lock_timeout, &request, ctx_key, work)
                 .await;
         }
-        let claim = tokio::time::timeout(self.store_timeout, self.store.claim(&request))
+        let claim = crate::store::claim_within(&self.store, self.store_timeout, &request)
             .await
             .map_err(|_| {
                 JobError::Store(StoreError::new(

@@ -405,7 +405,7 @@ async fn claim<B>(
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
         claiming.store(true, Ordering::Release);
-        let claim = bounded_claim(config, request).await;
+        let claim = crate::store::claim_within(&config.store, config.store_timeout, request).await;
         match claim {
             Ok(Ok(Claim::Running { fingerprint, .. }))
                 if fingerprint == request.fingerprint
@@ -436,43 +436,6 @@ async fn claim<B>(
                 tracing::error!(timeout = ?config.store_timeout, "claim timed out; the handler was not run");
                 return Err(unavailable());
             }
-        }
-    }
-}
-
-/// Claims, bounded by the store timeout. A claim still in flight at the bound may yet
-/// commit: it is handed to a task of its own that releases it as soon as it returns, so a
-/// request answered 503 does not leave its key blocked for a lease.
-async fn bounded_claim(
-    config: &Config,
-    request: &ClaimRequest<'_>,
-) -> Result<Result<Claim, crate::store::StoreError>, tokio::time::error::Elapsed> {
-    let store = config.store.clone();
-    let (scope, key) = (request.scope.clone(), request.key.to_owned());
-    let (fingerprint, lease, ttl) = (request.fingerprint, request.lease, request.ttl);
-    let mut claim: BoxFuture<'static, Result<Claim, crate::store::StoreError>> =
-        Box::pin(async move {
-            let request = ClaimRequest {
-                scope: &scope,
-                key: &key,
-                fingerprint,
-                lease,
-                ttl,
-            };
-            store.claim(&request).await
-        });
-    match tokio::time::timeout(config.store_timeout, &mut claim).await {
-        Ok(claim) => Ok(claim),
-        Err(elapsed) => {
-            // Only now does the claim need a task of its own, to finish and be undone.
-            let store = config.store.clone();
-            tokio::spawn(async move {
-                if let Ok(Claim::Acquired(lease)) = claim.await {
-                    tracing::warn!(key = %lease.key, "a claim answered 503 landed late; releasing it");
-                    let _ = store.release(&lease).await;
-                }
-            });
-            Err(elapsed)
         }
     }
 }

@@ -413,6 +413,61 @@ async fn an_exhausted_pool_is_a_bounded_503_not_a_hang() {
 }
 
 #[tokio::test]
+async fn a_job_claim_that_lands_after_its_timeout_is_released_not_left_blocking() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tower_idempotency::{
+        Scope,
+        job::{JobError, JobOutcome, JobRunner},
+    };
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    // A long lease: if the late claim were left in place, redeliveries would find the
+    // job running for a minute.
+    let runner = JobRunner::new(store)
+        .store_timeout(Duration::from_millis(200))
+        .lease_duration(Duration::from_secs(60));
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let deliver = |key: &'static str| {
+        let (runner, scope, runs) = (runner.clone(), scope.clone(), runs.clone());
+        async move {
+            runner
+                .run(&scope, key, b"{}", move |_| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"done"))
+                })
+                .await
+        }
+    };
+    // Warm: the claim statement is prepared, so a stalled claim is on the wire whole.
+    assert!(matches!(deliver("warm-up").await, Ok(JobOutcome::Ran(_))));
+    proxy.stall(true);
+    let timed_out = deliver("k").await;
+    assert!(
+        matches!(timed_out, Err(JobError::Store(_))),
+        "{timed_out:?}"
+    );
+    proxy.stall(false);
+    // Redeliveries may briefly find the late claim running; it is released, and the
+    // work then runs, once.
+    for attempt in 0.. {
+        match deliver("k").await {
+            Ok(JobOutcome::Ran(_)) => break,
+            Ok(JobOutcome::Running { .. }) if attempt < 100 => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("attempt {attempt}: {other:?}"),
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the warm-up and k, once each"
+    );
+}
+
+#[tokio::test]
 async fn a_claim_that_lands_after_its_503_is_released_not_left_blocking() {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;

@@ -49,6 +49,44 @@ pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Claims on `store`, bounded by `timeout`. A claim still in flight at the bound may yet
+/// commit: it is handed to a task of its own that releases it as soon as it returns, so a
+/// caller that gave up (a request answered 503, a job that failed) does not leave its key
+/// blocked for a lease, nor a shared connection's count of claims in flight wrong.
+pub(crate) async fn claim_within(
+    store: &Arc<dyn Store>,
+    timeout: Duration,
+    request: &ClaimRequest<'_>,
+) -> Result<Result<Claim, StoreError>, tokio::time::error::Elapsed> {
+    let owned = store.clone();
+    let (scope, key) = (request.scope.clone(), request.key.to_owned());
+    let (fingerprint, lease, ttl) = (request.fingerprint, request.lease, request.ttl);
+    let mut claim: BoxFuture<'static, Result<Claim, StoreError>> = Box::pin(async move {
+        let request = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            fingerprint,
+            lease,
+            ttl,
+        };
+        owned.claim(&request).await
+    });
+    match tokio::time::timeout(timeout, &mut claim).await {
+        Ok(claim) => Ok(claim),
+        Err(elapsed) => {
+            // Only now does the claim need a task of its own, to finish and be undone.
+            let store = store.clone();
+            tokio::spawn(async move {
+                if let Ok(Claim::Acquired(lease)) = claim.await {
+                    tracing::warn!(key = %lease.key, "a claim that timed out landed late; releasing it");
+                    let _ = store.release(&lease).await;
+                }
+            });
+            Err(elapsed)
+        }
+    }
+}
+
 /// What [`Store::claim`] is asked for.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest<'a> {
