@@ -67,7 +67,8 @@ fn demo_binary() -> PathBuf {
     bin
 }
 
-/// What the demo prints first, followed by the address it is serving on.
+/// How the demo's line with the address it serves on starts (its first line, unless a
+/// warning came before it).
 const LISTENING: &str = "payments demo listening on http://";
 
 /// The first of `lines` not read yet that starts with `prefix`, or `None` when the demo
@@ -157,9 +158,9 @@ impl Demo {
 
     /// Like [`start`](Self::start), with more command-line arguments.
     ///
-    /// The demo binds port 0 and the test reads the port it was given from its first
-    /// line. A port found free beforehand could be taken by anything else on the machine
-    /// before the demo binds it.
+    /// The demo binds port 0 and the test reads the port it was given from the line
+    /// that says where it listens. A port found free beforehand could be taken by
+    /// anything else on the machine before the demo binds it.
     fn start_with(schema: Option<&Schema>, args: &[&str]) -> Self {
         let mut cmd = Command::new(demo_binary());
         cmd.arg("--addr").arg("127.0.0.1:0").args(args);
@@ -188,11 +189,19 @@ impl Demo {
                 let _ = tx.send(line);
             }
         });
-        let listening = first_line_starting_with(&rx, LISTENING)
-            .unwrap_or_else(|| panic!("the demo (pid {pid}) did not say where it listens"));
-        let addr = listening[LISTENING.len()..]
-            .parse()
-            .unwrap_or_else(|e| panic!("the demo's address in {listening:?}: {e}"));
+        let addr = first_line_starting_with(&rx, LISTENING)
+            .ok_or_else(|| "it did not say where it listens".to_owned())
+            .and_then(|line| {
+                line[LISTENING.len()..]
+                    .parse::<SocketAddr>()
+                    .map_err(|e| format!("its address in {line:?}: {e}"))
+            });
+        let addr = addr.unwrap_or_else(|why| {
+            // Not yet in a guard that kills it: kill it here, so that it is not left running.
+            let _ = child.kill();
+            let status = child.wait().map(|s| s.to_string());
+            panic!("the demo (pid {pid}) did not start: {why}; exit: {status:?}")
+        });
         Self {
             child,
             addr,
