@@ -410,9 +410,9 @@ impl PostgresStore {
     /// its commit to reach the disk, so each claim goes to the connection with the
     /// fewest in flight (the first on a tie: light load stays on one connection), and
     /// past 8 on each to a pooled connection. At low concurrency new keys are slower
-    /// (1–6 % at concurrency 1 in the latest measurements): turn it on where
-    /// duplicates are a large share of the traffic at high concurrency (client retries,
-    /// at-least-once queues), and measure. See `docs/postgres.md`.
+    /// (1–6 % at concurrency 1 in the latest measurements, shared cores): turn it on
+    /// where duplicates are a large share of the traffic at high concurrency (client
+    /// retries, at-least-once queues), and measure. See `docs/postgres.md`.
     ///
     /// The connections are taken from the pool when first needed and kept (the pool
     /// may open others in their place, and does not see or close these); one that
@@ -808,9 +808,11 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             if let Some(shared) = &self.shared
-                && let Some(client) = shared.get(&self.pool).await?
+                && let Some(mut client) = shared.get(&self.pool).await?
             {
-                match self.claim_on(&client, request).await {
+                let claimed = self.claim_on(&client, request).await;
+                client.answered();
+                match claimed {
                     Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
                     Err(e) => {
                         if lost_its_connection(&e) {

@@ -85,9 +85,55 @@ impl Drop for Queued<'_> {
 }
 
 /// A shared connection, and the slot it was dealt from.
+///
+/// A claim dropped before its statement is answered (its caller gave up on it) leaves
+/// the connection in doubt: it may have stalled. The slot forgets it, as after a lost
+/// connection, so that the next claims do not queue behind a statement that may never
+/// be answered; the claims already sent on it keep it until they end.
 pub(super) struct SharedClient<'a> {
     queued: Queued<'a>,
     client: Arc<ClientWrapper>,
+    answered: bool,
+}
+
+impl<'a> SharedClient<'a> {
+    fn dealt(queued: Queued<'a>, client: Arc<ClientWrapper>) -> Self {
+        Self {
+            queued,
+            client,
+            answered: false,
+        }
+    }
+
+    /// Marks the claim's statement answered (with rows or an error): dropping the
+    /// connection then leaves it in place.
+    pub(super) fn answered(&mut self) {
+        self.answered = true;
+    }
+
+    /// Empties the slot if it still holds this connection.
+    fn forget(&self) {
+        let mut current = self
+            .queued
+            .0
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if current
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, &self.client))
+        {
+            *current = None;
+        }
+    }
+}
+
+impl Drop for SharedClient<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.forget();
+        }
+    }
 }
 
 impl std::ops::Deref for SharedClient<'_> {
@@ -118,31 +164,40 @@ impl Shared {
     }
 
     /// The connection with the fewest claims in flight (the first of them on a tie),
-    /// opened (or reopened) from `pool` if need be. `None`, for a pooled connection instead: every shared one has
-    /// `MAX_QUEUED`, or an attempt to open this one failed while the claim waited for it.
+    /// opened (or reopened) from `pool` if need be. `None`, for a pooled connection
+    /// instead: every shared one has `MAX_QUEUED`, or an attempt to open this one failed
+    /// while the claim waited for it.
     pub(super) async fn get(&self, pool: &Pool) -> Result<Option<SharedClient<'_>>, StoreError> {
-        let slot = self
+        let room = |queued: usize| (queued < MAX_QUEUED).then_some(queued + 1);
+        let take = |slot: &Slot| {
+            slot.in_flight
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, room)
+                .is_ok()
+        };
+        let least_busy = self
             .slots
             .iter()
             .min_by_key(|s| s.in_flight.load(Ordering::Relaxed))
             .expect("at least one slot");
-        let room = |queued: usize| (queued < MAX_QUEUED).then_some(queued + 1);
-        if slot
-            .in_flight
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, room)
-            .is_err()
-        {
-            return Ok(None);
-        }
+        // Concurrent claims may fill the least busy one between the look and the take:
+        // then any other with room.
+        let slot = if take(least_busy) {
+            least_busy
+        } else {
+            match self.slots.iter().find(|s| take(s)) {
+                Some(slot) => slot,
+                None => return Ok(None),
+            }
+        };
         let queued = Queued(slot);
         self.claims.fetch_add(1, Ordering::Relaxed);
         if let Some(client) = slot.open() {
-            return Ok(Some(SharedClient { queued, client }));
+            return Ok(Some(SharedClient::dealt(queued, client)));
         }
         let failures = slot.failures.load(Ordering::Relaxed);
         let _connecting = slot.connecting.lock().await;
         if let Some(client) = slot.open() {
-            return Ok(Some(SharedClient { queued, client }));
+            return Ok(Some(SharedClient::dealt(queued, client)));
         }
         if slot.failures.load(Ordering::Relaxed) != failures {
             return Ok(None);
@@ -152,25 +207,18 @@ impl Shared {
         })?;
         let client = Arc::new(client);
         *slot.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(client.clone());
-        Ok(Some(SharedClient { queued, client }))
+        Ok(Some(SharedClient {
+            queued,
+            client,
+            answered: false,
+        }))
     }
 
     /// Forgets `client` after it lost its connection: the next claim dealt to its slot
     /// opens a new one rather than finding out again. (A connection that the server
     /// ended reports it closed only once its task has seen the end.)
     pub(super) fn evict(&self, client: &SharedClient<'_>) {
-        let mut current = client
-            .queued
-            .0
-            .current
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if current
-            .as_ref()
-            .is_some_and(|c| Arc::ptr_eq(c, &client.client))
-        {
-            *current = None;
-        }
+        client.forget();
     }
 
     /// How many connections are shared.
@@ -231,7 +279,8 @@ mod tests {
 
         // A claim on the second connection is answered: the next one goes there.
         let second = held.iter().position(|c| !on_first(c)).expect("a second");
-        let freed = held.swap_remove(second);
+        let mut freed = held.swap_remove(second);
+        freed.answered();
         let connection = freed.client.clone();
         drop(freed);
         assert_eq!(in_flight(&shared), [MAX_QUEUED, MAX_QUEUED - 1]);
@@ -243,12 +292,14 @@ mod tests {
     #[tokio::test]
     async fn claims_one_at_a_time_stay_on_the_first_connection() {
         let (pool, shared) = (pool(), Shared::new(4));
-        let first = shared.get(&pool).await.expect("connects").expect("room");
+        let mut first = shared.get(&pool).await.expect("connects").expect("room");
         let connection = first.client.clone();
+        first.answered();
         drop(first);
         for _ in 0..5 {
-            let next = shared.get(&pool).await.expect("connects").expect("room");
+            let mut next = shared.get(&pool).await.expect("connects").expect("room");
             assert!(Arc::ptr_eq(&next.client, &connection), "moved to another");
+            next.answered();
         }
         let opened = |s: &Slot| s.current.lock().expect("not poisoned").is_some();
         let opened: Vec<bool> = shared.slots.iter().map(opened).collect();
@@ -260,6 +311,34 @@ mod tests {
         assert!(Arc::ptr_eq(&a.client, &connection));
         assert!(!Arc::ptr_eq(&b.client, &connection));
         assert_eq!(in_flight(&shared), [1, 1, 0, 0]);
+    }
+
+    #[tokio::test]
+    async fn a_claim_given_up_before_its_answer_leaves_its_connection_behind() {
+        let (pool, shared) = (pool(), Shared::new(1));
+        let mut other = shared.get(&pool).await.expect("connects").expect("room");
+        let given_up = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(Arc::ptr_eq(&other.client, &given_up.client));
+        drop(given_up);
+        // The next claim opens a new connection; the one sent on the old one keeps it.
+        let mut next = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(!Arc::ptr_eq(&next.client, &other.client), "not replaced");
+        other
+            .simple_query("SELECT 1")
+            .await
+            .expect("the old one still answers");
+        other.answered();
+        drop(other);
+        // An answered claim leaves its connection in place.
+        let kept = next.client.clone();
+        next.answered();
+        drop(next);
+        let again = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(
+            Arc::ptr_eq(&again.client, &kept),
+            "an answered claim evicted"
+        );
+        assert_eq!(in_flight(&shared), [1]);
     }
 
     #[tokio::test]
