@@ -1,5 +1,6 @@
 //! Micro-benchmarks of the layer's own work per request: parsing the key,
-//! fingerprinting the request, encoding and decoding stored headers.
+//! fingerprinting the request, encoding and decoding stored headers, and a request
+//! without a key passed through an Axum router.
 //!
 //! `cargo bench --bench micro`
 #![allow(missing_docs)] // criterion_group! generates an undocumented function
@@ -9,7 +10,10 @@ use std::hint::black_box;
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderValue, Request, header::CONTENT_TYPE};
-use tower_idempotency::{StoredResponse, fingerprint, parse_key};
+use tower::ServiceExt;
+use tower_idempotency::{
+    IdempotencyLayer, StoredResponse, fingerprint, parse_key, store::MemoryStore,
+};
 
 fn key_parsing(c: &mut Criterion) {
     let mut g = c.benchmark_group("parse_key");
@@ -58,5 +62,41 @@ fn stored_headers(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, key_parsing, fingerprinting, stored_headers);
+/// A request without a key, through an Axum router with and without the layer: what
+/// the layer adds to every request it does not guard. The handler answers at once, so
+/// the difference is the layer's own work.
+fn pass_through(c: &mut Criterion) {
+    use axum::{Router, body::Body, routing::post};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let bare = Router::new().route("/payments", post(|| async { "{}" }));
+    let layered = bare
+        .clone()
+        .layer(IdempotencyLayer::new(MemoryStore::new()));
+    let request = || {
+        Request::post("/payments")
+            .header(CONTENT_TYPE, "application/json")
+            .body(Body::from("{}"))
+            .expect("request")
+    };
+    let mut g = c.benchmark_group("no key");
+    for (name, router) in [("router alone", &bare), ("router with the layer", &layered)] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                rt.block_on(router.clone().oneshot(request()))
+                    .expect("response")
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    key_parsing,
+    fingerprinting,
+    stored_headers,
+    pass_through
+);
 criterion_main!(benches);

@@ -154,22 +154,23 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        // The ready instance is the one to call; keep a fresh clone for the next call.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = &self.config;
-
+        // A request passed through calls the ready instance where it is: no clone.
         if !config.methods.contains(req.method()) {
-            return pass_through(inner.call(req));
+            return pass_through(self.inner.call(req));
         }
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
-            Ok(None) if !config.require_key => return pass_through(inner.call(req)),
+            Ok(None) if !config.require_key => return pass_through(self.inner.call(req)),
             Ok(None) => {
                 return answered(reject(Problem::KeyMissing, &KeyError::Missing.to_string()));
             }
             Err(e) => return answered(reject(Problem::KeyMalformed, &e.to_string())),
         };
+        // A guarded request's future owns the ready instance (it may finish in a task
+        // of its own); a fresh clone stays for the next call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
         let span = tracing::info_span!(
             "idempotency",
             key = field::Empty,
