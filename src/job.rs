@@ -147,11 +147,12 @@ impl JobRunner {
         self
     }
 
-    /// How long to wait for the store on each call: the claim (then the run fails with
-    /// [`JobError::Store`] and the work does not run), storing the result, a release,
-    /// and in transactional mode opening the transaction (default 5 s; at least 1 ms).
-    /// A claim that lands after the bound is released at once, so that a redelivery
-    /// can run the work rather than wait out the lease.
+    /// How long to wait for the store (default 5 s; at least 1 ms): on the claim (then
+    /// the run fails with [`JobError::Store`] and the work does not run), and in lease
+    /// mode on storing the result and on a release; in transactional mode, on opening
+    /// the transaction (its commit is not bounded). A claim that lands after the bound,
+    /// or after the run was dropped, is released at once, so that a redelivery can run
+    /// the work rather than wait out the lease.
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout.max(Duration::from_millis(1));

@@ -49,10 +49,11 @@ pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Claims on `store`, bounded by `timeout`. A claim still in flight at the bound may yet
-/// commit: it is handed to a task of its own that releases it as soon as it returns, so a
-/// caller that gave up (a request answered 503, a job that failed) does not leave its key
-/// blocked for a lease, nor a shared connection's count of claims in flight wrong.
+/// Claims on `store`, bounded by `timeout`. A claim still in flight at the bound, or
+/// when the caller drops this future, may yet commit: it is handed to a task of its own
+/// that releases it as soon as it returns, so a caller that gave up (a request answered
+/// 503, a job that failed or was cancelled) does not leave its key blocked for a lease,
+/// nor a shared connection's count of claims in flight wrong.
 pub(crate) async fn claim_within(
     store: &Arc<dyn Store>,
     timeout: Duration,
@@ -61,29 +62,51 @@ pub(crate) async fn claim_within(
     let owned = store.clone();
     let (scope, key) = (request.scope.clone(), request.key.to_owned());
     let (fingerprint, lease, ttl) = (request.fingerprint, request.lease, request.ttl);
-    let mut claim: BoxFuture<'static, Result<Claim, StoreError>> = Box::pin(async move {
-        let request = ClaimRequest {
-            scope: &scope,
-            key: &key,
-            fingerprint,
-            lease,
-            ttl,
+    let mut claim = Unfinished {
+        claim: Some(Box::pin(async move {
+            let request = ClaimRequest {
+                scope: &scope,
+                key: &key,
+                fingerprint,
+                lease,
+                ttl,
+            };
+            owned.claim(&request).await
+        })),
+        store: store.clone(),
+    };
+    let running = claim.claim.as_mut().expect("the claim was just set");
+    let claimed = tokio::time::timeout(timeout, running).await?;
+    claim.claim = None;
+    Ok(claimed)
+}
+
+/// A claim that may still be on its way to the store; if it is dropped unfinished, the
+/// rest of it runs in a task that releases the key if the claim lands.
+struct Unfinished {
+    claim: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
+    store: Arc<dyn Store>,
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        use tracing::Instrument;
+        let Some(claim) = self.claim.take() else {
+            return;
         };
-        owned.claim(&request).await
-    });
-    match tokio::time::timeout(timeout, &mut claim).await {
-        Ok(claim) => Ok(claim),
-        Err(elapsed) => {
-            // Only now does the claim need a task of its own, to finish and be undone.
-            let store = store.clone();
-            tokio::spawn(async move {
-                if let Ok(Claim::Acquired(lease)) = claim.await {
-                    tracing::warn!(key = %lease.key, "a claim that timed out landed late; releasing it");
-                    let _ = store.release(&lease).await;
-                }
-            });
-            Err(elapsed)
-        }
+        // Without a runtime (it is shutting down) the claim cannot be finished here;
+        // its lease then lapses as a crashed process's would.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let finish = async move {
+            if let Ok(Claim::Acquired(lease)) = claim.await {
+                tracing::warn!(key = %lease.key, "a claim given up on landed late; releasing it");
+                let _ = store.release(&lease).await;
+            }
+        };
+        runtime.spawn(finish.in_current_span());
     }
 }
 
