@@ -207,11 +207,7 @@ impl Shared {
         })?;
         let client = Arc::new(client);
         *slot.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(client.clone());
-        Ok(Some(SharedClient {
-            queued,
-            client,
-            answered: false,
-        }))
+        Ok(Some(SharedClient::dealt(queued, client)))
     }
 
     /// Forgets `client` after it lost its connection: the next claim dealt to its slot
