@@ -155,8 +155,9 @@ impl Sql {
             // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
             // read does (0.9x its rate, docs/postgres.md). Two requests that both find
             // nothing race on the insert, and its `ON CONFLICT` settles it; the loser gets
-            // neither a row nor a token and reads again (`claim_on`). Times are compared in Rust against the
-            // database's `now()`, which is cheaper than numeric arithmetic in SQL.
+            // neither a row nor a token and reads again (`claim_on`). Times are compared
+            // in Rust against the database's `now()`, which is cheaper than numeric
+            // arithmetic in SQL.
             // The columns are read by position: keep them in the order of `col`.
             claim: format!(
                 "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
