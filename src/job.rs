@@ -37,8 +37,11 @@ use http::StatusCode;
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
+#[cfg(feature = "postgres")]
+use crate::layer::LONGEST_LOCK_TIMEOUT;
 use crate::{
     Fingerprint, IdempotencyKey, Scope, StoredResponse,
+    layer::TEN_YEARS,
     store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
 };
 
@@ -133,21 +136,21 @@ impl JobRunner {
         runner
     }
 
-    /// The lease (lease mode; default 30 s).
+    /// The lease (lease mode; default 30 s; from 10 ms to 10 years).
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(10));
+        self.lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);
         self
     }
 
-    /// How long results are kept (default 24 h).
+    /// How long results are kept (default 24 h; from 1 ms to 10 years).
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = ttl.clamp(Duration::from_millis(1), TEN_YEARS);
         self
     }
 
-    /// How long to wait for the store (default 5 s; at least 1 ms): on the claim (then
+    /// How long to wait for the store (default 5 s; from 1 ms to 10 years): on the claim (then
     /// the run fails with [`JobError::Store`] and the work does not run), and in lease
     /// mode on storing the result and on a release; in transactional mode, on opening
     /// the transaction (its commit is not bounded). A claim that lands after the bound,
@@ -155,17 +158,17 @@ impl JobRunner {
     /// the work rather than wait out the lease.
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.store_timeout = timeout.max(Duration::from_millis(1));
+        self.store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
         self
     }
 
     /// Transactional mode: how long to wait on another worker's uncommitted claim
-    /// before answering [`JobOutcome::Running`] (default 5 s).
+    /// before answering [`JobOutcome::Running`] (default 5 s; from 1 ms to 24.8 days).
     #[cfg(feature = "postgres")]
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         if let Some((_, t)) = &mut self.transactional {
-            *t = timeout.max(Duration::from_millis(1));
+            *t = timeout.clamp(Duration::from_millis(1), LONGEST_LOCK_TIMEOUT);
         }
         self
     }

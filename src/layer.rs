@@ -14,8 +14,13 @@ use crate::{
     store::{IntoStore, Store},
 };
 
-/// The longest TTL or lease accepted; longer settings are clamped to it.
-const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+/// The longest duration accepted for a TTL, a lease, a wait or a timeout; longer
+/// settings are clamped to it.
+pub(crate) const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// The longest `lock_timeout` PostgreSQL accepts (`i32::MAX` milliseconds, 24.8 days).
+#[cfg(feature = "postgres")]
+pub(crate) const LONGEST_LOCK_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 
 /// The default header name, `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -127,11 +132,12 @@ impl IdempotencyLayer {
     }
 
     /// Transactional mode: how long a duplicate waits on the first request's
-    /// uncommitted claim before answering 409 (default 5 s; PostgreSQL's `lock_timeout`).
+    /// uncommitted claim before answering 409 (default 5 s; PostgreSQL's `lock_timeout`,
+    /// from 1 ms to 24.8 days).
     #[cfg(feature = "postgres")]
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
-        self.config().lock_timeout = timeout.max(Duration::from_millis(1));
+        self.config().lock_timeout = timeout.clamp(Duration::from_millis(1), LONGEST_LOCK_TIMEOUT);
         self
     }
 
@@ -172,7 +178,8 @@ impl IdempotencyLayer {
     }
 
     /// How long a duplicate waits for a running request with its key to finish, then
-    /// replays its response (default zero: answer 409 at once). Past the bound, 409.
+    /// replays its response (default zero: answer 409 at once; at most 10 years). Past
+    /// the bound, 409.
     ///
     /// Wake-ups are pushed by the store: the memory store in-process, `PostgresStore`
     /// through `LISTEN/NOTIFY`, so a duplicate on one replica wakes when the first
@@ -180,7 +187,7 @@ impl IdempotencyLayer {
     /// [`PostgresStore::with_notifications`](crate::store::PostgresStore::with_notifications)).
     #[must_use]
     pub fn wait_for_running(mut self, bound: Duration) -> Self {
-        self.config().wait = bound;
+        self.config().wait = bound.min(TEN_YEARS);
         self
     }
 
@@ -228,11 +235,11 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long to wait for the store on a claim before answering 503 (default 5 s; at
-    /// least 1 ms).
+    /// How long to wait for the store on a claim before answering 503 (default 5 s; from
+    /// 1 ms to 10 years).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.config().store_timeout = timeout.max(Duration::from_millis(1));
+        self.config().store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
         self
     }
 

@@ -148,6 +148,55 @@ async fn a_new_key_commits_its_writes_and_response_together_in_one_commit() {
     );
 }
 
+/// The longest settings are taken as the longest PostgreSQL can hold: `lock_timeout`
+/// is capped at its own limit, not sent as a number it refuses on every request.
+#[tokio::test]
+async fn the_longest_settings_still_serve() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let max = Duration::MAX;
+    let layer = IdempotencyLayer::transactional(store)
+        .lock_timeout(max)
+        .store_timeout(max)
+        .ttl(max);
+    let (router, counter) = app(layer, &table);
+    let first = send(&router, post_with("k", &[])).await;
+    assert_eq!(first.status, 201);
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+}
+
+/// The TTL counts from completion, not from the claim: a handler that runs for longer
+/// than the TTL still leaves a response to replay, rather than a record that commits
+/// already expired, which a retry would take over and run again.
+#[tokio::test]
+async fn the_ttl_counts_from_the_commit_not_from_the_claim() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_secs(3));
+    let (router, counter) = app(layer, &table);
+    let first = send(&router, post_with("k", &[("x-delay-ms", "3300")])).await;
+    assert_eq!(first.status, 201);
+    let expires_in: f64 = schema
+        .query(&format!(
+            "SELECT extract(epoch FROM expires_at - now())::float8 FROM \"{}\".idempotency_keys WHERE key = 'k'",
+            schema.name
+        ))
+        .await[0]
+        .get(0);
+    assert!(
+        expires_in > 0.0,
+        "the record committed already expired ({expires_in:.3} s)"
+    );
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_concurrent_duplicates_write_one_row() {
     let schema = TestSchema::new();

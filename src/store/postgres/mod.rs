@@ -176,11 +176,14 @@ impl Sql {
                 l = ms.replace("$ms", "$5"),
                 e = ms.replace("$ms", "$6"),
             ),
-            // The notification is delivered when, and only if, the change commits.
+            // The notification is delivered when, and only if, the change commits. The
+            // TTL counts from this statement: in transactional mode `now()` would be the
+            // transaction's start, before the handler ran.
             complete: format!(
                 "WITH done AS (
                     UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
-                           headers = $5, body = $6, completed_at = now(), expires_at = now() + {e}
+                           headers = $5, body = $6, completed_at = statement_timestamp(),
+                           expires_at = statement_timestamp() + {e}
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
                     RETURNING waiters)
                  SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
@@ -326,9 +329,10 @@ impl PostgresStore {
     /// does.
     ///
     /// Waiting for running requests ([`IdempotencyLayer::wait_for_running`](crate::IdempotencyLayer::wait_for_running))
-    /// needs a `LISTEN` connection of its own, which a pool cannot lend: give its
-    /// configuration with [`with_notifications`](Self::with_notifications), or build the
-    /// store with [`connect`](Self::connect), which does.
+    /// wakes on notifications through a `LISTEN` connection of its own, which a pool
+    /// cannot lend: give its configuration with [`with_notifications`](Self::with_notifications),
+    /// or build the store with [`connect`](Self::connect), which does. Without one, a
+    /// waiter looks again every 250 ms.
     pub fn new(pool: Pool) -> Self {
         Self::with_names(pool, "public".into(), "idempotency_keys".into(), None, 0)
     }
