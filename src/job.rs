@@ -220,6 +220,23 @@ impl JobRunner {
             transaction: None,
         };
         let task = tokio::spawn(work(ctx).in_current_span());
+        // The rest runs in a task of its own: a caller that drops the run (its own
+        // timeout, a `select!`) leaves the work running, and then its lease is still
+        // renewed and its result stored, or its key released, rather than the key left
+        // claimed, unrenewed, for a redelivery to take over while the work still runs.
+        let runner = self.clone();
+        tokio::spawn(async move { runner.finish(lease, task).await }.in_current_span())
+            .await
+            .unwrap_or(Err(JobError::Panicked))
+    }
+
+    /// Renews `lease` while `task` runs, then stores its result or releases the key.
+    async fn finish<E>(
+        &self,
+        lease: Lease,
+        task: tokio::task::JoinHandle<Result<Bytes, E>>,
+    ) -> Result<JobOutcome, JobError<E>> {
+        let key = &*lease.key;
         let joined = crate::service::renew_while(&*self.store, &lease, self.lease, task).await;
         match joined {
             Ok(Ok(result)) => {

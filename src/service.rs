@@ -58,8 +58,11 @@ pin_project! {
     /// of it moves to a task of its own, which finishes the claim, runs the handler to
     /// the end and stores or releases its result. Dropped while it holds no claim
     /// (before its first poll, while the body is being read, while a duplicate waits
-    /// for the running request), the request is simply dropped. Outside a Tokio runtime the work cannot move, and the key then frees
-    /// when its lease lapses, as after a crash.
+    /// for the running request), the request is simply dropped; so is a duplicate
+    /// whose client went while its claim was on the way, once the claim finds the key
+    /// still running: it does not wait to run the handler for nobody. Outside a Tokio
+    /// runtime the work cannot move, and the key then frees when its lease lapses, as
+    /// after a crash.
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,
@@ -67,9 +70,9 @@ pin_project! {
 
     impl<F, B, E> PinnedDrop for ResponseFuture<F, B, E> {
         fn drop(this: Pin<&mut Self>) {
-            if let KindProj::Guarded { future, detach, claiming } = this.project().kind.project() {
+            if let KindProj::Guarded { future, detach, handoff } = this.project().kind.project() {
                 if let Some(future) = future.take() {
-                    if claiming.load(Ordering::Acquire) {
+                    if handoff.detach() {
                         detach(future);
                     }
                 }
@@ -88,9 +91,8 @@ pin_project! {
             future: Option<BoxFuture<'static, Answer<B, E>>>,
             // Spawns an unfinished `future`; built where its bounds are known.
             detach: fn(BoxFuture<'static, Answer<B, E>>),
-            // Set by the future while a claim may be on its way or held: it then
-            // finishes even if dropped.
-            claiming: Arc<AtomicBool>,
+            // Whether the future must finish even if dropped, and whether it was.
+            handoff: Arc<Handoff>,
         },
     }
 }
@@ -125,6 +127,37 @@ where
 }
 
 /// Hands a guarded request's unfinished work to a task of its own.
+/// Shared by a guarded request's future and its [`ResponseFuture`]: whether the request
+/// must finish if its client goes (a claim may be on its way to the store, or held),
+/// and whether its client has gone.
+#[derive(Debug, Default)]
+pub(crate) struct Handoff {
+    claiming: AtomicBool,
+    detached: AtomicBool,
+}
+
+impl Handoff {
+    /// From now on the request finishes even if its response future is dropped.
+    pub(crate) fn hold(&self) {
+        self.claiming.store(true, Ordering::Release);
+    }
+
+    /// From now on the request holds nothing: dropping its response future drops it.
+    /// False if it was already moved to a task of its own because its client had gone:
+    /// it then has nobody to answer, and stops.
+    fn let_go(&self) -> bool {
+        self.claiming.store(false, Ordering::Release);
+        !self.detached.load(Ordering::Acquire)
+    }
+
+    /// Called as the response future is dropped: whether the rest must run in a task.
+    fn detach(&self) -> bool {
+        let holding = self.claiming.load(Ordering::Acquire);
+        self.detached.store(holding, Ordering::Release);
+        holding
+    }
+}
+
 fn detach<B: Send + 'static, E: Send + 'static>(future: BoxFuture<'static, Answer<B, E>>) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => drop(runtime.spawn(future)),
@@ -185,8 +218,8 @@ where
             span.record("key", key.as_str());
         }
         let config = config.clone();
-        let claiming = Arc::new(AtomicBool::new(false));
-        let started = claiming.clone();
+        let handoff = Arc::new(Handoff::default());
+        let started = handoff.clone();
         let future = async move {
             // Whatever panics before the claim (a scope or fingerprint function, a
             // store) or in transactional mode (where dropping the transaction rolls it
@@ -212,7 +245,7 @@ where
             kind: Kind::Guarded {
                 future: Some(Box::pin(future.instrument(span))),
                 detach: detach::<ResBody, S::Error>,
-                claiming,
+                handoff,
             },
         }
     }
@@ -254,7 +287,7 @@ async fn guarded<S, ReqBody, ResBody>(
     inner: S,
     req: Request<ReqBody>,
     key: String,
-    claiming: &AtomicBool,
+    handoff: &Handoff,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -334,11 +367,11 @@ where
             body,
             claim_request,
             in_flight,
-            claiming,
+            handoff,
         ))
         .await;
     }
-    let lease = match claim(&config, &claim_request, claiming).await {
+    let lease = match claim(&config, &claim_request, handoff).await {
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
@@ -393,25 +426,34 @@ pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
 /// Claims the key in lease mode, waiting (up to `wait_for_running`) for a running
 /// holder to finish. `Err` is the answer when the key is not ours to run.
 ///
-/// `claiming` is set while a claim may be on its way to the store (the request then
-/// finishes even if its client goes, so that no claim is left behind with nobody to
-/// run or release it) and cleared while the request only waits.
+/// The request holds on (`Handoff::hold`) while a claim may be on its way to the store:
+/// it then finishes even if its client goes, so that no claim is left behind with
+/// nobody to run or release it. It lets go before it waits, holding nothing; a request
+/// whose client went while its claim was on the way stops there instead of waiting to
+/// run the handler for nobody.
 async fn claim<B>(
     config: &Config,
     request: &ClaimRequest<'_>,
-    claiming: &AtomicBool,
+    handoff: &Handoff,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
     loop {
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
-        claiming.store(true, Ordering::Release);
+        handoff.hold();
         let claim = crate::store::claim_within(&config.store, config.store_timeout, request).await;
         match claim {
-            Ok(Ok(Claim::Running { fingerprint, .. }))
-                if fingerprint == request.fingerprint
-                    && wait_until.is_some_and(|until| tokio::time::Instant::now() < until) =>
+            Ok(Ok(Claim::Running {
+                fingerprint,
+                retry_after,
+            })) if fingerprint == request.fingerprint
+                && wait_until.is_some_and(|until| tokio::time::Instant::now() < until) =>
             {
+                // Registering and waiting hold nothing: a client that goes now takes the
+                // request along, and one that has gone already is not waited for.
+                if !handoff.let_go() {
+                    return Err(in_progress(retry_after));
+                }
                 let registered = tokio::time::timeout(
                     config.store_timeout,
                     config.store.register_waiter(request.scope, request.key),
@@ -421,8 +463,6 @@ async fn claim<B>(
                 if matches!(registered, Ok(Ok(false))) {
                     continue;
                 }
-                // Holding nothing while waiting: a client that goes now takes it along.
-                claiming.store(false, Ordering::Release);
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
                     let _ = tokio::time::timeout_at(until, changed).await;
                 }

@@ -41,14 +41,7 @@
 //! too, but at most half of the pool's: the others queue in-process until a permit
 //! frees, so the handler they wait for always finds a connection.
 
-use std::{
-    ops::Deref,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
-};
+use std::{ops::Deref, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use deadpool_postgres::{Client, ClientWrapper};
@@ -367,7 +360,7 @@ pub(crate) async fn guarded<S, ReqBody, ResBody>(
     body: Bytes,
     request: ClaimRequest<'_>,
     in_flight: InFlight,
-    claiming: &AtomicBool,
+    handoff: &crate::service::Handoff,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -382,7 +375,7 @@ where
             Opened::Acquired(conn, lease) => {
                 // Until now, dropping the request dropped its connection, which rolled
                 // back anything claimed; from now on it finishes even if its client goes.
-                claiming.store(true, Ordering::Release);
+                handoff.hold();
                 (conn, lease)
             }
             Opened::Found(found) => {

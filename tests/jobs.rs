@@ -93,6 +93,50 @@ async fn failures_release_the_key(runner: JobRunner) {
     assert!(matches!(ran, JobOutcome::Ran(ref k) if k.len() == 64));
 }
 
+/// A caller that gives up on a run once its work has started (its own timeout, a
+/// `select!`) leaves nothing claimed: the work finishes, its result is stored, and a
+/// redelivery gets it, rather than finding the key running until its lease lapses.
+async fn a_run_dropped_by_its_caller_still_stores_its_result(runner: JobRunner) {
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let work = {
+        let (runs, gate) = (runs.clone(), gate.clone());
+        move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            gate.notified().await;
+            Ok::<_, std::io::Error>(Bytes::from("done"))
+        }
+    };
+    tokio::select! {
+        _ = runner.run(&scope, "msg-3", b"p", work) => panic!("the work finished before its gate opened"),
+        () = common::eventually(|| runs.load(Ordering::SeqCst) == 1) => {}
+    }
+    // The run is dropped; its work goes on and finishes.
+    gate.notify_one();
+    let mut redelivered = None;
+    for _ in 0..500 {
+        let outcome = runner
+            .run(&scope, "msg-3", b"p", |_| async {
+                Ok::<_, std::io::Error>(Bytes::from("a second run"))
+            })
+            .await
+            .unwrap();
+        if matches!(outcome, JobOutcome::Running { .. }) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        } else {
+            redelivered = Some(outcome);
+            break;
+        }
+    }
+    assert_eq!(
+        redelivered,
+        Some(JobOutcome::AlreadyDone(Bytes::from("done"))),
+        "the redeliveries found the key running, or ran the work again"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_deliveries_run_once() {
     deliveries_run_once(JobRunner::new(MemoryStore::new())).await;
@@ -113,6 +157,56 @@ async fn postgres_deliveries_run_once() {
 async fn postgres_failures_release_the_key() {
     let schema = TestSchema::new();
     failures_release_the_key(JobRunner::new(schema.store().await)).await;
+}
+
+#[tokio::test]
+async fn memory_a_run_dropped_by_its_caller_still_stores_its_result() {
+    a_run_dropped_by_its_caller_still_stores_its_result(JobRunner::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn postgres_a_run_dropped_by_its_caller_still_stores_its_result() {
+    let schema = TestSchema::new();
+    a_run_dropped_by_its_caller_still_stores_its_result(JobRunner::new(schema.store().await)).await;
+}
+
+/// "Forever" is a setting some consumers reach for: the longest leases, TTLs and
+/// timeouts are taken as the longest the store can hold, not as an error on every run.
+async fn the_longest_settings_still_run(runner: JobRunner) {
+    let max = std::time::Duration::MAX;
+    let runner = runner.lease_duration(max).ttl(max).store_timeout(max);
+    let scope = Scope::new("consumer");
+    for expected in [
+        JobOutcome::Ran(Bytes::from("once")),
+        JobOutcome::AlreadyDone(Bytes::from("once")),
+    ] {
+        let outcome = runner
+            .run(&scope, "msg-4", b"p", |_| async {
+                Ok::<_, std::io::Error>(Bytes::from("once"))
+            })
+            .await
+            .unwrap();
+        assert_eq!(outcome, expected);
+    }
+}
+
+#[tokio::test]
+async fn memory_the_longest_settings_still_run() {
+    the_longest_settings_still_run(JobRunner::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn postgres_the_longest_settings_still_run() {
+    let schema = TestSchema::new();
+    the_longest_settings_still_run(JobRunner::new(schema.store().await)).await;
+}
+
+#[tokio::test]
+async fn transactional_the_longest_settings_still_run() {
+    let schema = TestSchema::new();
+    let runner =
+        JobRunner::transactional(schema.store().await).lock_timeout(std::time::Duration::MAX);
+    the_longest_settings_still_run(runner).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -72,14 +72,20 @@ mod scheduling {
     /// A `MemoryStore` that lets a test watch the layer: its renewals never answer (the
     /// layer gives up on each after a third of the lease) and are counted while in
     /// flight; each release records how many requests `shutdown` counted in flight; it
-    /// counts the duplicates that registered to wait.
+    /// counts the claims answered and the duplicates that registered to wait. A test
+    /// holds claims, or registrations, on their way to the store for as long as it holds
+    /// the write half of `claims_on_the_way`, or of `registrations_on_the_way`.
     #[derive(Default)]
     struct Watched {
         inner: MemoryStore,
         renewals_in_flight: Arc<AtomicUsize>,
         shutdown: std::sync::OnceLock<ShutdownHandle>,
         in_flight_at_release: Arc<std::sync::Mutex<Vec<usize>>>,
+        claims_sent: AtomicUsize,
+        claims_answered: AtomicUsize,
+        claims_on_the_way: tokio::sync::RwLock<()>,
         waiters_registered: AtomicUsize,
+        registrations_on_the_way: tokio::sync::RwLock<()>,
     }
 
     struct Counted(Arc<AtomicUsize>);
@@ -95,7 +101,13 @@ mod scheduling {
             &'a self,
             request: &'a ClaimRequest<'a>,
         ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-            self.inner.claim(request)
+            self.claims_sent.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                let _on_the_way = self.claims_on_the_way.read().await;
+                let claim = self.inner.claim(request).await;
+                self.claims_answered.fetch_add(1, Ordering::SeqCst);
+                claim
+            })
         }
 
         fn complete<'a>(
@@ -127,7 +139,10 @@ mod scheduling {
             key: &'a str,
         ) -> BoxFuture<'a, Result<bool, StoreError>> {
             self.waiters_registered.fetch_add(1, Ordering::SeqCst);
-            self.inner.register_waiter(scope, key)
+            Box::pin(async move {
+                let _on_the_way = self.registrations_on_the_way.read().await;
+                self.inner.register_waiter(scope, key).await
+            })
         }
 
         fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
@@ -283,14 +298,74 @@ mod scheduling {
         assert_eq!(shutdown.in_flight(), 0);
     }
 
+    /// The longest settings are taken as the longest the layer can hold, not as a panic
+    /// on every request: a duplicate told to wait "forever" waits, then replays.
     #[tokio::test]
-    async fn a_waiting_duplicate_whose_client_hangs_up_does_not_run_later() {
+    async fn the_longest_settings_still_serve() {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Notify::new());
+        let handler = {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            service_fn(move |_req: http::Request<Body>| {
+                let (runs, gate) = (runs.clone(), gate.clone());
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    gate.notified().await;
+                    Ok::<_, Infallible>(http::Response::new(Body::from("paid")))
+                }
+            })
+        };
+        let max = Duration::MAX;
+        let svc = IdempotencyLayer::new(MemoryStore::new())
+            .wait_for_running(max)
+            .lease_duration(max)
+            .ttl(max)
+            .store_timeout(max)
+            .request_body_timeout(max)
+            .layer(handler);
+        let first = tokio::spawn(svc.clone().oneshot(post("k", "{}")));
+        eventually(|| runs.load(Ordering::SeqCst) == 1).await;
+        let duplicate = tokio::spawn(svc.clone().oneshot(post("k", "{}")));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!duplicate.is_finished(), "the duplicate did not wait");
+        gate.notify_one();
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(
+            first.extensions().get::<Outcome>(),
+            Some(&Outcome::Executed)
+        );
+        let duplicate = duplicate.await.unwrap().unwrap();
+        assert_eq!(
+            duplicate.extensions().get::<Outcome>(),
+            Some(&Outcome::Replayed)
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// When a duplicate's client hangs up, while it waits for the running request.
+    #[derive(Clone, Copy)]
+    enum HangUp {
+        /// Its claim is on its way to the store (the request then finishes that claim
+        /// in a task of its own, and finds the key running).
+        DuringTheClaim,
+        /// Its registration as a waiter is on its way.
+        DuringTheRegistration,
+        /// It is registered and waits.
+        WhileWaiting,
+    }
+
+    /// The first request runs until the test lets it fail (500 is not stored: the key
+    /// is released); a duplicate waits for it, and its client hangs up at `moment`. Then
+    /// the first request fails: returns the handler's runs, and whether the duplicate
+    /// registered to wait.
+    async fn a_waiting_duplicate_hangs_up(moment: HangUp) -> (usize, usize) {
         let watched = Arc::new(Watched::default());
         let store: Arc<dyn Store> = watched.clone();
         let runs = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(Notify::new());
-        // The first run waits for the gate, then fails (500 is not stored: the key is
-        // released); any later run succeeds.
+        // The first run waits for the gate, then fails; any later run succeeds.
         let handler = {
             let (runs, gate) = (runs.clone(), gate.clone());
             service_fn(move |_req: http::Request<Body>| {
@@ -310,24 +385,93 @@ mod scheduling {
             .layer(handler);
         let first = tokio::spawn(svc.clone().oneshot(post("k", "{}")));
         eventually(|| runs.load(Ordering::SeqCst) == 1).await;
+        let claims = watched.claims_on_the_way.write().await;
+        let registrations = watched.registrations_on_the_way.write().await;
         let mut duplicate = Box::pin(svc.clone().oneshot(post("k", "{}")));
-        while watched.waiters_registered.load(Ordering::SeqCst) == 0 {
+        let (sent, registered) = (&watched.claims_sent, &watched.waiters_registered);
+        let reached = || match moment {
+            HangUp::DuringTheClaim => sent.load(Ordering::SeqCst) == 2,
+            HangUp::DuringTheRegistration | HangUp::WhileWaiting => {
+                registered.load(Ordering::SeqCst) == 1
+            }
+        };
+        let mut held = (Some(claims), Some(registrations));
+        if !matches!(moment, HangUp::DuringTheClaim) {
+            held.0 = None;
+        }
+        if matches!(moment, HangUp::WhileWaiting) {
+            held.1 = None;
+        }
+        for _ in 0..1000 {
+            let polled =
+                std::future::poll_fn(|cx| std::task::Poll::Ready(duplicate.as_mut().poll(cx)))
+                    .await;
+            assert!(
+                polled.is_pending(),
+                "the duplicate answered before it waited"
+            );
+            if reached() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            reached(),
+            "the duplicate never reached the moment of the test"
+        );
+        if matches!(moment, HangUp::WhileWaiting) {
+            // Its registration is answered: the next poll waits for the first request.
             let polled =
                 std::future::poll_fn(|cx| std::task::Poll::Ready(duplicate.as_mut().poll(cx)))
                     .await;
             assert!(polled.is_pending());
-            tokio::task::yield_now().await;
         }
-        // The duplicate waits, holding nothing; its client hangs up.
         drop(duplicate);
-        gate.notify_one();
-        assert_eq!(first.await.unwrap().unwrap().status(), 500);
+        drop(held);
+        // Every claim sent has its answer before the first request fails.
+        eventually(|| watched.claims_answered.load(Ordering::SeqCst) == 2).await;
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
-        assert_eq!(
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap().status(), 500);
+        // A duplicate still waiting would wake on the release, claim the key and run.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        (
             runs.load(Ordering::SeqCst),
-            1,
+            watched.waiters_registered.load(Ordering::SeqCst),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_waiting_duplicate_whose_client_hangs_up_does_not_run_later() {
+        let (runs, registered) = a_waiting_duplicate_hangs_up(HangUp::WhileWaiting).await;
+        assert_eq!(registered, 1);
+        assert_eq!(
+            runs, 1,
+            "the abandoned duplicate ran the handler once the key was released"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_duplicate_whose_client_hangs_up_while_it_registers_to_wait_does_not_run_later() {
+        let (runs, registered) = a_waiting_duplicate_hangs_up(HangUp::DuringTheRegistration).await;
+        assert_eq!(registered, 1);
+        assert_eq!(
+            runs, 1,
+            "the abandoned duplicate ran the handler once the key was released"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_duplicate_whose_client_hangs_up_during_its_claim_does_not_wait_to_run() {
+        let (runs, registered) = a_waiting_duplicate_hangs_up(HangUp::DuringTheClaim).await;
+        assert_eq!(registered, 0, "the abandoned duplicate registered to wait");
+        assert_eq!(
+            runs, 1,
             "the abandoned duplicate ran the handler once the key was released"
         );
     }
