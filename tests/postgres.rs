@@ -36,6 +36,43 @@ async fn two_replicas_with_their_own_pools_run_each_key_once() {
     );
 }
 
+/// Some services make every transaction serializable by default (`ALTER DATABASE … SET
+/// default_transaction_isolation`). Duplicates that race to insert one key then meet a
+/// row committed after their snapshot, which PostgreSQL reports as a serialization
+/// failure rather than a conflict: the store looks again, so they still get 201 or
+/// 409, never 503, and each key runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_race_safely_where_transactions_default_to_serializable() {
+    let schema = TestSchema::new();
+    let url = common::database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let url = format!("{url}{separator}options=-c%20default_transaction_isolation%3Dserializable");
+    let (a, b) = (
+        schema.store_at(&url, 8).await,
+        schema.store_at(&url, 8).await,
+    );
+    let isolation = a
+        .pool()
+        .get()
+        .await
+        .expect("connection")
+        .query_one("SHOW transaction_isolation", &[])
+        .await
+        .expect("show");
+    assert_eq!(isolation.get::<_, String>(0), "serializable");
+    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
+    let (router_b, counter_b) = app(IdempotencyLayer::new(b));
+    let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
+    duplicate_burst([&router_a, &router_b], &keys, 10, "100").await;
+    for key in &keys {
+        assert_eq!(
+            counter_a.runs_of(key) + counter_b.runs_of(key),
+            1,
+            "{key} ran more than once"
+        );
+    }
+}
+
 /// Sends `per_key` requests for each of `keys` at once, alternating between the two
 /// routers, each handler taking `delay_ms`; every one is answered 201 or 409.
 async fn duplicate_burst(

@@ -199,8 +199,27 @@ async fn the_ttl_counts_from_the_commit_not_from_the_claim() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_concurrent_duplicates_write_one_row() {
+    concurrent_duplicates_write_one_row(&common::database_url()).await;
+}
+
+/// Where every transaction defaults to serializable, a duplicate blocked on the first
+/// request's row fails with a serialization failure when that row commits: it looks
+/// again in a new transaction and replays, rather than answering 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_replay_where_transactions_default_to_serializable() {
+    let url = common::database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    concurrent_duplicates_write_one_row(&format!(
+        "{url}{separator}options=-c%20default_transaction_isolation%3Dserializable"
+    ))
+    .await;
+}
+
+/// 200 requests with one key at once, on a store connected to `url`: one runs, the
+/// others get its response or 409, and its one row is written once.
+async fn concurrent_duplicates_write_one_row(url: &str) {
     let schema = TestSchema::new();
-    let store = schema.store_at(&common::database_url(), 32).await;
+    let store = schema.store_at(url, 32).await;
     let table = setup(&schema, &store).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     let barrier = Arc::new(tokio::sync::Barrier::new(200));

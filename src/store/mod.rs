@@ -44,6 +44,8 @@ mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
+pub(crate) use postgres::lost_a_race;
+#[cfg(feature = "postgres")]
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).

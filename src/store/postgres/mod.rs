@@ -296,6 +296,17 @@ fn waited_for_a_lock(e: &StoreError) -> bool {
         == Some(&SqlState::LOCK_NOT_AVAILABLE)
 }
 
+/// Whether `e` is a serialization failure: where transactions default to repeatable read
+/// or serializable, a statement that meets a row committed after its snapshot (the key
+/// inserted by a concurrent claim, the row changed by a concurrent takeover) fails so
+/// rather than seeing it. A statement with a snapshot of its own can look again.
+pub(crate) fn lost_a_race(e: &StoreError) -> bool {
+    e.source
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::code)
+        == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+}
+
 /// Whether `e` ended its connection: an I/O error or a closed connection (no SQLSTATE),
 /// a connection exception (class `08`), or the server shutting the session down.
 fn lost_its_connection(e: &StoreError) -> bool {
@@ -625,6 +636,22 @@ impl PostgresStore {
         ))
     }
 
+    /// Claims on `client` in autocommit, where each statement has a snapshot of its own:
+    /// a claim that lost a race under repeatable read or serializable looks again.
+    async fn claim_autocommit(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
+        let mut attempts = 1;
+        loop {
+            match self.claim_on(client, req).await {
+                Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+                claimed => return claimed,
+            }
+        }
+    }
+
     /// Prepares the completion statement on `client` (a no-op once cached), so that its
     /// execution can be pipelined with a `COMMIT`.
     pub(crate) async fn prepare_completion(
@@ -815,7 +842,7 @@ impl Store for PostgresStore {
             if let Some(shared) = &self.shared
                 && let Some(mut client) = shared.get(&self.pool).await?
             {
-                let claimed = self.claim_on(&client, request).await;
+                let claimed = self.claim_autocommit(&client, request).await;
                 client.answered();
                 match claimed {
                     Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
@@ -828,7 +855,7 @@ impl Store for PostgresStore {
                     claimed => return claimed,
                 }
             }
-            self.claim_on(&*self.client().await?, request).await
+            self.claim_autocommit(&*self.client().await?, request).await
         })
     }
 
@@ -847,19 +874,24 @@ impl Store for PostgresStore {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         let id = self.key_id(&lease.scope, &lease.key);
         Box::pin(async move {
-            self.query_on(
-                &*self.client().await?,
-                &self.sql.release,
-                &[
-                    &lease.scope.as_str(),
-                    &&*lease.key,
-                    &lease.token,
-                    &self.listener.channel(),
-                    &id,
-                ],
-            )
-            .await
-            .map(|rows| rows.len() == 1)
+            let client = self.client().await?;
+            let params: [&(dyn ToSql + Sync); 5] = [
+                &lease.scope.as_str(),
+                &&*lease.key,
+                &lease.token,
+                &self.listener.channel(),
+                &id,
+            ];
+            let mut attempts = 1;
+            loop {
+                // A release that lost a race (a duplicate registering as a waiter, under
+                // repeatable read or serializable) looks again: the key must not stay
+                // claimed for a lease.
+                match self.query_on(&client, &self.sql.release, &params).await {
+                    Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+                    released => return released.map(|rows| rows.len() == 1),
+                }
+            }
         })
     }
 
