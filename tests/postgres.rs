@@ -10,30 +10,7 @@ use tower_idempotency::{IdempotencyLayer, Outcome, store::PostgresStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_replicas_with_their_own_pools_run_each_key_once() {
-    let schema = TestSchema::new();
-    let (a, b) = (
-        schema.store_at(&common::database_url(), 8).await,
-        schema.store_at(&common::database_url(), 8).await,
-    );
-    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
-    let (router_b, counter_b) = app(IdempotencyLayer::new(b));
-    let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
-    duplicate_burst([&router_a, &router_b], &keys, 10, "100").await;
-    for key in &keys {
-        assert_eq!(
-            counter_a.runs_of(key) + counter_b.runs_of(key),
-            1,
-            "{key} ran more than once"
-        );
-    }
-    // Every key ends completed, once, in the shared table.
-    let rows = schema
-        .query(&format!("SELECT count(*) FILTER (WHERE state = 'completed'), count(*) FROM \"{}\".idempotency_keys", schema.name))
-        .await;
-    assert_eq!(
-        (rows[0].get::<_, i64>(0), rows[0].get::<_, i64>(1)),
-        (20, 20)
-    );
+    two_replicas_run_each_key_once(&common::database_url()).await;
 }
 
 /// Some services make every transaction serializable by default (`ALTER DATABASE … SET
@@ -43,23 +20,24 @@ async fn two_replicas_with_their_own_pools_run_each_key_once() {
 /// 409, never 503, and each key runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_race_safely_where_transactions_default_to_serializable() {
-    let schema = TestSchema::new();
-    let url = common::database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let url = format!("{url}{separator}options=-c%20default_transaction_isolation%3Dserializable");
-    let (a, b) = (
-        schema.store_at(&url, 8).await,
-        schema.store_at(&url, 8).await,
-    );
-    let isolation = a
-        .pool()
-        .get()
+    let url = common::serializable_url();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
-        .expect("connection")
+        .expect("connect");
+    tokio::spawn(conn);
+    let isolation = client
         .query_one("SHOW transaction_isolation", &[])
         .await
         .expect("show");
     assert_eq!(isolation.get::<_, String>(0), "serializable");
+    two_replicas_run_each_key_once(&url).await;
+}
+
+/// Two replicas, each with a pool of its own on `url`, get ten requests at once for
+/// each of twenty keys: each key runs once, and ends completed in the shared table.
+async fn two_replicas_run_each_key_once(url: &str) {
+    let schema = TestSchema::new();
+    let (a, b) = (schema.store_at(url, 8).await, schema.store_at(url, 8).await);
     let (router_a, counter_a) = app(IdempotencyLayer::new(a));
     let (router_b, counter_b) = app(IdempotencyLayer::new(b));
     let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
@@ -71,6 +49,13 @@ async fn duplicates_race_safely_where_transactions_default_to_serializable() {
             "{key} ran more than once"
         );
     }
+    let rows = schema
+        .query(&format!("SELECT count(*) FILTER (WHERE state = 'completed'), count(*) FROM \"{}\".idempotency_keys", schema.name))
+        .await;
+    assert_eq!(
+        (rows[0].get::<_, i64>(0), rows[0].get::<_, i64>(1)),
+        (20, 20)
+    );
 }
 
 /// Sends `per_key` requests for each of `keys` at once, alternating between the two

@@ -207,12 +207,7 @@ async fn two_hundred_concurrent_duplicates_write_one_row() {
 /// again in a new transaction and replays, rather than answering 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_replay_where_transactions_default_to_serializable() {
-    let url = common::database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
-    concurrent_duplicates_write_one_row(&format!(
-        "{url}{separator}options=-c%20default_transaction_isolation%3Dserializable"
-    ))
-    .await;
+    concurrent_duplicates_write_one_row(&common::serializable_url()).await;
 }
 
 /// 200 requests with one key at once, on a store connected to `url`: one runs, the

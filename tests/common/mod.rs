@@ -36,6 +36,14 @@ pub fn database_url() -> String {
         .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// `database_url()` with every transaction of its connections serializable by default,
+/// as `ALTER DATABASE … SET default_transaction_isolation` would make them.
+pub fn serializable_url() -> String {
+    let url = database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}options=-c%20default_transaction_isolation%3Dserializable")
+}
+
 /// A port on 127.0.0.1 where connections are refused for as long as the returned socket
 /// lives: it is bound, without `SO_REUSEADDR`, and never listens, so nothing else on the
 /// machine can start listening there in the meantime.

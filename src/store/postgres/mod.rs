@@ -307,6 +307,24 @@ pub(crate) fn lost_a_race(e: &StoreError) -> bool {
         == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
+/// Runs `statement` (one autocommit statement, so each attempt has a snapshot of its
+/// own) again while it loses a race under repeatable read or serializable, up to
+/// `CLAIM_ATTEMPTS` times in all.
+async fn again_if_it_lost_a_race<T, Fut>(
+    mut statement: impl FnMut() -> Fut,
+) -> Result<T, StoreError>
+where
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut attempts = 1;
+    loop {
+        match statement().await {
+            Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+            done => return done,
+        }
+    }
+}
+
 /// Whether `e` ended its connection: an I/O error or a closed connection (no SQLSTATE),
 /// a connection exception (class `08`), or the server shutting the session down.
 fn lost_its_connection(e: &StoreError) -> bool {
@@ -636,22 +654,6 @@ impl PostgresStore {
         ))
     }
 
-    /// Claims on `client` in autocommit, where each statement has a snapshot of its own:
-    /// a claim that lost a race under repeatable read or serializable looks again.
-    async fn claim_autocommit(
-        &self,
-        client: &ClientWrapper,
-        req: &ClaimRequest<'_>,
-    ) -> Result<Claim, StoreError> {
-        let mut attempts = 1;
-        loop {
-            match self.claim_on(client, req).await {
-                Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
-                claimed => return claimed,
-            }
-        }
-    }
-
     /// Prepares the completion statement on `client` (a no-op once cached), so that its
     /// execution can be pipelined with a `COMMIT`.
     pub(crate) async fn prepare_completion(
@@ -842,7 +844,7 @@ impl Store for PostgresStore {
             if let Some(shared) = &self.shared
                 && let Some(mut client) = shared.get(&self.pool).await?
             {
-                let claimed = self.claim_autocommit(&client, request).await;
+                let claimed = again_if_it_lost_a_race(|| self.claim_on(&client, request)).await;
                 client.answered();
                 match claimed {
                     Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
@@ -855,7 +857,8 @@ impl Store for PostgresStore {
                     claimed => return claimed,
                 }
             }
-            self.claim_autocommit(&*self.client().await?, request).await
+            let client = self.client().await?;
+            again_if_it_lost_a_race(|| self.claim_on(&client, request)).await
         })
     }
 
@@ -866,8 +869,8 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            self.complete_on(&*self.client().await?, lease, response, ttl)
-                .await
+            let client = self.client().await?;
+            again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl)).await
         })
     }
 
@@ -882,16 +885,9 @@ impl Store for PostgresStore {
                 &self.listener.channel(),
                 &id,
             ];
-            let mut attempts = 1;
-            loop {
-                // A release that lost a race (a duplicate registering as a waiter, under
-                // repeatable read or serializable) looks again: the key must not stay
-                // claimed for a lease.
-                match self.query_on(&client, &self.sql.release, &params).await {
-                    Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
-                    released => return released.map(|rows| rows.len() == 1),
-                }
-            }
+            again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params))
+                .await
+                .map(|rows| rows.len() == 1)
         })
     }
 
@@ -901,18 +897,16 @@ impl Store for PostgresStore {
         duration: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            self.execute_on(
-                &*self.client().await?,
-                &self.sql.renew,
-                &[
-                    &lease.scope.as_str(),
-                    &&*lease.key,
-                    &lease.token,
-                    &ms(duration),
-                ],
-            )
-            .await
-            .map(|n| n == 1)
+            let client = self.client().await?;
+            let params: [&(dyn ToSql + Sync); 4] = [
+                &lease.scope.as_str(),
+                &&*lease.key,
+                &lease.token,
+                &ms(duration),
+            ];
+            again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params))
+                .await
+                .map(|n| n == 1)
         })
     }
 
@@ -926,13 +920,11 @@ impl Store for PostgresStore {
         key: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            self.execute_on(
-                &*self.client().await?,
-                &self.sql.wait,
-                &[&scope.as_str(), &key],
-            )
-            .await
-            .map(|n| n == 1)
+            let client = self.client().await?;
+            let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
+            again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.wait, &params))
+                .await
+                .map(|n| n == 1)
         })
     }
 
