@@ -204,9 +204,10 @@ async fn postgres_the_longest_settings_still_run() {
 #[tokio::test]
 async fn transactional_the_longest_settings_still_run() {
     let schema = TestSchema::new();
-    let runner =
-        JobRunner::transactional(schema.store().await).lock_timeout(std::time::Duration::MAX);
+    let store = schema.store().await;
+    let runner = JobRunner::transactional(store.clone()).lock_timeout(std::time::Duration::MAX);
     the_longest_settings_still_run(runner).await;
+    common::idle(&store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

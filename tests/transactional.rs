@@ -156,7 +156,7 @@ async fn the_longest_settings_still_serve() {
     let store = schema.store().await;
     let table = setup(&schema, &store).await;
     let max = Duration::MAX;
-    let layer = IdempotencyLayer::transactional(store)
+    let layer = IdempotencyLayer::transactional(store.clone())
         .lock_timeout(max)
         .store_timeout(max)
         .ttl(max);
@@ -166,6 +166,7 @@ async fn the_longest_settings_still_serve() {
     let retry = send(&router, post_with("k", &[])).await;
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(counter.runs(), 1);
+    common::idle(&store).await;
 }
 
 /// The TTL counts from completion, not from the claim: a handler that runs for longer
@@ -176,7 +177,7 @@ async fn the_ttl_counts_from_the_commit_not_from_the_claim() {
     let schema = TestSchema::new();
     let store = schema.store().await;
     let table = setup(&schema, &store).await;
-    let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_secs(3));
+    let layer = IdempotencyLayer::transactional(store.clone()).ttl(Duration::from_secs(3));
     let (router, counter) = app(layer, &table);
     let first = send(&router, post_with("k", &[("x-delay-ms", "3300")])).await;
     assert_eq!(first.status, 201);
@@ -195,6 +196,7 @@ async fn the_ttl_counts_from_the_commit_not_from_the_claim() {
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(retry.body, first.body);
     assert_eq!(counter.runs(), 1);
+    common::idle(&store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

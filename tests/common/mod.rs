@@ -36,6 +36,17 @@ pub fn database_url() -> String {
         .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// Returns once every connection `store` holds is back in its pool: a transactional
+/// replay rolls its transaction back in a task of its own, and a test that ends before
+/// it has run would leave that transaction open, blocking the drop of its schema.
+pub async fn idle(store: &PostgresStore) {
+    eventually(|| {
+        let status = store.pool().status();
+        status.available == status.size
+    })
+    .await;
+}
+
 /// `database_url()` with every transaction of its connections serializable by default,
 /// as `ALTER DATABASE … SET default_transaction_isolation` would make them.
 pub fn serializable_url() -> String {
