@@ -126,7 +126,6 @@ where
     }
 }
 
-/// Hands a guarded request's unfinished work to a task of its own.
 /// Shared by a guarded request's future and its [`ResponseFuture`]: whether the request
 /// must finish if its client goes (a claim may be on its way to the store, or held),
 /// and whether its client has gone.
@@ -158,6 +157,7 @@ impl Handoff {
     }
 }
 
+/// Hands a guarded request's unfinished work to a task of its own.
 fn detach<B: Send + 'static, E: Send + 'static>(future: BoxFuture<'static, Answer<B, E>>) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => drop(runtime.spawn(future)),

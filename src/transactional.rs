@@ -283,24 +283,24 @@ pub(crate) async fn open(
     let claimed = tokio::time::timeout(store_timeout + lock_timeout, async {
         let client = conn.conn();
         let failed = |e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e);
-        let mut attempts = 1;
-        loop {
-            let (begun, claim) = tokio::join!(
-                client.batch_execute(&begin),
-                store.claim_on(client, request)
-            );
-            begun.map_err(failed)?;
-            match claim {
-                // Where transactions default to repeatable read or serializable, a
-                // duplicate that waited on the first request's row fails so once that
-                // row commits: it looks again, in a new transaction.
-                Err(e) if crate::store::lost_a_race(&e) && attempts < 3 => {
+        // Where transactions default to repeatable read or serializable, a duplicate
+        // that waited on the first request's row fails so once that row commits: it
+        // looks again, in a new transaction.
+        let mut again = false;
+        crate::store::again_if_it_lost_a_race(|| {
+            let retry = std::mem::replace(&mut again, true);
+            let begin = &begin;
+            async move {
+                if retry {
                     client.batch_execute("ROLLBACK").await.map_err(failed)?;
-                    attempts += 1;
                 }
-                claim => return claim,
+                let (begun, claim) =
+                    tokio::join!(client.batch_execute(begin), store.claim_on(client, request));
+                begun.map_err(failed)?;
+                claim
             }
-        }
+        })
+        .await
     })
     .await;
     match claimed {

@@ -298,23 +298,40 @@ mod scheduling {
         assert_eq!(shutdown.in_flight(), 0);
     }
 
+    /// A handler whose first run counts itself in `runs`, waits for `gate`, then answers
+    /// `first_status`; later runs count themselves and answer 200 at once.
+    fn first_run_waits_for(
+        runs: Arc<AtomicUsize>,
+        gate: Arc<Notify>,
+        first_status: http::StatusCode,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static {
+        service_fn(move |_req: http::Request<Body>| {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            async move {
+                let mut res = http::Response::new(Body::empty());
+                if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                    gate.notified().await;
+                    *res.status_mut() = first_status;
+                }
+                Ok::<_, Infallible>(res)
+            }
+        })
+    }
+
     /// The longest settings are taken as the longest the layer can hold, not as a panic
     /// on every request: a duplicate told to wait "forever" waits, then replays.
     #[tokio::test]
     async fn the_longest_settings_still_serve() {
         let runs = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(Notify::new());
-        let handler = {
-            let (runs, gate) = (runs.clone(), gate.clone());
-            service_fn(move |_req: http::Request<Body>| {
-                let (runs, gate) = (runs.clone(), gate.clone());
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    gate.notified().await;
-                    Ok::<_, Infallible>(http::Response::new(Body::from("paid")))
-                }
-            })
-        };
+        let handler = first_run_waits_for(runs.clone(), gate.clone(), http::StatusCode::OK);
         let max = Duration::MAX;
         let svc = IdempotencyLayer::new(MemoryStore::new())
             .wait_for_running(max)
@@ -367,20 +384,11 @@ mod scheduling {
         let runs = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(Notify::new());
         // The first run waits for the gate, then fails; any later run succeeds.
-        let handler = {
-            let (runs, gate) = (runs.clone(), gate.clone());
-            service_fn(move |_req: http::Request<Body>| {
-                let (runs, gate) = (runs.clone(), gate.clone());
-                async move {
-                    let mut res = http::Response::new(Body::empty());
-                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
-                        gate.notified().await;
-                        *res.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
-                    }
-                    Ok::<_, Infallible>(res)
-                }
-            })
-        };
+        let handler = first_run_waits_for(
+            runs.clone(),
+            gate.clone(),
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+        );
         let svc = IdempotencyLayer::new(store)
             .wait_for_running(Duration::from_secs(30))
             .layer(handler);

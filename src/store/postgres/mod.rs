@@ -288,29 +288,30 @@ fn classify_pool(e: PoolError) -> StoreError {
     }
 }
 
-/// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
-fn waited_for_a_lock(e: &StoreError) -> bool {
+/// The SQLSTATE of the database error behind `e`, if there is one.
+fn sqlstate(e: &StoreError) -> Option<&SqlState> {
     e.source
         .downcast_ref::<tokio_postgres::Error>()
         .and_then(tokio_postgres::Error::code)
-        == Some(&SqlState::LOCK_NOT_AVAILABLE)
+}
+
+/// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
+fn waited_for_a_lock(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::LOCK_NOT_AVAILABLE)
 }
 
 /// Whether `e` is a serialization failure: where transactions default to repeatable read
 /// or serializable, a statement that meets a row committed after its snapshot (the key
 /// inserted by a concurrent claim, the row changed by a concurrent takeover) fails so
 /// rather than seeing it. A statement with a snapshot of its own can look again.
-pub(crate) fn lost_a_race(e: &StoreError) -> bool {
-    e.source
-        .downcast_ref::<tokio_postgres::Error>()
-        .and_then(tokio_postgres::Error::code)
-        == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+fn lost_a_race(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
-/// Runs `statement` (one autocommit statement, so each attempt has a snapshot of its
-/// own) again while it loses a race under repeatable read or serializable, up to
-/// `CLAIM_ATTEMPTS` times in all.
-async fn again_if_it_lost_a_race<T, Fut>(
+/// Runs `statement` again while it loses a race under repeatable read or serializable,
+/// up to `CLAIM_ATTEMPTS` times in all. Each attempt must take a snapshot of its own:
+/// one autocommit statement, or a transaction begun anew.
+pub(crate) async fn again_if_it_lost_a_race<T, Fut>(
     mut statement: impl FnMut() -> Fut,
 ) -> Result<T, StoreError>
 where
