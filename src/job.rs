@@ -175,6 +175,12 @@ impl JobRunner {
 
     /// Runs `work` for (`scope`, `key`) unless it already ran. `input` is fingerprinted:
     /// the same key with another input is [`JobError::Mismatch`].
+    ///
+    /// Dropping the returned future (a timeout of the caller's, a `select!`) does not
+    /// cancel work that has started. In lease mode it runs to the end, with its lease
+    /// renewed, and its result is stored (or its key released), so a redelivery gets
+    /// [`JobOutcome::AlreadyDone`]; in transactional mode its transaction is rolled back
+    /// when the work ends, and a redelivery runs it anew.
     pub async fn run<F, Fut, E>(
         &self,
         scope: &Scope,
