@@ -754,7 +754,7 @@ async fn store_result(
                 )
                 .await;
                 if matches!(renewed, Ok(Ok(false))) {
-                    tracing::warn!(key = %lease.key, "the lease was taken over while storing the response");
+                    tracing::warn!(token = lease.token, "the lease was taken over while storing the response");
                     return;
                 }
                 if try_complete(&config, &lease, &stored, attempt).await {
@@ -763,7 +763,6 @@ async fn store_result(
                 attempt += 1;
             }
             tracing::error!(
-                key = %lease.key,
                 token = lease.token,
                 "the response could not be stored; the key stays claimed until its lease lapses, then a retry runs again"
             );
@@ -788,18 +787,17 @@ async fn try_complete(
         Ok(Ok(true)) => true,
         Ok(Ok(false)) => {
             tracing::warn!(
-                key = %lease.key,
                 token = lease.token,
                 "the lease was taken over by another request; this response went to its own client and was not stored"
             );
             true
         }
         Ok(Err(e)) => {
-            tracing::warn!(key = %lease.key, attempt, error = %e, "storing the response failed");
+            tracing::warn!(token = lease.token, attempt, error = %e, "storing the response failed");
             false
         }
         Err(_) => {
-            tracing::warn!(key = %lease.key, attempt, "storing the response timed out");
+            tracing::warn!(token = lease.token, attempt, "storing the response timed out");
             false
         }
     }

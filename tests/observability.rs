@@ -9,7 +9,11 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use common::{app, post, send};
+use common::{
+    app,
+    completions::{AlteredCompletions, Completion},
+    eventually, post, send,
+};
 use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
 use tracing::{
     Subscriber,
@@ -21,6 +25,25 @@ use tracing_subscriber::{Layer, layer::Context, prelude::*, registry::LookupSpan
 /// The fields of every closed `idempotency` span.
 #[derive(Clone, Default)]
 struct Spans(Arc<Mutex<Vec<HashMap<String, String>>>>);
+
+/// The fields of every event, its message included.
+#[derive(Clone, Default)]
+struct Events(Arc<Mutex<Vec<HashMap<String, String>>>>);
+
+impl Events {
+    fn messages(&self) -> Vec<String> {
+        let events = self.0.lock().unwrap();
+        events.iter().map(|e| e["message"].clone()).collect()
+    }
+}
+
+impl<S: Subscriber> Layer<S> for Events {
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        self.0.lock().unwrap().push(fields.0);
+    }
+}
 
 #[derive(Default)]
 struct Fields(HashMap<String, String>);
@@ -91,5 +114,47 @@ async fn keys_can_be_hashed_in_traces() {
     let seen = spans.0.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
     assert_ne!(seen[0]["key"], "alice@example.com");
+    assert_eq!(seen[0]["key"].len(), 16);
+}
+
+#[tokio::test]
+async fn a_hashed_key_is_in_no_event_either() {
+    let (spans, events) = (Spans::default(), Events::default());
+    let _guard = tracing_subscriber::registry()
+        .with(spans.clone())
+        .with(events.clone())
+        .set_default();
+    // Every completion fails: the layer warns of each attempt, then gives up after one
+    // more lease with an error.
+    let store = AlteredCompletions::new(Arc::new(MemoryStore::new()), Completion::Failing);
+    let layer = IdempotencyLayer::new(store)
+        .hash_keys_in_traces(true)
+        .lease_duration(std::time::Duration::from_millis(100));
+    let (router, _) = app(layer);
+    assert_eq!(send(&router, post("alice@example.com", "{}")).await.status, 201);
+    eventually(|| {
+        events
+            .messages()
+            .iter()
+            .any(|m| m.starts_with("the response could not be stored"))
+    })
+    .await;
+    let messages = events.messages();
+    assert!(
+        messages.iter().any(|m| m == "storing the response failed"),
+        "{messages:?}"
+    );
+    let events = events.0.lock().unwrap().clone();
+    for event in &events {
+        for (name, value) in event {
+            assert!(
+                !value.contains("alice@example.com"),
+                "the key in clear in the field {name} of {event:?}"
+            );
+        }
+    }
+    // The span that carries those events has the key's hash.
+    let seen = spans.0.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
     assert_eq!(seen[0]["key"].len(), 16);
 }

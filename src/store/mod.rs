@@ -104,7 +104,7 @@ impl Drop for Unfinished {
         let store = self.store.clone();
         let finish = async move {
             if let Ok(Claim::Acquired(lease)) = claim.await {
-                tracing::warn!(key = %lease.key, "a claim given up on landed late; releasing it");
+                tracing::warn!(token = lease.token, "a claim given up on landed late; releasing it");
                 let _ = store.release(&lease).await;
             }
         };

@@ -3,6 +3,7 @@
 //! that runs against every store.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod completions;
 pub mod proxy;
 pub mod suite;
 

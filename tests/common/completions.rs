@@ -1,0 +1,84 @@
+//! A store whose completions a test slows down or fails, everything else passed through
+//! to the store under test.
+
+use std::{sync::Arc, time::Duration};
+
+use tower_idempotency::{
+    Scope, StoredResponse,
+    store::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind},
+};
+
+/// What happens to each completion before (or instead of) reaching the inner store.
+#[derive(Clone, Copy, Debug)]
+pub enum Completion {
+    /// Reaches the store after this long.
+    Slow(Duration),
+    /// Fails at once as an unavailable store would.
+    Failing,
+}
+
+pub struct AlteredCompletions {
+    inner: Arc<dyn Store>,
+    completion: Completion,
+}
+
+impl AlteredCompletions {
+    pub fn new(inner: Arc<dyn Store>, completion: Completion) -> Arc<dyn Store> {
+        Arc::new(Self { inner, completion })
+    }
+}
+
+impl Store for AlteredCompletions {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest<'a>,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.inner.claim(request)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        match self.completion {
+            Completion::Slow(delay) => Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                self.inner.complete(lease, response, ttl).await
+            }),
+            Completion::Failing => Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the test's store refuses completions",
+            )))),
+        }
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.release(lease)
+    }
+
+    fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
+        self.inner.purge(batch)
+    }
+
+    fn register_waiter<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.register_waiter(scope, key)
+    }
+
+    fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
+        self.inner.changed(scope, key)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(lease, duration)
+    }
+}
