@@ -723,8 +723,9 @@ pub(crate) async fn renew_while<F: Future>(
     .await
 }
 
-/// Stores the response. The first attempt is made before answering; if it fails, the
-/// client gets its response at once and the attempts go on in the background, with
+/// Stores the response. The first attempt is made before answering, with the lease
+/// renewed as it was while the handler ran; if it fails or outlasts the store timeout,
+/// the client gets its response then, and the attempts go on in the background, with
 /// backoff, for one more lease: completion is token-checked, so a late attempt can never
 /// overwrite a successor's result.
 async fn store_result(
@@ -733,7 +734,10 @@ async fn store_result(
     stored: StoredResponse,
     in_flight: InFlight,
 ) {
-    if try_complete(config, lease, &stored, 1).await {
+    // A slow store must not let the lease lapse under a response about to be stored:
+    // a retry would take the key over and run the handler again.
+    let first = try_complete(config, lease, &stored, 1);
+    if renew_while(&*config.store, lease, config.lease, first).await {
         return;
     }
     let (config, lease) = (config.clone(), lease.clone());

@@ -15,6 +15,7 @@ macro_rules! layer_suite {
                 store::{Claim, ClaimRequest, Store},
             };
 
+            use $crate::common::completions::{AlteredCompletions, Completion};
             use $crate::common::{
                 app, eventually, in_flight, post, post_with_headers, req, retry_until_created, send,
             };
@@ -458,6 +459,30 @@ macro_rules! layer_suite {
                 assert_eq!(waited.problem(), "in-progress");
                 assert_eq!(first.await.unwrap().status, 201);
                 assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn a_slow_completion_keeps_its_lease() {
+                let (_layer, store, _g) = layer().await;
+                // The first completion takes five leases: renewal must keep duplicates
+                // out while it is on its way, as while the handler ran.
+                let slow = AlteredCompletions::new(store, Completion::Slow(Duration::from_millis(750)));
+                let layer = IdempotencyLayer::new(slow)
+                    .lease_duration(Duration::from_millis(150))
+                    .store_timeout(Duration::from_secs(5));
+                let (router, counter) = app(layer);
+                let first = in_flight(&router, post("k", "{}"), &counter).await;
+                let mut dups = Vec::new();
+                while !first.is_finished() {
+                    dups.push(send(&router, post("k", "{}")).await.status.as_u16());
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                assert_eq!(first.await.unwrap().status, 201);
+                assert!(!dups.is_empty());
+                assert!(dups.iter().all(|s| *s == 409), "{dups:?}");
+                assert_eq!(counter.runs(), 1);
+                let replay = send(&router, post("k", "{}")).await;
+                assert_eq!(replay.outcome, Some(Outcome::Replayed));
             }
 
             fn claim_request<'a>(scope: &'a Scope, lease: Duration, fp: u8) -> ClaimRequest<'a> {
