@@ -185,6 +185,9 @@ impl IdempotencyLayer {
     /// through `LISTEN/NOTIFY`, so a duplicate on one replica wakes when the first
     /// request completes on another (give the store a notification connection, see
     /// [`PostgresStore::with_notifications`](crate::store::PostgresStore::with_notifications)).
+    /// A waiter also looks again when the running request's lease lapses (its process
+    /// may have crashed, and then notifies nobody), and stops with `503 shutting-down`
+    /// when the layer's [`ShutdownHandle`] closes.
     #[must_use]
     pub fn wait_for_running(mut self, bound: Duration) -> Self {
         self.config().wait = bound.min(TEN_YEARS);
@@ -227,8 +230,9 @@ impl IdempotencyLayer {
     }
 
     /// The largest response body stored (default 1 MiB). A larger response still goes
-    /// in full to its client; the key is completed with a `response-not-stored` problem,
-    /// so a retry never runs the handler a second time.
+    /// in full to its client; if the storage policy would have stored it, the key is
+    /// completed with a `response-not-stored` problem, so a retry never runs the handler
+    /// a second time (one the policy releases, a 5xx say, releases the key as always).
     #[must_use]
     pub fn response_body_limit(mut self, bytes: usize) -> Self {
         self.config().response_body_limit = bytes;

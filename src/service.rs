@@ -423,6 +423,10 @@ pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
     ))
 }
 
+/// How long past a running key's lease a waiting duplicate looks again, so that it does
+/// not find the key a moment before the lease lapses and claim in a loop.
+const LAPSE_MARGIN: Duration = Duration::from_millis(10);
+
 /// Claims the key in lease mode, waiting (up to `wait_for_running`) for a running
 /// holder to finish. `Err` is the answer when the key is not ours to run.
 ///
@@ -438,6 +442,11 @@ async fn claim<B>(
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
     loop {
+        // After `close()` nothing new is claimed, not even by a request that was waiting
+        // when it came.
+        if config.shutdown.is_closed() {
+            return Err(shutting_down());
+        }
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
         handoff.hold();
@@ -463,8 +472,18 @@ async fn claim<B>(
                 if matches!(registered, Ok(Ok(false))) {
                     continue;
                 }
+                // Until the key changes, or its lease lapses: a holder that crashed
+                // sends no notification, and its key is ours to take over then.
+                // A `close()` ends the wait too: the next turn answers 503.
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
-                    let _ = tokio::time::timeout_at(until, changed).await;
+                    let lapse = tokio::time::Instant::now() + retry_after + LAPSE_MARGIN;
+                    let woken = async {
+                        tokio::select! {
+                            () = changed => {}
+                            () = config.shutdown.closed() => {}
+                        }
+                    };
+                    let _ = tokio::time::timeout_at(until.min(lapse), woken).await;
                 }
                 continue;
             }

@@ -36,6 +36,8 @@ struct State {
     closing: AtomicBool,
     in_flight: AtomicUsize,
     idle: Notify,
+    /// Wakes the requests waiting for a running key, so that they answer at once.
+    closed: Notify,
 }
 
 /// Held while a claimed request runs and stores its result.
@@ -67,9 +69,22 @@ impl ShutdownHandle {
         (!self.state.closing.load(Ordering::Acquire)).then_some(guard)
     }
 
-    /// Stops claiming new keys. Idempotent.
+    /// Stops claiming new keys. Idempotent. Requests waiting for a running key
+    /// (`wait_for_running`) stop waiting and answer `503 shutting-down` too.
     pub fn close(&self) {
         self.state.closing.store(true, Ordering::Release);
+        self.state.closed.notify_waiters();
+    }
+
+    /// Resolves once [`close`](Self::close) is called.
+    pub(crate) async fn closed(&self) {
+        let closed = self.state.closed.notified();
+        tokio::pin!(closed);
+        // Registered before the check, so a `close` in between still wakes it.
+        closed.as_mut().enable();
+        if !self.is_closed() {
+            closed.await;
+        }
     }
 
     /// Whether [`close`](Self::close) was called.

@@ -461,6 +461,63 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_waiting_duplicate_takes_the_key_over_when_its_holder_s_lease_lapses() {
+                let (layer, store, _g) = layer().await;
+                // A holder that crashed: it claimed, then never renewed, stored nor
+                // released, and so sends no notification either.
+                let scope = Scope::anonymous();
+                let crashed = store
+                    .claim(&claim_request(&scope, Duration::from_millis(300), 7))
+                    .await
+                    .unwrap();
+                assert!(matches!(crashed, Claim::Acquired(_)));
+                let layer = layer
+                    .fingerprint_with(|_, _| Fingerprint([7; 32]))
+                    .wait_for_running(Duration::from_secs(600));
+                let (router, counter) = app(layer);
+                // The waiter looks again when the lease lapses, not at its bound.
+                let waited = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    send(&router, post("job-1", "{}")),
+                )
+                .await
+                .expect("still waiting: the lapsed lease was not taken over");
+                assert_eq!(waited.status, 201);
+                assert_eq!(waited.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_waiting_duplicate_answers_503_at_close_and_never_runs() {
+                let (layer, _store, _g) = layer().await;
+                let layer = layer.wait_for_running(Duration::from_secs(600));
+                let shutdown = layer.shutdown_handle();
+                let (router, counter) = app(layer);
+                // The first fails, and so releases its key, once the waiter waits.
+                let failing = post_with_headers("k", &[("x-delay-ms", "800"), ("x-status", "503")]);
+                let first = in_flight(&router, failing, &counter).await;
+                let waiter = tokio::spawn({
+                    let router = router.clone();
+                    async move { send(&router, post("k", "{}")).await }
+                });
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let drained = tokio::spawn({
+                    let shutdown = shutdown.clone();
+                    async move { shutdown.drain().await }
+                });
+                let waited = waiter.await.unwrap();
+                assert_eq!(waited.status, 503);
+                assert_eq!(waited.problem(), "shutting-down");
+                assert_eq!(first.await.unwrap().status, 503);
+                tokio::time::timeout(Duration::from_secs(10), drained)
+                    .await
+                    .expect("drained")
+                    .unwrap();
+                // Released by the first, the key was claimed by nobody after the close.
+                assert_eq!(counter.runs(), 1);
+            }
+
             #[tokio::test]
             async fn a_slow_completion_keeps_its_lease() {
                 let (_layer, store, _g) = layer().await;
