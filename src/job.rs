@@ -289,7 +289,7 @@ impl JobRunner {
         Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
         E: Send + 'static,
     {
-        use crate::transactional::{Opened, TransactionHandle, commit, open, rollback};
+        use crate::transactional::{Committed, Opened, TransactionHandle, commit, open, rollback};
 
         let (conn, lease) = match open(store, request, lock_timeout, self.store_timeout).await {
             Opened::Acquired(conn, lease) => (conn, lease),
@@ -325,10 +325,11 @@ impl JobRunner {
         };
         match joined {
             Ok(Ok(result)) => {
-                if commit(store, conn, &lease, &stored(&result), self.ttl).await {
-                    Ok(JobOutcome::Ran(result))
-                } else {
-                    Err(JobError::NotCommitted)
+                // A work that succeeded although one of its statements failed (and so
+                // aborted the transaction) has had no effect either.
+                match commit(store, conn, &lease, &stored(&result), self.ttl).await {
+                    Committed::Yes => Ok(JobOutcome::Ran(result)),
+                    Committed::Aborted | Committed::No => Err(JobError::NotCommitted),
                 }
             }
             Ok(Err(e)) => {

@@ -60,7 +60,9 @@ use crate::{
         Produced, handler_failed, in_progress, run_inner, settle, unavailable, with_outcome,
     },
     shutdown::InFlight,
-    store::{Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind},
+    store::{
+        Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction,
+    },
 };
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -326,21 +328,37 @@ pub(crate) async fn open(
     }
 }
 
+/// What became of a transaction at its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Committed {
+    /// The handler's writes and the stored response are committed.
+    Yes,
+    /// A statement of the handler failed, so PostgreSQL had aborted the transaction:
+    /// nothing was committed, and the connection is back in the pool, clean.
+    Aborted,
+    /// Nothing was committed (or, if the connection died during `COMMIT`, it is
+    /// unknown; a retry then replays or runs clean).
+    No,
+}
+
 /// Writes the response into the claim row and commits, pipelined: one round trip, one
-/// commit. `false`: nothing was committed (or, if the connection died during COMMIT,
-/// it is unknown; a retry then replays or runs clean).
+/// commit.
 pub(crate) async fn commit(
     store: &PostgresStore,
     conn: OpenTx,
     lease: &Lease,
     stored: &StoredResponse,
     ttl: Duration,
-) -> bool {
+) -> Committed {
     let client = conn.conn();
     // Prepared first, so that its Execute is on the wire before the COMMIT.
     if let Err(e) = store.prepare_completion(client).await {
+        if in_an_aborted_transaction(&e) {
+            rollback(conn).await;
+            return Committed::Aborted;
+        }
         tracing::error!(error = %e, "the transaction was not committed");
-        return false;
+        return Committed::No;
     }
     let (completed, committed) = tokio::join!(
         store.complete_on(client, lease, stored, ttl),
@@ -349,7 +367,12 @@ pub(crate) async fn commit(
     match (completed, committed) {
         (Ok(true), Ok(())) => {
             conn.ended();
-            true
+            Committed::Yes
+        }
+        // The COMMIT of an aborted transaction rolls it back, and succeeds at that.
+        (Err(e), Ok(())) if in_an_aborted_transaction(&e) => {
+            conn.ended();
+            Committed::Aborted
         }
         (completed, committed) => {
             // A failed statement aborts the transaction, and COMMIT then rolls it back.
@@ -358,7 +381,7 @@ pub(crate) async fn commit(
                 committed = ?committed.as_ref().map_err(ToString::to_string),
                 "the transaction was not committed"
             );
-            false
+            Committed::No
         }
     }
 }
@@ -467,9 +490,24 @@ where
             )
         }
     };
-    if commit(&store, conn, &lease, &stored, config.ttl).await {
-        Ok(with_outcome(res, Outcome::Executed))
-    } else {
-        Ok(not_committed())
+    match commit(&store, conn, &lease, &stored, config.ttl).await {
+        Committed::Yes => Ok(with_outcome(res, Outcome::Executed)),
+        // The handler met a failed statement (a unique violation, say) and answered a
+        // client error: its answer stands, nothing was committed, and the key is free.
+        Committed::Aborted if res.status().is_client_error() => {
+            tracing::warn!(
+                status = res.status().as_u16(),
+                "a statement of the handler failed and aborted its transaction; its answer was not stored, and a retry runs again"
+            );
+            Ok(with_outcome(res, Outcome::Executed))
+        }
+        Committed::Aborted => {
+            tracing::error!(
+                status = res.status().as_u16(),
+                "the handler answered although a statement of its transaction failed, which aborted it; nothing was committed"
+            );
+            Ok(not_committed())
+        }
+        Committed::No => Ok(not_committed()),
     }
 }

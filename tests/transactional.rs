@@ -283,6 +283,145 @@ async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
     );
 }
 
+/// Inserts the payment id the body names into `app.table` (its primary key) in the
+/// request's transaction and answers 201; an id already taken answers 409, from the
+/// aborted transaction, as a payments API would. With `x-savepoint` the insert runs under
+/// a savepoint, rolled back to if it fails, so the transaction stays usable. With
+/// `x-ignore-errors` it answers 201 whatever the insert did. `x-backend` names the
+/// connection's backend.
+async fn create_once_per_id(
+    State(app): State<App>,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    app.counter.count_run();
+    let client = tx.client().await.expect("transaction");
+    let backend: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let id = String::from_utf8_lossy(&body).into_owned();
+    let savepoint = headers.contains_key("x-savepoint");
+    if savepoint {
+        client.batch_execute("SAVEPOINT payment").await.unwrap();
+    }
+    let inserted = client
+        .execute(&format!("INSERT INTO {} (id) VALUES ($1)", app.table), &[&id])
+        .await;
+    if savepoint && inserted.is_err() {
+        client
+            .batch_execute("ROLLBACK TO SAVEPOINT payment")
+            .await
+            .unwrap();
+    }
+    let status = match inserted {
+        Ok(_) => StatusCode::CREATED,
+        Err(_) if headers.contains_key("x-ignore-errors") => StatusCode::CREATED,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
+            StatusCode::CONFLICT
+        }
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (status, [("x-backend", backend.to_string())], id).into_response()
+}
+
+/// A pool of one connection, and a table of payment ids where `taken` is already in.
+async fn once_per_id(schema: &TestSchema, taken: &str) -> (Router, Counter, PostgresStore) {
+    let store = schema.store_at(&common::database_url(), 1).await;
+    let table = format!("\"{}\".payment_ids", schema.name);
+    schema
+        .query(&format!("CREATE TABLE {table} (id text PRIMARY KEY)"))
+        .await;
+    schema
+        .query(&format!("INSERT INTO {table} VALUES ('{taken}')"))
+        .await;
+    let counter = Counter::default();
+    let router = Router::new()
+        .route("/payments", post(create_once_per_id))
+        .layer(IdempotencyLayer::transactional(store.clone()))
+        .with_state(App {
+            counter: counter.clone(),
+            table,
+        });
+    (router, counter, store)
+}
+
+fn pay(key: &str, id: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
+    let mut b = req("POST").header("idempotency-key", key);
+    for (k, v) in extra {
+        b = b.header(*k, *v);
+    }
+    b.body(Body::from(id.to_owned())).unwrap()
+}
+
+#[tokio::test]
+async fn a_handler_that_answers_409_after_its_insert_failed_gets_its_409() {
+    let schema = TestSchema::new();
+    let (router, counter, store) = once_per_id(&schema, "pay_1").await;
+    // The insert fails on the primary key, which aborts the transaction; the handler
+    // answers 409 from it.
+    let first = send(&router, pay("k1", "pay_1", &[])).await;
+    assert_eq!(first.status, 409);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(first.body, "pay_1");
+    let keys = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k1'",
+        schema.name
+    );
+    assert_eq!(count(&schema, &keys).await, 0, "nothing was committed");
+    // The key is free: the retry runs again, and meets the same answer.
+    let retry = send(&router, pay("k1", "pay_1", &[])).await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(counter.runs(), 2);
+    // The pool's one connection came back clean, and serves the next request.
+    let next = send(&router, pay("k2", "pay_2", &[])).await;
+    assert_eq!(next.status, 201);
+    assert_eq!(next.header("x-backend"), first.header("x-backend"));
+    let replay = send(&router, pay("k2", "pay_2", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 3);
+    common::idle(&store).await;
+}
+
+#[tokio::test]
+async fn a_handler_that_rolls_back_to_a_savepoint_has_its_409_stored() {
+    let schema = TestSchema::new();
+    let (router, counter, store) = once_per_id(&schema, "pay_1").await;
+    let first = send(&router, pay("k1", "pay_1", &[("x-savepoint", "1")])).await;
+    assert_eq!(first.status, 409);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let retry = send(&router, pay("k1", "pay_1", &[("x-savepoint", "1")])).await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    common::idle(&store).await;
+}
+
+#[tokio::test]
+async fn a_handler_that_answers_201_after_its_insert_failed_gets_503_not_committed() {
+    let schema = TestSchema::new();
+    let (router, counter, store) = once_per_id(&schema, "pay_1").await;
+    let before = send(&router, pay("k0", "pay_0", &[])).await;
+    assert_eq!(before.status, 201);
+    // The handler claims success, but its transaction was aborted: nothing committed.
+    let first = send(&router, pay("k1", "pay_1", &[("x-ignore-errors", "1")])).await;
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem(), "not-committed");
+    let keys = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k1'",
+        schema.name
+    );
+    assert_eq!(count(&schema, &keys).await, 0);
+    assert_eq!(counter.runs(), 2);
+    // The pool's one connection came back clean, and serves the next request.
+    let next = send(&router, pay("k2", "pay_2", &[])).await;
+    assert_eq!(next.status, 201);
+    assert_eq!(next.header("x-backend"), before.header("x-backend"));
+    common::idle(&store).await;
+}
+
 #[tokio::test]
 async fn a_panic_rolls_back_and_the_connection_is_not_reused_mid_transaction() {
     let schema = TestSchema::new();

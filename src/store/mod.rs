@@ -44,7 +44,7 @@ mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::again_if_it_lost_a_race;
+pub(crate) use postgres::{again_if_it_lost_a_race, in_an_aborted_transaction};
 #[cfg(feature = "postgres")]
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 

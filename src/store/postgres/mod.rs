@@ -295,6 +295,12 @@ fn sqlstate(e: &StoreError) -> Option<&SqlState> {
         .and_then(tokio_postgres::Error::code)
 }
 
+/// Whether `e` is a statement refused because an earlier one failed in its transaction
+/// (which PostgreSQL has then aborted: its `COMMIT` rolls back).
+pub(crate) fn in_an_aborted_transaction(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::IN_FAILED_SQL_TRANSACTION)
+}
+
 /// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
 fn waited_for_a_lock(e: &StoreError) -> bool {
     sqlstate(e) == Some(&SqlState::LOCK_NOT_AVAILABLE)
