@@ -820,7 +820,11 @@ async fn try_complete(
             false
         }
         Err(_) => {
-            tracing::warn!(token = lease.token, attempt, "storing the response timed out");
+            tracing::warn!(
+                token = lease.token,
+                attempt,
+                "storing the response timed out"
+            );
             false
         }
     }

@@ -60,9 +60,7 @@ use crate::{
         Produced, handler_failed, in_progress, run_inner, settle, unavailable, with_outcome,
     },
     shutdown::InFlight,
-    store::{
-        Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction,
-    },
+    store::{Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction},
 };
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;

@@ -131,7 +131,10 @@ async fn a_hashed_key_is_in_no_event_either() {
         .hash_keys_in_traces(true)
         .lease_duration(std::time::Duration::from_millis(100));
     let (router, _) = app(layer);
-    assert_eq!(send(&router, post("alice@example.com", "{}")).await.status, 201);
+    assert_eq!(
+        send(&router, post("alice@example.com", "{}")).await.status,
+        201
+    );
     eventually(|| {
         events
             .messages()

@@ -308,7 +308,10 @@ async fn create_once_per_id(
         client.batch_execute("SAVEPOINT payment").await.unwrap();
     }
     let inserted = client
-        .execute(&format!("INSERT INTO {} (id) VALUES ($1)", app.table), &[&id])
+        .execute(
+            &format!("INSERT INTO {} (id) VALUES ($1)", app.table),
+            &[&id],
+        )
         .await;
     if savepoint && inserted.is_err() {
         client

@@ -44,9 +44,9 @@ mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::{again_if_it_lost_a_race, in_an_aborted_transaction};
-#[cfg(feature = "postgres")]
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
+#[cfg(feature = "postgres")]
+pub(crate) use postgres::{again_if_it_lost_a_race, in_an_aborted_transaction};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -104,7 +104,10 @@ impl Drop for Unfinished {
         let store = self.store.clone();
         let finish = async move {
             if let Ok(Claim::Acquired(lease)) = claim.await {
-                tracing::warn!(token = lease.token, "a claim given up on landed late; releasing it");
+                tracing::warn!(
+                    token = lease.token,
+                    "a claim given up on landed late; releasing it"
+                );
                 let _ = store.release(&lease).await;
             }
         };
