@@ -223,10 +223,24 @@ async fn a_missing_table_is_503_not_a_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn migrations_run_concurrently_from_many_processes_pools() {
+    migrations_run_concurrently_at(&common::database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrations_run_concurrently_where_transactions_default_to_repeatable_read() {
+    migrations_run_concurrently_at(&common::url_with_default_isolation("repeatable%5C%20read"))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrations_run_concurrently_where_transactions_default_to_serializable() {
+    migrations_run_concurrently_at(&common::serializable_url()).await;
+}
+
+/// Eight stores, each with its pool on `url`, migrate one fresh schema at once.
+async fn migrations_run_concurrently_at(url: &str) {
     let schema = TestSchema::new();
-    let stores: Vec<PostgresStore> = (0..8)
-        .map(|_| schema.unmigrated_store_at(&common::database_url()))
-        .collect();
+    let stores: Vec<PostgresStore> = (0..8).map(|_| schema.unmigrated_store_at(url)).collect();
     let results = futures_join_all(
         stores
             .iter()

@@ -51,9 +51,15 @@ pub async fn idle(store: &PostgresStore) {
 /// `database_url()` with every transaction of its connections serializable by default,
 /// as `ALTER DATABASE … SET default_transaction_isolation` would make them.
 pub fn serializable_url() -> String {
+    url_with_default_isolation("serializable")
+}
+
+/// `DATABASE_URL` with connections whose transactions default to `level`
+/// (`serializable`, or `repeatable%5C%20read`: a space in `options` is escaped).
+pub fn url_with_default_isolation(level: &str) -> String {
     let url = database_url();
     let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}options=-c%20default_transaction_isolation%3Dserializable")
+    format!("{url}{separator}options=-c%20default_transaction_isolation%3D{level}")
 }
 
 /// A port on 127.0.0.1 where connections are refused for as long as the returned socket

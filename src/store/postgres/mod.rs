@@ -555,7 +555,16 @@ impl PostgresStore {
     /// transaction-scoped advisory lock and recorded in `<table>_migrations`.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut client = self.pool.get().await.map_err(classify_pool)?;
-        let tx = client.transaction().await.map_err(classify)?;
+        // Read committed whatever the database's default: a replica that waited on the
+        // lock must see the versions the one before it applied. Under repeatable read or
+        // serializable its snapshot, taken before the wait, would not, and it would apply
+        // them again and fail on their rows.
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await
+            .map_err(classify)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
             .await
             .map_err(classify)?;
