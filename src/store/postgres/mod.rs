@@ -203,11 +203,14 @@ impl Sql {
             wait: format!(
                 "UPDATE {t} SET waiters = true WHERE scope = $1 AND key = $2 AND state = 'running'"
             ),
+            // The outer condition repeats the inner one: a ctid names a row only within
+            // one table, so on a partitioned table it could name a live row elsewhere.
             purge: format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
                     SELECT ctid FROM {t}
                     WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
-                    LIMIT $1 FOR UPDATE SKIP LOCKED))"
+                    LIMIT $1 FOR UPDATE SKIP LOCKED))
+                 AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
@@ -613,8 +616,11 @@ impl PostgresStore {
     /// a timer) until it returns less than `batch`. Rows locked by a concurrent purge are
     /// skipped, so several purgers never wait on each other.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
-        self.execute_on(&*self.client().await?, &self.sql.purge, &[&batch])
-            .await
+        let client = self.client().await?;
+        let params: [&(dyn ToSql + Sync); 1] = [&batch];
+        // Under repeatable read or serializable, locking a row changed since the
+        // statement's snapshot (a takeover of an expired key) fails: look again.
+        again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.purge, &params)).await
     }
 
     /// A permit to hold a connection for a transactional claim (see `tx_claims`).
