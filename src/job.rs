@@ -242,22 +242,19 @@ impl JobRunner {
         lease: Lease,
         task: tokio::task::JoinHandle<Result<Bytes, E>>,
     ) -> Result<JobOutcome, JobError<E>> {
-        let key = &*lease.key;
         let joined = crate::service::renew_while(&*self.store, &lease, self.lease, task).await;
         match joined {
             Ok(Ok(result)) => {
-                let stored = stored(&result);
-                let done = tokio::time::timeout(
-                    self.store_timeout,
-                    self.store.complete(&lease, &stored, self.ttl),
-                )
-                .await;
-                if !matches!(done, Ok(Ok(true))) {
-                    tracing::warn!(
-                        key,
-                        "the job's result could not be stored; a later delivery may run it again"
-                    );
-                }
+                // As the layer stores a response: renewed while the first attempt runs,
+                // then retried in the background for one more lease, so that a brief
+                // outage does not leave the key to lapse and a redelivery to run again.
+                let storing = crate::service::Storing {
+                    store: self.store.clone(),
+                    lease: self.lease,
+                    store_timeout: self.store_timeout,
+                    ttl: self.ttl,
+                };
+                storing.store(&lease, stored(&result), ()).await;
                 Ok(JobOutcome::Ran(result))
             }
             Ok(Err(e)) => {

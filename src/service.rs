@@ -742,90 +742,118 @@ pub(crate) async fn renew_while<F: Future>(
     .await
 }
 
-/// Stores the response. The first attempt is made before answering, with the lease
-/// renewed as it was while the handler ran; if it fails or outlasts the store timeout,
-/// the client gets its response then, and the attempts go on in the background, with
-/// backoff, for one more lease: completion is token-checked, so a late attempt can never
-/// overwrite a successor's result.
+/// What storing a result needs: the store, and the lease, timeout and TTL to store it
+/// with (the layer's, or a `JobRunner`'s).
+#[derive(Clone)]
+pub(crate) struct Storing {
+    pub(crate) store: Arc<dyn crate::store::Store>,
+    pub(crate) lease: Duration,
+    pub(crate) store_timeout: Duration,
+    pub(crate) ttl: Duration,
+}
+
+impl Storing {
+    fn of(config: &Config) -> Self {
+        Self {
+            store: config.store.clone(),
+            lease: config.lease,
+            store_timeout: config.store_timeout,
+            ttl: config.ttl,
+        }
+    }
+}
+
 async fn store_result(
     config: &Arc<Config>,
     lease: &Lease,
     stored: StoredResponse,
     in_flight: InFlight,
 ) {
-    // A slow store must not let the lease lapse under a response about to be stored:
-    // a retry would take the key over and run the handler again.
-    let first = try_complete(config, lease, &stored, 1);
-    if renew_while(&*config.store, lease, config.lease, first).await {
-        return;
-    }
-    let (config, lease) = (config.clone(), lease.clone());
-    tokio::spawn(
-        async move {
-            let _in_flight = in_flight;
-            let deadline = tokio::time::Instant::now() + config.lease;
-            let mut backoff = Duration::from_millis(50);
-            let mut attempt = 2;
-            while tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-                // Hold on to the key while trying: a lapsed lease would let a retry run
-                // the handler again although it succeeded. Lost means fenced: stop.
-                let renewed = tokio::time::timeout(
-                    config.store_timeout,
-                    config.store.renew(&lease, config.lease),
-                )
-                .await;
-                if matches!(renewed, Ok(Ok(false))) {
-                    tracing::warn!(token = lease.token, "the lease was taken over while storing the response");
-                    return;
-                }
-                if try_complete(&config, &lease, &stored, attempt).await {
-                    return;
-                }
-                attempt += 1;
-            }
-            tracing::error!(
-                token = lease.token,
-                "the response could not be stored; the key stays claimed until its lease lapses, then a retry runs again"
-            );
-        }
-        .in_current_span(),
-    );
+    Storing::of(config).store(lease, stored, in_flight).await;
 }
 
-/// One completion attempt; `true` when there is nothing left to do (stored, or fenced).
-async fn try_complete(
-    config: &Config,
-    lease: &Lease,
-    stored: &StoredResponse,
-    attempt: u32,
-) -> bool {
-    match tokio::time::timeout(
-        config.store_timeout,
-        config.store.complete(lease, stored, config.ttl),
-    )
-    .await
-    {
-        Ok(Ok(true)) => true,
-        Ok(Ok(false)) => {
-            tracing::warn!(
-                token = lease.token,
-                "the lease was taken over by another request; this response went to its own client and was not stored"
-            );
-            true
+impl Storing {
+    /// Stores the result. The first attempt is made before answering, with the lease
+    /// renewed as it was while the handler ran; if it fails or outlasts the store
+    /// timeout, the caller gets its answer then, and the attempts go on in the
+    /// background, with backoff, for one more lease, holding `keep` meanwhile:
+    /// completion is token-checked, so a late attempt can never overwrite a successor's
+    /// result.
+    pub(crate) async fn store(
+        &self,
+        lease: &Lease,
+        stored: StoredResponse,
+        keep: impl Send + 'static,
+    ) {
+        // A slow store must not let the lease lapse under a result about to be stored:
+        // a retry would take the key over and run the handler again.
+        let first = self.try_complete(lease, &stored, 1);
+        if renew_while(&*self.store, lease, self.lease, first).await {
+            return;
         }
-        Ok(Err(e)) => {
-            tracing::warn!(token = lease.token, attempt, error = %e, "storing the response failed");
-            false
-        }
-        Err(_) => {
-            tracing::warn!(
-                token = lease.token,
-                attempt,
-                "storing the response timed out"
-            );
-            false
+        let (this, lease) = (self.clone(), lease.clone());
+        tokio::spawn(
+            async move {
+                let _keep = keep;
+                let deadline = tokio::time::Instant::now() + this.lease;
+                let mut backoff = Duration::from_millis(50);
+                let mut attempt = 2;
+                while tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    // Hold on to the key while trying: a lapsed lease would let a retry
+                    // run the handler again although it succeeded. Lost means fenced: stop.
+                    let renewed = tokio::time::timeout(
+                        this.store_timeout,
+                        this.store.renew(&lease, this.lease),
+                    )
+                    .await;
+                    if matches!(renewed, Ok(Ok(false))) {
+                        tracing::warn!(
+                            token = lease.token,
+                            "the lease was taken over while storing the result"
+                        );
+                        return;
+                    }
+                    if this.try_complete(&lease, &stored, attempt).await {
+                        return;
+                    }
+                    attempt += 1;
+                }
+                tracing::error!(
+                    token = lease.token,
+                    "the result could not be stored; the key stays claimed until its lease lapses, then a retry runs again"
+                );
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// One completion attempt; `true` when there is nothing left to do (stored, or
+    /// fenced).
+    async fn try_complete(&self, lease: &Lease, stored: &StoredResponse, attempt: u32) -> bool {
+        match tokio::time::timeout(
+            self.store_timeout,
+            self.store.complete(lease, stored, self.ttl),
+        )
+        .await
+        {
+            Ok(Ok(true)) => true,
+            Ok(Ok(false)) => {
+                tracing::warn!(
+                    token = lease.token,
+                    "the lease was taken over by another run; this result went to its own caller and was not stored"
+                );
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(token = lease.token, attempt, error = %e, "storing the result failed");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(token = lease.token, attempt, "storing the result timed out");
+                false
+            }
         }
     }
 }

@@ -3,17 +3,23 @@
 
 mod common;
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicUsize, Ordering},
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
 };
 
 use bytes::Bytes;
-use common::TestSchema;
+use common::{
+    TestSchema,
+    completions::{AlteredCompletions, Completion},
+};
 use tower_idempotency::{
     Scope,
     job::{JobError, JobOutcome, JobRunner},
-    store::MemoryStore,
+    store::{MemoryStore, Store},
 };
 
 async fn deliveries_run_once(runner: JobRunner) {
@@ -135,6 +141,58 @@ async fn a_run_dropped_by_its_caller_still_stores_its_result(runner: JobRunner) 
         "the redeliveries found the key running, or ran the work again"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A store that fails a run's first completions (a connection reset, a failover) still
+/// gets its result: the runner renews the lease and tries again, so a redelivery finds
+/// the result, never a lapsed key to run again.
+async fn a_result_whose_first_completions_fail_is_still_stored(store: Arc<dyn Store>) {
+    let store = AlteredCompletions::new(store, Completion::FailingFirst(2));
+    let runner = JobRunner::new(store).lease_duration(Duration::from_millis(200));
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = |runs: Arc<AtomicUsize>| {
+        move |_| async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            Ok::<_, std::io::Error>(Bytes::from(format!("run {n}")))
+        }
+    };
+    let first = runner
+        .run(&scope, "msg-4", b"p", work(runs.clone()))
+        .await
+        .unwrap();
+    assert_eq!(first, JobOutcome::Ran(Bytes::from("run 1")));
+    // Redeliveries, for five leases: running while the result is on its way, then done.
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        let outcome = runner
+            .run(&scope, "msg-4", b"p", work(runs.clone()))
+            .await
+            .unwrap();
+        seen.push(outcome);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ran = seen
+        .iter()
+        .filter(|o| matches!(o, JobOutcome::Ran(_)))
+        .count();
+    assert_eq!(ran, 0, "redeliveries ran the work again");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        seen.last(),
+        Some(&JobOutcome::AlreadyDone(Bytes::from("run 1")))
+    );
+}
+
+#[tokio::test]
+async fn memory_a_result_whose_first_completions_fail_is_still_stored() {
+    a_result_whose_first_completions_fail_is_still_stored(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn postgres_a_result_whose_first_completions_fail_is_still_stored() {
+    let schema = TestSchema::new();
+    a_result_whose_first_completions_fail_is_still_stored(Arc::new(schema.store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

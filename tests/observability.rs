@@ -139,12 +139,12 @@ async fn a_hashed_key_is_in_no_event_either() {
         events
             .messages()
             .iter()
-            .any(|m| m.starts_with("the response could not be stored"))
+            .any(|m| m.starts_with("the result could not be stored"))
     })
     .await;
     let messages = events.messages();
     assert!(
-        messages.iter().any(|m| m == "storing the response failed"),
+        messages.iter().any(|m| m == "storing the result failed"),
         "{messages:?}"
     );
     let events = events.0.lock().unwrap().clone();

@@ -1,7 +1,13 @@
 //! A store whose completions a test slows down or fails, everything else passed through
 //! to the store under test.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use tower_idempotency::{
     Scope, StoredResponse,
@@ -15,17 +21,31 @@ pub enum Completion {
     Slow(Duration),
     /// Fails at once as an unavailable store would.
     Failing,
+    /// The first this many fail as `Failing` does; the others reach the store.
+    FailingFirst(usize),
 }
 
 pub struct AlteredCompletions {
     inner: Arc<dyn Store>,
     completion: Completion,
+    attempts: AtomicUsize,
 }
 
 impl AlteredCompletions {
     pub fn new(inner: Arc<dyn Store>, completion: Completion) -> Arc<dyn Store> {
-        Arc::new(Self { inner, completion })
+        Arc::new(Self {
+            inner,
+            completion,
+            attempts: AtomicUsize::new(0),
+        })
     }
+}
+
+fn refused() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unavailable,
+        "the test's store refuses completions",
+    )
 }
 
 impl Store for AlteredCompletions {
@@ -42,15 +62,17 @@ impl Store for AlteredCompletions {
         response: &'a StoredResponse,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let attempt = self.attempts.fetch_add(1, Ordering::SeqCst);
         match self.completion {
             Completion::Slow(delay) => Box::pin(async move {
                 tokio::time::sleep(delay).await;
                 self.inner.complete(lease, response, ttl).await
             }),
-            Completion::Failing => Box::pin(std::future::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "the test's store refuses completions",
-            )))),
+            Completion::Failing => Box::pin(std::future::ready(Err(refused()))),
+            Completion::FailingFirst(n) if attempt < n => {
+                Box::pin(std::future::ready(Err(refused())))
+            }
+            Completion::FailingFirst(_) => self.inner.complete(lease, response, ttl),
         }
     }
 
