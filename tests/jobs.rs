@@ -147,7 +147,7 @@ async fn a_run_dropped_by_its_caller_still_stores_its_result(runner: JobRunner) 
 /// gets its result: the runner renews the lease and tries again, so a redelivery finds
 /// the result, never a lapsed key to run again.
 async fn a_result_whose_first_completions_fail_is_still_stored(store: Arc<dyn Store>) {
-    let store = AlteredCompletions::new(store, Completion::FailingFirst(2));
+    let store = AlteredCompletions::around(store, Completion::FailingFirst(2));
     let runner = JobRunner::new(store).lease_duration(Duration::from_millis(200));
     let scope = Scope::new("consumer");
     let runs = Arc::new(AtomicUsize::new(0));

@@ -126,7 +126,7 @@ async fn a_hashed_key_is_in_no_event_either() {
         .set_default();
     // Every completion fails: the layer warns of each attempt, then gives up after one
     // more lease with an error.
-    let store = AlteredCompletions::new(Arc::new(MemoryStore::new()), Completion::Failing);
+    let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
     let layer = IdempotencyLayer::new(store)
         .hash_keys_in_traces(true)
         .lease_duration(std::time::Duration::from_millis(100));

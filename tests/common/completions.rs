@@ -32,7 +32,7 @@ pub struct AlteredCompletions {
 }
 
 impl AlteredCompletions {
-    pub fn new(inner: Arc<dyn Store>, completion: Completion) -> Arc<dyn Store> {
+    pub fn around(inner: Arc<dyn Store>, completion: Completion) -> Arc<dyn Store> {
         Arc::new(Self {
             inner,
             completion,

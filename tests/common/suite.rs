@@ -524,7 +524,7 @@ macro_rules! layer_suite {
                 // The first completion takes five leases: renewal must keep duplicates
                 // out while it is on its way, as while the handler ran.
                 let slow =
-                    AlteredCompletions::new(store, Completion::Slow(Duration::from_millis(750)));
+                    AlteredCompletions::around(store, Completion::Slow(Duration::from_millis(750)));
                 let layer = IdempotencyLayer::new(slow)
                     .lease_duration(Duration::from_millis(150))
                     .store_timeout(Duration::from_secs(5));
