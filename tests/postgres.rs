@@ -259,7 +259,7 @@ async fn migrations_run_concurrently_at(url: &str) {
         .await;
     // Every file in migrations/ applied exactly once.
     let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
-        .unwrap()
+        .expect("migrations/")
         .count();
     assert_eq!(rows[0].get::<_, i64>(0), files as i64);
     // And once more, idempotently.
