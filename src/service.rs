@@ -427,6 +427,10 @@ pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
 /// not find the key a moment before the lease lapses and claim in a loop.
 const LAPSE_MARGIN: Duration = Duration::from_millis(10);
 
+/// How often a waiting duplicate whose registration failed looks again, as it does
+/// while the store has no notification connection.
+const UNREGISTERED_RECHECK: Duration = Duration::from_millis(250);
+
 /// Claims the key in lease mode, waiting (up to `wait_for_running`) for a running
 /// holder to finish. `Err` is the answer when the key is not ours to run.
 ///
@@ -472,18 +476,25 @@ async fn claim<B>(
                 if matches!(registered, Ok(Ok(false))) {
                     continue;
                 }
+                // Not registered (the store failed or was slow): the completion may
+                // notify nobody, so look again soon on our own.
+                let unregistered = !matches!(registered, Ok(Ok(true)));
                 // Until the key changes, or its lease lapses: a holder that crashed
                 // sends no notification, and its key is ours to take over then.
                 // A `close()` ends the wait too: the next turn answers 503.
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
-                    let lapse = tokio::time::Instant::now() + retry_after + LAPSE_MARGIN;
+                    let now = tokio::time::Instant::now();
+                    let mut wake = until.min(now + retry_after + LAPSE_MARGIN);
+                    if unregistered {
+                        wake = wake.min(now + UNREGISTERED_RECHECK);
+                    }
                     let woken = async {
                         tokio::select! {
                             () = changed => {}
                             () = config.shutdown.closed() => {}
                         }
                     };
-                    let _ = tokio::time::timeout_at(until.min(lapse), woken).await;
+                    let _ = tokio::time::timeout_at(wake, woken).await;
                 }
                 continue;
             }

@@ -86,6 +86,8 @@ mod scheduling {
         claims_on_the_way: tokio::sync::RwLock<()>,
         waiters_registered: AtomicUsize,
         registrations_on_the_way: tokio::sync::RwLock<()>,
+        /// Registrations fail, and then no notification comes, as with PostgreSQL.
+        registrations_fail: std::sync::atomic::AtomicBool,
     }
 
     struct Counted(Arc<AtomicUsize>);
@@ -141,11 +143,20 @@ mod scheduling {
             self.waiters_registered.fetch_add(1, Ordering::SeqCst);
             Box::pin(async move {
                 let _on_the_way = self.registrations_on_the_way.read().await;
+                if self.registrations_fail.load(Ordering::SeqCst) {
+                    return Err(StoreError::new(
+                        tower_idempotency::store::StoreErrorKind::Unavailable,
+                        "the registration was refused",
+                    ));
+                }
                 self.inner.register_waiter(scope, key).await
             })
         }
 
         fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
+            if self.registrations_fail.load(Ordering::SeqCst) {
+                return Box::pin(std::future::pending());
+            }
             self.inner.changed(scope, key)
         }
 
@@ -323,6 +334,39 @@ mod scheduling {
                 Ok::<_, Infallible>(res)
             }
         })
+    }
+
+    /// A duplicate whose registration to wait failed gets no notification when the first
+    /// request completes: it looks again on its own, shortly, rather than sleeping until
+    /// the holder's lease lapses (30 s) or its own bound.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_duplicate_that_could_not_register_to_wait_looks_again_on_its_own() {
+        let watched = Arc::new(Watched::default());
+        watched.registrations_fail.store(true, Ordering::SeqCst);
+        let store: Arc<dyn Store> = watched.clone();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Notify::new());
+        let service = IdempotencyLayer::new(store)
+            .wait_for_running(Duration::from_secs(600))
+            .layer(first_run_waits_for(
+                runs.clone(),
+                gate.clone(),
+                http::StatusCode::CREATED,
+            ));
+        let first = tokio::spawn(service.clone().oneshot(post("k", "{}")));
+        eventually(|| runs.load(Ordering::SeqCst) == 1).await;
+        let waiter = tokio::spawn(service.clone().oneshot(post("k", "{}")));
+        eventually(|| watched.waiters_registered.load(Ordering::SeqCst) == 1).await;
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap().status(), 201);
+        let waited = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter sleeps on, never notified")
+            .unwrap()
+            .unwrap();
+        assert_eq!(waited.status(), 201);
+        assert_eq!(waited.headers()["idempotent-replayed"], "true");
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
     /// The longest settings are taken as the longest the layer can hold, not as a panic
