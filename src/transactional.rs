@@ -57,7 +57,8 @@ use crate::{
     layer::Config,
     rejection::Problem,
     service::{
-        Produced, handler_failed, in_progress, run_inner, settle, unavailable, with_outcome,
+        Produced, handler_failed, in_progress, run_inner, settle, shutting_down, unavailable,
+        with_outcome,
     },
     shutdown::InFlight,
     store::{Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction},
@@ -406,6 +407,12 @@ where
 {
     let (conn, lease) =
         match open(&store, &request, config.lock_timeout, config.store_timeout).await {
+            // A duplicate that waited on the first request's row may get it after
+            // `close()`: nothing is claimed after the close, so it lets the row go.
+            Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
+                rollback(conn).await;
+                return Ok(shutting_down());
+            }
             Opened::Acquired(conn, lease) => {
                 // Until now, dropping the request dropped its connection, which rolled
                 // back anything claimed; from now on it finishes even if its client goes.

@@ -388,6 +388,35 @@ async fn a_handler_that_answers_409_after_its_insert_failed_gets_its_409() {
     common::idle(&store).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer, &table);
+    // The first fails, and so rolls back, once the duplicate waits on its row.
+    let failing = post_with("k", &[("x-delay-ms", "800"), ("x-status", "503")]);
+    let first = in_flight(&router, failing, &counter).await;
+    let duplicate = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    shutdown.close();
+    assert_eq!(first.await.unwrap().status, 503);
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, 503);
+    assert_eq!(duplicate.problem(), "shutting-down");
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        0
+    );
+    common::idle(&store).await;
+}
+
 #[tokio::test]
 async fn a_handler_that_rolls_back_to_a_savepoint_has_its_409_stored() {
     let schema = TestSchema::new();

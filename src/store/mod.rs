@@ -281,8 +281,8 @@ pub trait Store: Send + Sync + 'static {
     /// that finds the key running: a change in between still resolves it. It may also
     /// resolve spuriously; the caller claims again either way and bounds its wait.
     ///
-    /// The default never resolves (a store without notifications): waiters then wait
-    /// out their bound and answer 409.
+    /// The default never resolves (a store without notifications): waiters then look
+    /// again only when the holder's lease lapses, or at their bound.
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         let _ = (scope, key);
         Box::pin(std::future::pending())
