@@ -181,7 +181,27 @@ impl JobRunner {
     /// renewed, and its result is stored (or its key released), so a redelivery gets
     /// [`JobOutcome::AlreadyDone`]; in transactional mode its transaction is rolled back
     /// when the work ends, and a redelivery runs it anew.
+    ///
+    /// The run, and what it leaves running, is in a `job` tracing span with the key.
     pub async fn run<F, Fut, E>(
+        &self,
+        scope: &Scope,
+        key: &str,
+        input: &[u8],
+        work: F,
+    ) -> Result<JobOutcome, JobError<E>>
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
+        E: Send + 'static,
+    {
+        let span = tracing::info_span!("job", key);
+        self.run_in_span(scope, key, input, work)
+            .instrument(span)
+            .await
+    }
+
+    async fn run_in_span<F, Fut, E>(
         &self,
         scope: &Scope,
         key: &str,

@@ -14,7 +14,11 @@ use common::{
     completions::{AlteredCompletions, Completion},
     eventually, post, send,
 };
-use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+use tower_idempotency::{
+    IdempotencyLayer, Scope,
+    job::{JobOutcome, JobRunner},
+    store::MemoryStore,
+};
 use tracing::{
     Subscriber,
     field::{Field, Visit},
@@ -37,10 +41,21 @@ impl Events {
     }
 }
 
-impl<S: Subscriber> Layer<S> for Events {
-    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Events {
+    /// The event's fields, and its span's name and key as `span` and `span.key`.
+    fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
         let mut fields = Fields::default();
         event.record(&mut fields);
+        if let Some(span) = ctx.event_span(event) {
+            fields.0.insert("span".to_owned(), span.name().to_owned());
+            if let Some(key) = span
+                .extensions()
+                .get::<Fields>()
+                .and_then(|f| f.0.get("key").cloned())
+            {
+                fields.0.insert("span.key".to_owned(), key);
+            }
+        }
         self.0.lock().unwrap().push(fields.0);
     }
 }
@@ -160,4 +175,47 @@ async fn a_hashed_key_is_in_no_event_either() {
     let seen = spans.0.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0]["key"].len(), 16);
+}
+
+#[tokio::test]
+async fn a_job_s_events_are_in_a_span_with_its_key() {
+    let (spans, events) = (Spans::default(), Events::default());
+    let _guard = tracing_subscriber::registry()
+        .with(spans.clone())
+        .with(events.clone())
+        .set_default();
+    let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
+    let runner = JobRunner::new(store).lease_duration(std::time::Duration::from_millis(100));
+    let ran = runner
+        .run(&Scope::new("consumer"), "msg-7", b"p", |_| async {
+            Ok::<_, std::io::Error>(bytes::Bytes::from("done"))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(ran, JobOutcome::Ran(_)));
+    eventually(|| {
+        events
+            .messages()
+            .iter()
+            .any(|m| m.starts_with("the result could not be stored"))
+    })
+    .await;
+    let events = events.0.lock().unwrap().clone();
+    let storing: Vec<_> = events
+        .iter()
+        .filter(|e| e["message"].contains("stor"))
+        .collect();
+    assert!(!storing.is_empty());
+    for event in storing {
+        assert_eq!(
+            event.get("span").map(String::as_str),
+            Some("job"),
+            "{event:?}"
+        );
+        assert_eq!(
+            event.get("span.key").map(String::as_str),
+            Some("msg-7"),
+            "{event:?}"
+        );
+    }
 }
