@@ -7,6 +7,8 @@
 //! `target/bench/e2e.csv`.
 #![allow(missing_docs)]
 
+#[path = "support/delay.rs"]
+mod delay;
 mod support;
 #[path = "support/wire.rs"]
 mod wire;
@@ -101,6 +103,9 @@ struct Settings {
     replay_keys: usize,
     url: String,
     out_dir: PathBuf,
+    /// Added to each direction of every connection to PostgreSQL but the observer's
+    /// (`support/delay.rs`): a database across a network. Zero: connected directly.
+    db_delay: Duration,
     /// `wire` (one connection per worker, see `support/wire.rs`) or `hyper` (the
     /// hyper-util pooled client).
     client: String,
@@ -143,6 +148,7 @@ impl Settings {
                 "postgres://postgres@127.0.0.1:5432/tower_idempotency_bench".to_owned(),
             ),
             out_dir: PathBuf::from(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
+            db_delay: Duration::from_micros(env_or("BENCH_DB_DELAY_US", 0)),
             client: match env_or("BENCH_CLIENT", "wire".to_owned()).as_str() {
                 c @ ("wire" | "hyper") => c.to_owned(),
                 other => panic!("BENCH_CLIENT={other:?}: wire or hyper"),
@@ -355,11 +361,37 @@ fn with_param(url: &str, param: &str) -> String {
     }
 }
 
+/// `url` with its host and port replaced by `addr`.
+fn via(url: &str, addr: SocketAddr) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..]
+        .find(['/', '?'])
+        .map_or(url.len(), |i| start + i);
+    let host = url[start..end].rfind('@').map_or(start, |i| start + i + 1);
+    format!("{}{addr}{}", &url[..host], &url[end..])
+}
+
+/// The host and port `url` names, resolved.
+fn address_of(url: &str) -> SocketAddr {
+    let config: tokio_postgres::Config = url.parse().expect("BENCH_DATABASE_URL");
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port))
+        .expect("resolve the database host")
+        .next()
+        .expect("an address for the database host")
+}
+
 impl Db {
-    async fn open(url: &str) -> Self {
+    /// The rows connect through `proxy` if there is one; the observer connects directly.
+    async fn open(url: &str, proxy: Option<SocketAddr>) -> Self {
+        let rows = proxy.map_or_else(|| url.to_owned(), |addr| via(url, addr));
         Self {
             base: support::BenchDatabase::open(url, "tower_idempotency_bench_admin").await,
-            row_url: with_param(url, &format!("application_name={ROW_APP}")),
+            row_url: with_param(&rows, &format!("application_name={ROW_APP}")),
         }
     }
 
@@ -1572,6 +1604,8 @@ fn cpus_of_machine() -> usize {
 // ---------------------------------------------------------------------------------------
 
 fn main() {
+    // Started again as the delay proxy (`BENCH_DB_DELAY_US`)?
+    delay::serve_if_asked();
     // `cargo bench` passes `--bench`; nothing else is read from the command line.
     // Pinned before the runtime starts, so that its workers (one per CPU it may use)
     // are pinned too.
@@ -1587,7 +1621,16 @@ fn main() {
 
 async fn run() {
     let settings = Settings::from_env();
-    let db = Db::open(&settings.url).await;
+    let proxy = (!settings.db_delay.is_zero()).then(|| {
+        let proxy = delay::DelayProxy::start(address_of(&settings.url), settings.db_delay);
+        eprintln!(
+            "the rows reach PostgreSQL through a proxy ({}) that holds each direction for {} µs",
+            proxy.addr,
+            settings.db_delay.as_micros()
+        );
+        proxy
+    });
+    let db = Db::open(&settings.url, proxy.as_ref().map(|p| p.addr)).await;
     let _postgres_pinned = if split_cores() {
         Some(PinnedPostgres::pin(&db).await)
     } else {
