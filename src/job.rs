@@ -71,7 +71,9 @@ pub struct JobContext {
 /// How a [`JobRunner::run`] ended, when nothing failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JobOutcome {
-    /// The work ran now; its result is stored.
+    /// The work ran now; its result is stored, or, if the first attempt failed, is
+    /// still being stored in the background for up to one more lease (a redelivery
+    /// meanwhile gets [`Running`](Self::Running)).
     Ran(Bytes),
     /// The work had already run; this is its stored result.
     AlreadyDone(Bytes),
@@ -152,8 +154,10 @@ impl JobRunner {
 
     /// How long to wait for the store (default 5 s; from 1 ms to 10 years): on the claim (then
     /// the run fails with [`JobError::Store`] and the work does not run), and in lease
-    /// mode on storing the result and on a release; in transactional mode, on opening
-    /// the transaction (its commit is not bounded). A claim that lands after the bound,
+    /// mode on each attempt to store the result (the lease is renewed meanwhile; `run`
+    /// returns after the first, and the others go on in the background for one more
+    /// lease) and on a release; in transactional mode, on opening the transaction (its
+    /// commit is not bounded). A claim that lands after the bound,
     /// or after the run was dropped, is released at once, so that a redelivery can run
     /// the work rather than wait out the lease.
     #[must_use]

@@ -222,7 +222,9 @@ impl IdempotencyLayer {
 
     /// Whether the `idempotency` tracing span carries a hash of the key instead of the
     /// key itself (default `false`: the key, as the client sent it). Turn it on when keys
-    /// may carry meaning (an order number, an email). The scope is always hashed.
+    /// may carry meaning (an order number, an email). The scope is always hashed. Events
+    /// (warnings, errors) never carry the key: they name the lease's fencing token,
+    /// inside that span.
     #[must_use]
     pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
         self.config().hash_keys_in_traces = hash;
@@ -240,7 +242,9 @@ impl IdempotencyLayer {
     }
 
     /// How long to wait for the store on a claim before answering 503 (default 5 s; from
-    /// 1 ms to 10 years).
+    /// 1 ms to 10 years). It also bounds the first attempt to store a response (its
+    /// lease renewed meanwhile), after which the client gets its answer and the
+    /// attempts go on in the background.
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.config().store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);

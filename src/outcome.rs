@@ -28,8 +28,8 @@ pub enum Outcome {
     Conflict,
     /// The key was used with a different request (422).
     Mismatch,
-    /// The request was refused before any claim: bad or missing key, body too large or
-    /// too slow to arrive, the layer shutting down (400, 408, 413, 503).
+    /// The request was refused before running anything: bad or missing key, body too
+    /// large or too slow to arrive, the layer shutting down (400, 408, 413, 503).
     Rejected,
     /// The store could not be reached; the inner service did not run (503).
     StoreError,

@@ -12,19 +12,31 @@
 //!   policy does not keep rolls everything back, so a retry starts clean;
 //! - a concurrent duplicate's claim waits on the uncommitted row (bounded by
 //!   [`lock_timeout`](crate::IdempotencyLayer::lock_timeout)), then sees the committed
-//!   response and replays it, or gets 409 at the bound.
+//!   response and replays it, or gets 409 at the bound; one that gets the row after
+//!   [`ShutdownHandle::close`](crate::ShutdownHandle::close) rolls back and answers
+//!   `503 shutting-down`;
+//! - a statement of the handler that fails aborts the transaction: a client error (4xx)
+//!   the handler then answers goes to its client unstored, with nothing committed and
+//!   the key free; any other answer becomes `503 not-committed`. Run a statement that
+//!   may fail under a `SAVEPOINT`, and roll back to it, to keep the transaction usable.
 //!
 //! ```no_run
-//! use axum::{Router, routing::post};
+//! use axum::{Router, http::StatusCode, routing::post};
 //! use tower_idempotency::{IdempotencyKey, IdempotencyLayer, store::PostgresStore, transactional::TransactionHandle};
 //!
-//! async fn create_payment(key: IdempotencyKey, tx: TransactionHandle) -> Result<String, String> {
-//!     let client = tx.client().await.map_err(|e| e.to_string())?;
+//! async fn create_payment(
+//!     key: IdempotencyKey,
+//!     tx: TransactionHandle,
+//! ) -> Result<(StatusCode, String), (StatusCode, String)> {
+//!     let failed = |e: tokio_postgres::Error| (StatusCode::CONFLICT, e.to_string());
+//!     let client = tx.client().await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+//!     // A failed INSERT aborts the transaction: the 409 goes to the client, unstored,
+//!     // and a retry runs again.
 //!     client
 //!         .execute("INSERT INTO payments (id) VALUES ($1)", &[&key.derive("payment")])
 //!         .await
-//!         .map_err(|e| e.to_string())?;
-//!     Ok("created".into()) // committed with the stored response, by the layer
+//!         .map_err(failed)?;
+//!     Ok((StatusCode::CREATED, "created".into())) // committed with the stored response
 //! }
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {

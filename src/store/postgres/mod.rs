@@ -555,7 +555,8 @@ impl PostgresStore {
     /// Creates the schema and table and applies pending migrations.
     ///
     /// Safe to run from several processes at once: migrations are serialised by a
-    /// transaction-scoped advisory lock and recorded in `<table>_migrations`.
+    /// transaction-scoped advisory lock, in a read committed transaction whatever the
+    /// database's default isolation, and recorded in `<table>_migrations`.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut client = self.pool.get().await.map_err(classify_pool)?;
         // Read committed whatever the database's default: a replica that waited on the
@@ -614,7 +615,8 @@ impl PostgresStore {
 
     /// Deletes up to `batch` expired records; returns how many. Run it in a loop (or on
     /// a timer) until it returns less than `batch`. Rows locked by a concurrent purge are
-    /// skipped, so several purgers never wait on each other.
+    /// skipped, so several purgers never wait on each other; a row is deleted only if
+    /// it is still expired then. Runs again after a serialization failure.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let client = self.client().await?;
         let params: [&(dyn ToSql + Sync); 1] = [&batch];
