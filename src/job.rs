@@ -200,64 +200,51 @@ impl JobRunner {
         E: Send + 'static,
     {
         let span = tracing::info_span!("job", key);
-        self.run_in_span(scope, key, input, work)
-            .instrument(span)
-            .await
-    }
-
-    async fn run_in_span<F, Fut, E>(
-        &self,
-        scope: &Scope,
-        key: &str,
-        input: &[u8],
-        work: F,
-    ) -> Result<JobOutcome, JobError<E>>
-    where
-        F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
-        E: Send + 'static,
-    {
-        let request = ClaimRequest {
-            scope,
-            key,
-            fingerprint: Fingerprint(Sha256::digest(input).into()),
-            lease: self.lease,
-            ttl: self.ttl,
-        };
-        let ctx_key = IdempotencyKey::new(scope.clone(), Arc::<str>::from(key));
-        #[cfg(feature = "postgres")]
-        if let Some((store, lock_timeout)) = &self.transactional {
-            return self
-                .run_transactional(store, *lock_timeout, &request, ctx_key, work)
-                .await;
-        }
-        let claim = crate::store::claim_within(&self.store, self.store_timeout, &request)
-            .await
-            .map_err(|_| {
-                JobError::Store(StoreError::new(
-                    crate::store::StoreErrorKind::Timeout,
-                    "claim timed out",
-                ))
-            })?
-            .map_err(JobError::Store)?;
-        let lease = match found(claim, &request)? {
-            Ok(lease) => lease,
-            Err(outcome) => return Ok(outcome),
-        };
-        let ctx = JobContext {
-            key: ctx_key,
+        async move {
+            let request = ClaimRequest {
+                scope,
+                key,
+                fingerprint: Fingerprint(Sha256::digest(input).into()),
+                lease: self.lease,
+                ttl: self.ttl,
+            };
+            let ctx_key = IdempotencyKey::new(scope.clone(), Arc::<str>::from(key));
             #[cfg(feature = "postgres")]
-            transaction: None,
-        };
-        let task = tokio::spawn(work(ctx).in_current_span());
-        // The rest runs in a task of its own: a caller that drops the run (its own
-        // timeout, a `select!`) leaves the work running, and then its lease is still
-        // renewed and its result stored, or its key released, rather than the key left
-        // claimed, unrenewed, for a redelivery to take over while the work still runs.
-        let runner = self.clone();
-        tokio::spawn(async move { runner.finish(lease, task).await }.in_current_span())
-            .await
-            .unwrap_or(Err(JobError::Panicked))
+            if let Some((store, lock_timeout)) = &self.transactional {
+                return self
+                    .run_transactional(store, *lock_timeout, &request, ctx_key, work)
+                    .await;
+            }
+            let claim = crate::store::claim_within(&self.store, self.store_timeout, &request)
+                .await
+                .map_err(|_| {
+                    JobError::Store(StoreError::new(
+                        crate::store::StoreErrorKind::Timeout,
+                        "claim timed out",
+                    ))
+                })?
+                .map_err(JobError::Store)?;
+            let lease = match found(claim, &request)? {
+                Ok(lease) => lease,
+                Err(outcome) => return Ok(outcome),
+            };
+            let ctx = JobContext {
+                key: ctx_key,
+                #[cfg(feature = "postgres")]
+                transaction: None,
+            };
+            let task = tokio::spawn(work(ctx).in_current_span());
+            // The rest runs in a task of its own: a caller that drops the run (its own
+            // timeout, a `select!`) leaves the work running, and then its lease is still
+            // renewed and its result stored, or its key released, rather than the key left
+            // claimed, unrenewed, for a redelivery to take over while the work still runs.
+            let runner = self.clone();
+            tokio::spawn(async move { runner.finish(lease, task).await }.in_current_span())
+                .await
+                .unwrap_or(Err(JobError::Panicked))
+        }
+        .instrument(span)
+        .await
     }
 
     /// Renews `lease` while `task` runs, then stores its result or releases the key.

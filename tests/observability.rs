@@ -39,6 +39,27 @@ impl Events {
         let events = self.0.lock().unwrap();
         events.iter().map(|e| e["message"].clone()).collect()
     }
+
+    /// Returns once the storing of a result that cannot be stored has given up: every
+    /// event about it has then been recorded.
+    async fn until_storing_gives_up(&self) {
+        eventually(|| {
+            self.messages()
+                .iter()
+                .any(|m| m.starts_with("the result could not be stored"))
+        })
+        .await;
+    }
+}
+
+/// Spans and events recorded on this thread until the guard is dropped.
+fn recording() -> (Spans, Events, tracing::subscriber::DefaultGuard) {
+    let (spans, events) = (Spans::default(), Events::default());
+    let guard = tracing_subscriber::registry()
+        .with(spans.clone())
+        .with(events.clone())
+        .set_default();
+    (spans, events, guard)
 }
 
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Events {
@@ -134,11 +155,7 @@ async fn keys_can_be_hashed_in_traces() {
 
 #[tokio::test]
 async fn a_hashed_key_is_in_no_event_either() {
-    let (spans, events) = (Spans::default(), Events::default());
-    let _guard = tracing_subscriber::registry()
-        .with(spans.clone())
-        .with(events.clone())
-        .set_default();
+    let (spans, events, _guard) = recording();
     // Every completion fails: the layer warns of each attempt, then gives up after one
     // more lease with an error.
     let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
@@ -150,13 +167,7 @@ async fn a_hashed_key_is_in_no_event_either() {
         send(&router, post("alice@example.com", "{}")).await.status,
         201
     );
-    eventually(|| {
-        events
-            .messages()
-            .iter()
-            .any(|m| m.starts_with("the result could not be stored"))
-    })
-    .await;
+    events.until_storing_gives_up().await;
     let messages = events.messages();
     assert!(
         messages.iter().any(|m| m == "storing the result failed"),
@@ -179,11 +190,7 @@ async fn a_hashed_key_is_in_no_event_either() {
 
 #[tokio::test]
 async fn a_job_s_events_are_in_a_span_with_its_key() {
-    let (spans, events) = (Spans::default(), Events::default());
-    let _guard = tracing_subscriber::registry()
-        .with(spans.clone())
-        .with(events.clone())
-        .set_default();
+    let (_spans, events, _guard) = recording();
     let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
     let runner = JobRunner::new(store).lease_duration(std::time::Duration::from_millis(100));
     let ran = runner
@@ -193,13 +200,7 @@ async fn a_job_s_events_are_in_a_span_with_its_key() {
         .await
         .unwrap();
     assert!(matches!(ran, JobOutcome::Ran(_)));
-    eventually(|| {
-        events
-            .messages()
-            .iter()
-            .any(|m| m.starts_with("the result could not be stored"))
-    })
-    .await;
+    events.until_storing_gives_up().await;
     let events = events.0.lock().unwrap().clone();
     let storing: Vec<_> = events
         .iter()
