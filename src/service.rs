@@ -36,6 +36,11 @@ use crate::{
 /// as `axum::body::Body` and `http_body_util::Full<Bytes>` are: a guarded request's body
 /// is read (to fingerprint it) and handed on rebuilt. With hyper's `Incoming`, map the
 /// body first (e.g. `axum::body::Body::new`).
+///
+/// A guarded request lets go of what the inner service's readiness reserved (a
+/// `ConcurrencyLimit` permit, a `Buffer` slot) and asks a clone for readiness again once
+/// its key is claimed, just before the handler runs: requests that read their body,
+/// wait for a running duplicate or replay hold no capacity of the service inside.
 #[derive(Clone)]
 pub struct Idempotency<S> {
     pub(crate) inner: S,
@@ -200,10 +205,16 @@ where
             }
             Err(e) => return answered(reject(Problem::KeyMalformed, &e.to_string())),
         };
-        // A guarded request's future owns the ready instance (it may finish in a task
-        // of its own); a fresh clone stays for the next call.
+        // A guarded request's future owns an instance of its own (it may finish in a task
+        // of its own), and a fresh clone stays for the next call. The ready one is let
+        // go: what its readiness reserved (a concurrency permit, a buffer slot) must not
+        // be held while the request reads its body, claims its key or waits for a
+        // running duplicate, maybe only to replay. The handler's turn asks for
+        // readiness again (`run_inner`).
         let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let ready = std::mem::replace(&mut self.inner, clone);
+        let inner = ready.clone();
+        drop(ready);
         let span = tracing::info_span!(
             "idempotency",
             key = field::Empty,
@@ -603,6 +614,10 @@ where
     ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
+    // Ready only now that the key is ours (see `call`).
+    if let Err(e) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+        return Produced::ServiceFailed(e);
+    }
     let res = match inner.call(req).await {
         Ok(res) => res,
         Err(e) => return Produced::ServiceFailed(e),

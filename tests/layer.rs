@@ -369,6 +369,43 @@ mod scheduling {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
+    /// What the inner service's readiness reserves is held only by requests that run
+    /// their handler: with a concurrency limit of 2 inside the layer, one request
+    /// running and a duplicate waiting for it, a request with another key still runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiting_duplicate_holds_no_concurrency_permit() {
+        let watched = Arc::new(Watched::default());
+        let store: Arc<dyn Store> = watched.clone();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Notify::new());
+        let service = tower::ServiceBuilder::new()
+            .layer(IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(600)))
+            .layer(tower::limit::ConcurrencyLimitLayer::new(2))
+            .service(first_run_waits_for(
+                runs.clone(),
+                gate.clone(),
+                http::StatusCode::CREATED,
+            ));
+        let first = tokio::spawn(service.clone().oneshot(post("a", "{}")));
+        eventually(|| runs.load(Ordering::SeqCst) == 1).await;
+        let waiter = tokio::spawn(service.clone().oneshot(post("a", "{}")));
+        eventually(|| watched.waiters_registered.load(Ordering::SeqCst) == 1).await;
+        let other = tokio::time::timeout(
+            Duration::from_secs(10),
+            service.clone().oneshot(post("b", "{}")),
+        )
+        .await
+        .expect("the other key waits for a permit held by a request that does not run")
+        .unwrap();
+        assert_eq!(other.status(), 200);
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap().status(), 201);
+        let waited = waiter.await.unwrap().unwrap();
+        assert_eq!(waited.status(), 201);
+        assert_eq!(waited.headers()["idempotent-replayed"], "true");
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
     /// The longest settings are taken as the longest the layer can hold, not as a panic
     /// on every request: a duplicate told to wait "forever" waits, then replays.
     #[tokio::test]
