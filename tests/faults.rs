@@ -509,3 +509,51 @@ async fn a_claim_that_lands_after_its_503_is_released_not_left_blocking() {
     retry_until_created(&router, "k", &[409, 503]).await;
     assert_eq!(counter.runs_of("k"), 1);
 }
+
+/// A `LISTEN` connection that goes silent (a NAT's idle timeout, a failover) is found out
+/// by the listener's heartbeat: waiters then look again on their own and replay as soon
+/// as the running request completes, not when its lease lapses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_still_replay_when_the_listen_connection_goes_silent() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    // The pool connects directly; only the notifications pass through the proxy.
+    let store = schema
+        .store()
+        .await
+        .with_notifications(proxy.url().parse().unwrap());
+    let layer = IdempotencyLayer::new(store.clone())
+        .lease_duration(Duration::from_secs(60))
+        .wait_for_running(Duration::from_secs(600));
+    let (router, counter) = app(layer);
+    // Woken by a notification: the listener is up.
+    let first = in_flight(
+        &router,
+        post_with_headers("k1", &[("x-delay-ms", "300")]),
+        &counter,
+    )
+    .await;
+    let waited = send(&router, post("k1", "{}")).await;
+    assert_eq!(waited.outcome, Some(Outcome::Replayed));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(store.metrics().notified_wakeups >= 1);
+
+    // The listener's connection goes silent, as a dropped one would: nothing it is sent
+    // arrives, and nothing fails.
+    proxy.stall(true);
+    // This one runs for longer than the heartbeat takes to find that out (at most 15 s).
+    let first = in_flight(
+        &router,
+        post_with_headers("k2", &[("x-delay-ms", "17000")]),
+        &counter,
+    )
+    .await;
+    // Its lease is 60 s: a waiter that only woke when it lapsed would be too late.
+    let waited = tokio::time::timeout(Duration::from_secs(30), send(&router, post("k2", "{}")))
+        .await
+        .expect("the waiter still waits for a notification that cannot come");
+    assert_eq!(waited.outcome, Some(Outcome::Replayed));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(counter.runs_of("k2"), 1);
+    proxy.stall(false);
+}

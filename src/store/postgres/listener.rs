@@ -11,6 +11,7 @@ use std::{
         Arc, Mutex, Weak,
         atomic::{AtomicU64, Ordering},
     },
+    task::Poll,
     time::Duration,
 };
 
@@ -21,6 +22,22 @@ use crate::store::BoxFuture;
 
 /// How often a waiter looks again while no listener connection is up.
 const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
+
+/// How often the listener checks that its connection still answers. A connection
+/// dropped silently (a NAT's or load balancer's idle timeout, a failover) would
+/// otherwise look connected for as long as TCP keepalive takes, two hours by default,
+/// while waiters waited for notifications that never come.
+const HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// How long that check may take before the connection counts as lost.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the listener's connection gave it.
+enum Event {
+    Message(Option<Result<AsyncMessage, tokio_postgres::Error>>),
+    /// The heartbeat went unanswered.
+    Silent,
+}
 
 /// What every waiter is told when the listener reconnects: look again.
 const EVERYONE: &str = "*";
@@ -140,10 +157,14 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                 let listen = format!("LISTEN \"{channel}\"");
                 let mut listening = Box::pin(client.batch_execute(&listen));
                 let mut subscribed = false;
+                let mut heartbeat =
+                    tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
+                heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut check: Option<BoxFuture<'_, bool>> = None;
                 loop {
-                    let message = std::future::poll_fn(|cx| {
+                    let event = std::future::poll_fn(|cx| {
                         if !subscribed {
-                            if let std::task::Poll::Ready(r) = listening.as_mut().poll(cx) {
+                            if let Poll::Ready(r) = listening.as_mut().poll(cx) {
                                 subscribed = true;
                                 if r.is_ok() {
                                     if let Some(me) = me.upgrade() {
@@ -154,22 +175,48 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                                     }
                                 }
                             }
+                        } else {
+                            if check.is_none() && heartbeat.poll_tick(cx).is_ready() {
+                                let client = &client;
+                                check = Some(Box::pin(async move {
+                                    let answered = tokio::time::timeout(
+                                        HEARTBEAT_TIMEOUT,
+                                        client.simple_query("SELECT 1"),
+                                    )
+                                    .await;
+                                    matches!(answered, Ok(Ok(_)))
+                                }));
+                            }
+                            if let Some(running) = check.as_mut() {
+                                if let Poll::Ready(alive) = running.as_mut().poll(cx) {
+                                    check = None;
+                                    if !alive {
+                                        return Poll::Ready(Event::Silent);
+                                    }
+                                }
+                            }
                         }
-                        connection.poll_message(cx)
+                        connection.poll_message(cx).map(Event::Message)
                     })
                     .await;
                     let Some(me) = me.upgrade() else { return };
-                    match message {
-                        Some(Ok(AsyncMessage::Notification(n))) => {
+                    match event {
+                        Event::Message(Some(Ok(AsyncMessage::Notification(n)))) => {
                             me.notifications.fetch_add(1, Ordering::Relaxed);
                             let _ = me.sender.send(Arc::from(n.payload()));
                         }
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => {
+                        Event::Message(Some(Ok(_))) => {}
+                        Event::Message(Some(Err(e))) => {
                             tracing::warn!(error = %e, "the idempotency listener connection failed");
                             break;
                         }
-                        None => break,
+                        Event::Message(None) => break,
+                        Event::Silent => {
+                            tracing::warn!(
+                                "the idempotency listener connection stopped answering; reconnecting"
+                            );
+                            break;
+                        }
                     }
                 }
                 if let Some(me) = me.upgrade() {
