@@ -582,7 +582,7 @@ pub(crate) fn shutting_down<B>() -> Response<ResponseBody<B>> {
 
 pub(crate) fn handler_failed<B>() -> Response<ResponseBody<B>> {
     let res = Problem::HandlerFailed.response(
-        "the request failed while being processed; its Idempotency-Key was released, so it may be retried",
+        "the request failed while being processed; nothing is held under its Idempotency-Key, so it may be retried",
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Executed)
 }

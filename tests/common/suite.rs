@@ -324,6 +324,32 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
+            async fn a_panicking_scope_function_answers_500_and_claims_nothing() {
+                let (layer, _store, _g) = layer().await;
+                let layer = layer.scope_with(|parts| {
+                    if parts.headers.contains_key("x-panic-scope") {
+                        panic!("the scope function broke");
+                    }
+                    Scope::anonymous()
+                });
+                let (router, counter) = app(layer);
+                let r = send(&router, post_with_headers("k", &[("x-panic-scope", "1")])).await;
+                assert_eq!(r.status, 500);
+                assert_eq!(r.problem(), "handler-failed");
+                let detail = String::from_utf8_lossy(&r.body);
+                assert!(
+                    !detail.contains("released"),
+                    "nothing was claimed to release: {detail}"
+                );
+                assert_eq!(counter.runs(), 0);
+                // Nothing was claimed: the same key runs at once.
+                let retry = send(&router, post("k", "{}")).await;
+                assert_eq!(retry.status, 201);
+                assert_eq!(retry.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
             async fn a_response_over_the_storage_limit_never_runs_twice() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.response_body_limit(8));
