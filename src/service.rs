@@ -211,10 +211,8 @@ where
         // be held while the request reads its body, claims its key or waits for a
         // running duplicate, maybe only to replay. The handler's turn asks for
         // readiness again (`run_inner`).
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
-        let inner = ready.clone();
-        drop(ready);
+        let inner = self.inner.clone();
+        self.inner = inner.clone();
         let span = tracing::info_span!(
             "idempotency",
             key = field::Empty,

@@ -106,12 +106,25 @@ async fn count(schema: &TestSchema, sql: &str) -> i64 {
     schema.query(sql).await[0].get(0)
 }
 
+/// How many records of `key` the store's table holds.
+async fn records_of(schema: &TestSchema, key: &str) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+        schema.name
+    );
+    count(schema, &sql).await
+}
+
 fn post_with(key: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
+    post_body(key, "{\"amount\":1}", extra)
+}
+
+fn post_body(key: &str, body: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
     let mut b = req("POST").header("idempotency-key", key);
     for (k, v) in extra {
         b = b.header(*k, *v);
     }
-    b.body(Body::from("{\"amount\":1}")).unwrap()
+    b.body(Body::from(body.to_owned())).unwrap()
 }
 
 #[tokio::test]
@@ -267,11 +280,11 @@ async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
         0,
         "the write was rolled back"
     );
-    let keys = format!(
-        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k'",
-        schema.name
+    assert_eq!(
+        records_of(&schema, "k").await,
+        0,
+        "the claim was rolled back"
     );
-    assert_eq!(count(&schema, &keys).await, 0, "the claim was rolled back");
 
     let retry = send(&router, post_with("k", &[])).await;
     assert_eq!(retry.status, 201);
@@ -351,38 +364,26 @@ async fn once_per_id(schema: &TestSchema, taken: &str) -> (Router, Counter, Post
     (router, counter, store)
 }
 
-fn pay(key: &str, id: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
-    let mut b = req("POST").header("idempotency-key", key);
-    for (k, v) in extra {
-        b = b.header(*k, *v);
-    }
-    b.body(Body::from(id.to_owned())).unwrap()
-}
-
 #[tokio::test]
 async fn a_handler_that_answers_409_after_its_insert_failed_gets_its_409() {
     let schema = TestSchema::new();
     let (router, counter, store) = once_per_id(&schema, "pay_1").await;
     // The insert fails on the primary key, which aborts the transaction; the handler
     // answers 409 from it.
-    let first = send(&router, pay("k1", "pay_1", &[])).await;
+    let first = send(&router, post_body("k1", "pay_1", &[])).await;
     assert_eq!(first.status, 409);
     assert_eq!(first.outcome, Some(Outcome::Executed));
     assert_eq!(first.body, "pay_1");
-    let keys = format!(
-        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k1'",
-        schema.name
-    );
-    assert_eq!(count(&schema, &keys).await, 0, "nothing was committed");
+    assert_eq!(records_of(&schema, "k1").await, 0, "nothing was committed");
     // The key is free: the retry runs again, and meets the same answer.
-    let retry = send(&router, pay("k1", "pay_1", &[])).await;
+    let retry = send(&router, post_body("k1", "pay_1", &[])).await;
     assert_eq!(retry.status, 409);
     assert_eq!(counter.runs(), 2);
     // The pool's one connection came back clean, and serves the next request.
-    let next = send(&router, pay("k2", "pay_2", &[])).await;
+    let next = send(&router, post_body("k2", "pay_2", &[])).await;
     assert_eq!(next.status, 201);
     assert_eq!(next.header("x-backend"), first.header("x-backend"));
-    let replay = send(&router, pay("k2", "pay_2", &[])).await;
+    let replay = send(&router, post_body("k2", "pay_2", &[])).await;
     assert_eq!(replay.outcome, Some(Outcome::Replayed));
     assert_eq!(counter.runs(), 3);
     common::idle(&store).await;
@@ -421,10 +422,10 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
 async fn a_handler_that_rolls_back_to_a_savepoint_has_its_409_stored() {
     let schema = TestSchema::new();
     let (router, counter, store) = once_per_id(&schema, "pay_1").await;
-    let first = send(&router, pay("k1", "pay_1", &[("x-savepoint", "1")])).await;
+    let first = send(&router, post_body("k1", "pay_1", &[("x-savepoint", "1")])).await;
     assert_eq!(first.status, 409);
     assert_eq!(first.outcome, Some(Outcome::Executed));
-    let retry = send(&router, pay("k1", "pay_1", &[("x-savepoint", "1")])).await;
+    let retry = send(&router, post_body("k1", "pay_1", &[("x-savepoint", "1")])).await;
     assert_eq!(retry.status, 409);
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(counter.runs(), 1);
@@ -435,20 +436,20 @@ async fn a_handler_that_rolls_back_to_a_savepoint_has_its_409_stored() {
 async fn a_handler_that_answers_201_after_its_insert_failed_gets_503_not_committed() {
     let schema = TestSchema::new();
     let (router, counter, store) = once_per_id(&schema, "pay_1").await;
-    let before = send(&router, pay("k0", "pay_0", &[])).await;
+    let before = send(&router, post_body("k0", "pay_0", &[])).await;
     assert_eq!(before.status, 201);
     // The handler claims success, but its transaction was aborted: nothing committed.
-    let first = send(&router, pay("k1", "pay_1", &[("x-ignore-errors", "1")])).await;
+    let first = send(
+        &router,
+        post_body("k1", "pay_1", &[("x-ignore-errors", "1")]),
+    )
+    .await;
     assert_eq!(first.status, 503);
     assert_eq!(first.problem(), "not-committed");
-    let keys = format!(
-        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k1'",
-        schema.name
-    );
-    assert_eq!(count(&schema, &keys).await, 0);
+    assert_eq!(records_of(&schema, "k1").await, 0);
     assert_eq!(counter.runs(), 2);
     // The pool's one connection came back clean, and serves the next request.
-    let next = send(&router, pay("k2", "pay_2", &[])).await;
+    let next = send(&router, post_body("k2", "pay_2", &[])).await;
     assert_eq!(next.status, 201);
     assert_eq!(next.header("x-backend"), before.header("x-backend"));
     common::idle(&store).await;
