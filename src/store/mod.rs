@@ -135,6 +135,12 @@ pub struct ClaimRequest<'a> {
 /// random token, a holder whose row was deleted (released, purged) and claimed anew
 /// cannot act on the new claim (the chance of a collision is 2^-62).
 pub(crate) fn fresh_token() -> i64 {
+    ((random_u64() >> 2) as i64).max(1)
+}
+
+/// 64 random bits, different on every call: the standard library's randomly keyed
+/// hasher over a counter and the clock. Not for secrets; for tokens and jitter.
+pub(crate) fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -144,7 +150,7 @@ pub(crate) fn fresh_token() -> i64 {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos()),
     );
-    ((h.finish() >> 2) as i64).max(1)
+    h.finish()
 }
 
 /// The right to run the handler for one key, until the lease lapses.

@@ -42,6 +42,12 @@ const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
 /// How many times a claim is re-read when the row changes under it.
 const CLAIM_ATTEMPTS: usize = 16;
 
+/// The bound on the first wait after a serialization failure; it doubles with each
+/// further loss, up to `RACE_BACKOFF_CAP`. Sixteen attempts wait 0.35 s at most in all,
+/// well within a store timeout.
+const RACE_BACKOFF_FIRST: Duration = Duration::from_millis(1);
+const RACE_BACKOFF_CAP: Duration = Duration::from_millis(32);
+
 /// The claim statement's columns, by position (`Sql::new` lists them in this order):
 /// read by index, a replay does not search the columns by name ten times over.
 mod col {
@@ -320,6 +326,11 @@ fn lost_a_race(e: &StoreError) -> bool {
 /// Runs `statement` again while it loses a race under repeatable read or serializable,
 /// up to `CLAIM_ATTEMPTS` times in all. Each attempt must take a snapshot of its own:
 /// one autocommit statement, or a transaction begun anew.
+///
+/// Under serializable, the statements that lost are the ones still running when another
+/// committed, and they all run again together: at once, they would meet each other again,
+/// and a burst of completions could lose sixteen times in a row. So each one waits a
+/// random time first, up to a bound that doubles with every loss (`race_backoff`).
 pub(crate) async fn again_if_it_lost_a_race<T, Fut>(
     mut statement: impl FnMut() -> Fut,
 ) -> Result<T, StoreError>
@@ -329,10 +340,25 @@ where
     let mut attempts = 1;
     loop {
         match statement().await {
-            Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+            Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => {
+                tokio::time::sleep(race_backoff(attempts, super::random_u64())).await;
+                attempts += 1;
+            }
             done => return done,
         }
     }
+}
+
+/// The wait before running a statement again after its `losses`-th serialization
+/// failure: `random` scaled into `0..=bound`, where the bound starts at 1 ms and
+/// doubles with each loss up to `RACE_BACKOFF_CAP` ("full jitter": the statements that
+/// lost together spread out instead of meeting again).
+fn race_backoff(losses: usize, random: u64) -> Duration {
+    let bound = RACE_BACKOFF_FIRST
+        .saturating_mul(1 << (losses - 1).min(16))
+        .min(RACE_BACKOFF_CAP);
+    let micros = u64::try_from(bound.as_micros()).unwrap_or(u64::MAX);
+    Duration::from_micros(random % (micros + 1))
 }
 
 /// Whether `e` ended its connection: an I/O error or a closed connection (no SQLSTATE),
@@ -996,6 +1022,28 @@ mod tests {
         for (index, name) in expected {
             assert_eq!(names[index], name, "column {index} of {names:?}");
         }
+    }
+
+    #[test]
+    fn waits_after_a_lost_race_are_spread_and_bounded() {
+        let (us, ms) = (Duration::from_micros, Duration::from_millis);
+        // The bound doubles with each loss from 1 ms, up to the cap.
+        assert_eq!(race_backoff(1, 1_000), ms(1));
+        assert_eq!(race_backoff(1, 1_001), ms(0));
+        assert_eq!(race_backoff(3, 4_000), ms(4));
+        assert_eq!(race_backoff(3, 4_001), ms(0));
+        assert_eq!(race_backoff(6, 32_000), ms(32));
+        assert_eq!(race_backoff(15, 32_000), ms(32));
+        assert_eq!(race_backoff(15, 32_001), ms(0));
+        assert_eq!(race_backoff(usize::MAX, 7), us(7));
+        for losses in 1..CLAIM_ATTEMPTS {
+            assert!(race_backoff(losses, u64::MAX) <= RACE_BACKOFF_CAP);
+        }
+        // Statements that lost together draw different waits.
+        let waits: std::collections::HashSet<_> = (0..32)
+            .map(|_| race_backoff(6, crate::store::random_u64()))
+            .collect();
+        assert!(waits.len() > 16, "{waits:?}");
     }
 
     #[test]
