@@ -178,24 +178,30 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                                     }
                                 }
                             }
-                        } else {
-                            if check.is_none() && heartbeat.poll_tick(cx).is_ready() {
-                                let client = &client;
-                                check = Some(Box::pin(async move {
-                                    let answered = tokio::time::timeout(
-                                        HEARTBEAT_TIMEOUT,
-                                        client.simple_query("SELECT 1"),
-                                    )
-                                    .await;
-                                    matches!(answered, Ok(Ok(_)))
-                                }));
-                            }
-                            if let Some(running) = check.as_mut() {
-                                if let Poll::Ready(alive) = running.as_mut().poll(cx) {
-                                    check = None;
-                                    if !alive {
-                                        return Poll::Ready(Event::Silent);
+                        }
+                        if subscribed {
+                            // Ends with the running check or the timer pending, so one of
+                            // them wakes the task: the timer is polled as soon as the
+                            // connection listens, and again after each check comes back.
+                            loop {
+                                if let Some(running) = check.as_mut() {
+                                    match running.as_mut().poll(cx) {
+                                        Poll::Ready(true) => check = None,
+                                        Poll::Ready(false) => return Poll::Ready(Event::Silent),
+                                        Poll::Pending => break,
                                     }
+                                } else if heartbeat.poll_tick(cx).is_ready() {
+                                    let client = &client;
+                                    check = Some(Box::pin(async move {
+                                        let answered = tokio::time::timeout(
+                                            HEARTBEAT_TIMEOUT,
+                                            client.simple_query("SELECT 1"),
+                                        )
+                                        .await;
+                                        matches!(answered, Ok(Ok(_)))
+                                    }));
+                                } else {
+                                    break;
                                 }
                             }
                         }
