@@ -209,8 +209,9 @@ where
         // of its own), and a fresh clone stays for the next call. The ready one is let
         // go: what its readiness reserved (a concurrency permit, a buffer slot) must not
         // be held while the request reads its body, claims its key or waits for a
-        // running duplicate, maybe only to replay. The handler's turn asks for
-        // readiness again (`run_inner`).
+        // running duplicate, maybe only to replay. Readiness is asked for again once
+        // the key is claimed (`run_inner`), or in transactional mode just before the
+        // transaction opens, so that waiting for it holds no connection.
         let inner = self.inner.clone();
         self.inner = inner.clone();
         let span = tracing::info_span!(
@@ -612,7 +613,8 @@ where
     ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
-    // Ready only now that the key is ours (see `call`).
+    // Ready only now that the key is ours (see `call`); in transactional mode, ready
+    // already, since before the transaction opened, and this returns at once.
     if let Err(e) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
         return Produced::ServiceFailed(e);
     }

@@ -255,7 +255,8 @@ pub(crate) enum Opened {
     Acquired(OpenTx, Lease),
     /// Completed or running under another request (the transaction is rolled back).
     Found(Claim),
-    /// The first request held its row past the lock timeout.
+    /// The first request held its row past the lock timeout (or the claim's statement
+    /// timed out, or the key kept changing under it).
     Busy,
     /// No connection, or the database failed.
     Unavailable,
@@ -272,11 +273,13 @@ pub(crate) async fn open(
 ) -> Opened {
     // Duplicates block on the first request's row while holding a connection; the
     // permit keeps them from taking the connections its handler needs.
+    // Waiting this long for a permit is this process's overload, not a running
+    // duplicate: 503, like a pool with no connection to give.
     let Ok(_permit) =
         tokio::time::timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await
     else {
         tracing::error!("too many transactional claims waiting; nothing was run");
-        return Opened::Busy;
+        return Opened::Unavailable;
     };
     let conn = match tokio::time::timeout(store_timeout, store.client()).await {
         Ok(Ok(conn)) => OpenTx(Some(conn)),
@@ -417,6 +420,12 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    // Ready before the transaction opens: what readiness waits for (a concurrency
+    // permit, say) is waited for holding no connection, no open transaction and no row
+    // lock. A duplicate then holds the permit while it waits on the first request's
+    // row, as it holds a connection.
+    let mut inner = inner;
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
     let (conn, lease) =
         match open(&store, &request, config.lock_timeout, config.store_timeout).await {
             // A duplicate that waited on the first request's row may get it after

@@ -15,7 +15,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::post,
 };
-use common::{Counter, TestSchema, in_flight, proxy::PgProxy, req, send};
+use common::{Counter, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
     transactional::TransactionHandle,
@@ -591,6 +591,95 @@ async fn a_duplicate_past_the_lock_timeout_gets_409() {
         Some(Outcome::Replayed)
     );
     assert_eq!(counter.runs(), 1);
+}
+
+/// Transactional claims waiting for a connection are this process's overload, not a
+/// running duplicate: a new key that cannot get its turn in time is told 503, not the
+/// 409 "in progress" of a key nobody has used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
+    let schema = TestSchema::new();
+    // Two connections: one transactional claim at a time.
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone())
+        .lock_timeout(Duration::from_secs(1))
+        .store_timeout(Duration::from_millis(100));
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "4000")]), &counter).await;
+    // Two duplicates take the claims' turn one after the other, each waiting on the
+    // first request's row until the lock timeout.
+    let duplicates: Vec<_> = (0..2)
+        .map(|_| {
+            let router = router.clone();
+            tokio::spawn(async move { send(&router, post_with("k", &[])).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let other = send(&router, post_with("new", &[])).await;
+    assert_eq!(other.status, 503);
+    assert_eq!(other.problem(), "store-unavailable");
+    assert!(other.header("retry-after").is_some());
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.unwrap();
+        assert_eq!(duplicate.status, 409);
+        assert_eq!(duplicate.problem(), "in-progress");
+    }
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(records_of(&schema, "new").await, 0);
+    assert_eq!(counter.runs(), 1);
+    // Its retry, once there is room, runs.
+    assert_eq!(send(&router, post_with("new", &[])).await.status, 201);
+    common::idle(&store).await;
+}
+
+/// Requests that wait for the inner service's readiness (here a concurrency limit of
+/// one, in a tower stack inside the layer) wait before their transactions open, holding
+/// no connection: a burst queues there and is served in turn, and other apps on the
+/// same pool are served meanwhile, rather than finding every connection idle in a
+/// transaction that waits for its turn to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_waiting_for_a_concurrency_permit_hold_no_connection() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let counter = Counter::default();
+    let handler = Router::new()
+        .route("/payments", post(create))
+        .with_state(App {
+            counter: counter.clone(),
+            table: table.clone(),
+        });
+    // An axum route's readiness is always ready (it waits inside its call); a tower
+    // stack's is not.
+    let limited = Router::new().fallback_service(
+        tower::ServiceBuilder::new()
+            .layer(layer.clone())
+            .layer(tower::limit::ConcurrencyLimitLayer::new(1))
+            .service(handler),
+    );
+    let (other, _) = app(layer, &table);
+    let burst = Arc::new(tokio::sync::Barrier::new(4));
+    let queued: Vec<_> = (0..4)
+        .map(|i| {
+            let (router, burst) = (limited.clone(), burst.clone());
+            tokio::spawn(async move {
+                let r = post_with(&format!("burst-{i}"), &[("x-delay-ms", "500")]);
+                burst.wait().await;
+                send(&router, r).await
+            })
+        })
+        .collect();
+    eventually(|| counter.runs() == 1).await;
+    assert_eq!(send(&other, post_with("other", &[])).await.status, 201);
+    for r in queued {
+        let r = r.await.unwrap();
+        assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    }
+    assert_eq!(counter.runs(), 4);
+    common::idle(&store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
