@@ -12,7 +12,10 @@ use common::{
     retry_until_created, send,
 };
 use tokio::io::AsyncWriteExt;
-use tower_idempotency::{IdempotencyLayer, Outcome};
+use tower_idempotency::{
+    Fingerprint, IdempotencyLayer, Outcome, Scope,
+    store::{Claim, ClaimRequest, Store},
+};
 
 /// The state of `key` in the test's table: (state, token).
 async fn row(schema: &TestSchema, key: &str) -> Option<(String, i64)> {
@@ -148,6 +151,56 @@ async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connection
         shared_claim_connections > 0,
         "{shared} shared claims"
     );
+}
+
+/// A shared claim connection dropped without a word (forgotten by a NAT: nothing fails,
+/// nothing arrives) is forgotten in turn once a claim on it goes unanswered for a
+/// second: the claims after it open a new shared connection and run, instead of
+/// queuing behind it until TCP gives up, many minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silently_dropped_shared_claim_connection_is_replaced() {
+    let schema = TestSchema::new();
+    // Migrated on a pool of its own: nothing but the shared connection goes through
+    // the proxy when it drops them.
+    schema.store().await;
+    let proxy = PgProxy::start().await;
+    let store = schema
+        .unmigrated_store_at(&proxy.url())
+        .with_shared_claim_connections(1);
+    let scope = Scope::anonymous();
+    let warm_up = ClaimRequest {
+        scope: &scope,
+        key: "warm-up",
+        fingerprint: Fingerprint([0; 32]),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+    };
+    assert!(matches!(
+        store.claim(&warm_up).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    assert_eq!(store.pool().status().size, 0, "only the shared connection");
+    proxy.blackhole();
+
+    let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
+    let (router, counter) = app(layer);
+    assert_eq!(send(&router, post("k1", "{}")).await.status, 503);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let r = send(&router, post("k2", "{}")).await;
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.status, 503);
+        assert!(attempts < 100, "k2 never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(counter.runs_of("k2"), 1);
+    assert_eq!(counter.runs_of("k1"), 0);
+    // Every claim was dealt to a shared connection, the one that ran to a new one; none
+    // had to go to the pool because the dropped connection's queue was full.
+    assert_eq!(store.metrics().shared_claims, 2 + attempts);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

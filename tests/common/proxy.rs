@@ -1,6 +1,6 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
-//! stall traffic or refuse new connections.
+//! stall traffic, drop the connections open at a moment silently, or refuse new ones.
 
 use std::{
     net::SocketAddr,
@@ -22,6 +22,9 @@ struct Shared {
     executes: AtomicU64,
     commits: AtomicU64,
     stalled: AtomicBool,
+    /// Connections are numbered as they open; those below this pass nothing, for good.
+    opened: AtomicU64,
+    dead_below: AtomicU64,
     refusing: AtomicBool,
     /// Bumped to close every open connection at once.
     cuts: tokio::sync::watch::Sender<u64>,
@@ -63,6 +66,8 @@ impl PgProxy {
             executes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
             stalled: AtomicBool::new(false),
+            opened: AtomicU64::new(0),
+            dead_below: AtomicU64::new(0),
             refusing: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
         });
@@ -74,6 +79,7 @@ impl PgProxy {
                     continue;
                 }
                 let s = s.clone();
+                let id = s.opened.fetch_add(1, Ordering::SeqCst);
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
@@ -81,8 +87,8 @@ impl PgProxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     let mut cut = s.cuts.subscribe();
-                    let up = tokio::spawn(pump_frontend(cr, sw, s.clone()));
-                    let down = tokio::spawn(pump_backend(sr, cw, s));
+                    let up = tokio::spawn(pump_frontend(cr, sw, s.clone(), id));
+                    let down = tokio::spawn(pump_backend(sr, cw, s, id));
                     let (up_abort, down_abort) = (up.abort_handle(), down.abort_handle());
                     tokio::select! {
                         _ = async { let _ = tokio::join!(up, down); } => {}
@@ -129,6 +135,14 @@ impl PgProxy {
         self.shared.stalled.store(on, Ordering::SeqCst);
     }
 
+    /// Every connection open now stops passing bytes in either direction, for good,
+    /// and nothing fails: as when a NAT or a load balancer forgets them. Connections
+    /// opened later pass as usual.
+    pub fn blackhole(&self) {
+        let opened = self.shared.opened.load(Ordering::SeqCst);
+        self.shared.dead_below.store(opened, Ordering::SeqCst);
+    }
+
     /// Closes every open connection now.
     pub fn cut(&self) {
         self.shared.cuts.send_modify(|n| *n += 1);
@@ -140,15 +154,15 @@ impl PgProxy {
     }
 }
 
-async fn wait_while_stalled(s: &Shared) {
-    while s.stalled.load(Ordering::SeqCst) {
+async fn wait_while_stalled(s: &Shared, id: u64) {
+    while s.stalled.load(Ordering::SeqCst) || id < s.dead_below.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
 /// Client to server, parsed: an untyped start-up message (after any SSL/GSS request),
 /// then typed messages `type, int32 length, payload`.
-async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>) {
+async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>, id: u64) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut pending: Vec<u8> = Vec::new();
     let mut started = false;
@@ -157,7 +171,7 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        wait_while_stalled(&s).await;
+        wait_while_stalled(&s, id).await;
         pending.extend_from_slice(&buf[..n]);
         loop {
             if !started {
@@ -205,14 +219,14 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
     let _ = to.shutdown().await;
 }
 
-async fn pump_backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>) {
+async fn pump_backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>, id: u64) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        wait_while_stalled(&s).await;
+        wait_while_stalled(&s, id).await;
         if to.write_all(&buf[..n]).await.is_err() {
             break;
         }

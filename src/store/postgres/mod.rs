@@ -894,7 +894,20 @@ impl Store for PostgresStore {
             if let Some(shared) = &self.shared
                 && let Some(mut client) = shared.get(&self.pool).await?
             {
-                let claimed = again_if_it_lost_a_race(|| self.claim_on(&client, request)).await;
+                let claimed = {
+                    let mut claiming = std::pin::pin!(again_if_it_lost_a_race(|| {
+                        self.claim_on(&client, request)
+                    }));
+                    match tokio::time::timeout(shared::STALLED, claiming.as_mut()).await {
+                        Ok(claimed) => claimed,
+                        Err(_) => {
+                            // The next claims go to another connection; this one waits
+                            // on (its caller's own bound answers its client).
+                            shared.evict(&client);
+                            claiming.await
+                        }
+                    }
+                };
                 client.answered();
                 match claimed {
                     Err(e) if waited_for_a_lock(&e) => shared.moved_off(),

@@ -31,6 +31,13 @@ use crate::store::StoreError;
 /// claims queued behind it before it moves to a connection of its own.
 const LOCK_TIMEOUT: Duration = Duration::from_millis(50);
 
+/// How long a claim on a shared connection may go unanswered before its slot forgets
+/// the connection. A claim takes milliseconds, and one that meets a row lock gives up
+/// at `LOCK_TIMEOUT`; a connection silent for this long may have been dropped without
+/// a word (by a NAT or a load balancer), and the next claims must not queue behind it.
+/// The claims already sent on it keep it until they end.
+pub(super) const STALLED: Duration = Duration::from_secs(1);
+
 /// Claims queued on the least busy shared connection beyond which the next claim takes
 /// a pooled connection instead: when commits are slow, claims that insert drain the
 /// queues slowly, and the pool's connections overlap their commits.
@@ -210,9 +217,10 @@ impl Shared {
         Ok(Some(SharedClient::dealt(queued, client)))
     }
 
-    /// Forgets `client` after it lost its connection: the next claim dealt to its slot
-    /// opens a new one rather than finding out again. (A connection that the server
-    /// ended reports it closed only once its task has seen the end.)
+    /// Forgets `client` after it lost its connection or stopped answering (`STALLED`):
+    /// the next claim dealt to its slot opens a new one rather than finding out again.
+    /// (A connection that the server ended reports it closed only once its task has
+    /// seen the end; one dropped silently may not report it for many minutes.)
     pub(super) fn evict(&self, client: &SharedClient<'_>) {
         client.forget();
     }
