@@ -310,8 +310,10 @@ pub(crate) async fn open(
                 if retry {
                     client.batch_execute("ROLLBACK").await.map_err(failed)?;
                 }
-                let (begun, claim) =
-                    tokio::join!(client.batch_execute(begin), store.claim_on(client, request));
+                let (begun, claim) = tokio::join!(
+                    client.batch_execute(begin),
+                    store.claim_on(client, request, crate::store::fresh_token())
+                );
                 begun.map_err(failed)?;
                 claim
             }

@@ -153,6 +153,27 @@ async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connection
     );
 }
 
+/// A claim whose answer is lost with its connection may have committed. Its row is
+/// released by the token the claim was sent with, so that a retry runs at once instead
+/// of finding the key running, with nobody to run it, until the lease lapses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_whose_answer_was_lost_with_its_connection_is_released() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
+    let (router, counter) = app(layer);
+    // Prepares the statements: the claim is what the server answers next.
+    assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+    proxy.cut_at_next_reply();
+    let lost = send(&router, post("k", "{}")).await;
+    assert_eq!(lost.status, 503);
+    assert_eq!(counter.runs_of("k"), 0);
+    // Within seconds, not the lease's 60.
+    retry_until_created(&router, "k", &[409, 503]).await;
+    assert_eq!(counter.runs_of("k"), 1);
+}
+
 /// A shared claim connection dropped without a word (forgotten by a NAT: nothing fails,
 /// nothing arrives) is forgotten in turn once a claim on it goes unanswered for a
 /// second: the claims after it open a new shared connection and run, instead of

@@ -26,6 +26,8 @@ struct Shared {
     opened: AtomicU64,
     dead_below: AtomicU64,
     refusing: AtomicBool,
+    /// Set to close the connection that next hears from the server, unanswered.
+    cut_at_reply: AtomicBool,
     /// Bumped to close every open connection at once.
     cuts: tokio::sync::watch::Sender<u64>,
 }
@@ -69,6 +71,7 @@ impl PgProxy {
             opened: AtomicU64::new(0),
             dead_below: AtomicU64::new(0),
             refusing: AtomicBool::new(false),
+            cut_at_reply: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
         });
         let s = shared.clone();
@@ -141,6 +144,12 @@ impl PgProxy {
     pub fn blackhole(&self) {
         let opened = self.shared.opened.load(Ordering::SeqCst);
         self.shared.dead_below.store(opened, Ordering::SeqCst);
+    }
+
+    /// Closes the next connection the server answers, before the answer reaches the
+    /// client: the statement ran, and the client cannot know it.
+    pub fn cut_at_next_reply(&self) {
+        self.shared.cut_at_reply.store(true, Ordering::SeqCst);
     }
 
     /// Closes every open connection now.
@@ -227,6 +236,10 @@ async fn pump_backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Sh
             Ok(n) => n,
         };
         wait_while_stalled(&s, id).await;
+        if s.cut_at_reply.swap(false, Ordering::SeqCst) {
+            // What the server answered is lost with the connection.
+            break;
+        }
         if to.write_all(&buf[..n]).await.is_err() {
             break;
         }

@@ -688,13 +688,90 @@ impl PostgresStore {
 
     /// Claims on `client`, which may be inside a transaction (a conflicting row that
     /// another transaction has not committed yet is then waited for).
+    /// Claims on a shared connection if there is one with room, else on a pooled one.
+    async fn claim_with(
+        &self,
+        request: &ClaimRequest<'_>,
+        token: i64,
+    ) -> Result<Claim, StoreError> {
+        if let Some(shared) = &self.shared
+            && let Some(mut client) = shared.get(&self.pool).await?
+        {
+            let claimed = {
+                let mut claiming = std::pin::pin!(again_if_it_lost_a_race(|| {
+                    self.claim_on(&client, request, token)
+                }));
+                match tokio::time::timeout(shared::STALLED, claiming.as_mut()).await {
+                    Ok(claimed) => claimed,
+                    Err(_) => {
+                        // The next claims go to another connection; this one waits on
+                        // (its caller's own bound answers its client).
+                        shared.evict(&client);
+                        claiming.await
+                    }
+                }
+            };
+            client.answered();
+            match claimed {
+                Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
+                Err(e) => {
+                    if lost_its_connection(&e) {
+                        shared.evict(&client);
+                    }
+                    return Err(e);
+                }
+                claimed => return claimed,
+            }
+        }
+        let client = self.client().await?;
+        again_if_it_lost_a_race(|| self.claim_on(&client, request, token)).await
+    }
+
+    /// A claim whose connection was lost before its answer came may have committed: its
+    /// row would hold the key as running, with nobody to run or release it, and every
+    /// retry would get 409 until the lease lapsed. The row of a fresh claim carries the
+    /// token sent with it, so it is released by that token, on another connection, in
+    /// a task of its own; if the claim did not commit, nothing matches. (A takeover in
+    /// doubt took the old row's token plus one, unknown here: it lapses with its lease.)
+    fn release_in_doubt(&self, request: &ClaimRequest<'_>, token: i64) {
+        use tracing::Instrument;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.clone();
+        let lease = Lease {
+            scope: request.scope.clone(),
+            key: Arc::from(request.key),
+            token,
+        };
+        runtime.spawn(
+            async move {
+                match store.release(&lease).await {
+                    Ok(true) => tracing::warn!(
+                        token,
+                        "a claim whose answer was lost had committed; released it"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(
+                        token,
+                        error = %e,
+                        "a claim whose answer was lost may have committed and could not be released; it frees when its lease lapses"
+                    ),
+                }
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// A fresh row gets `token`; the caller keeps it to release a claim in doubt.
     pub(crate) async fn claim_on(
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
+        token: i64,
     ) -> Result<Claim, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            if let Some(claim) = self.claim_once(client, req).await? {
+            if let Some(claim) = self.claim_once(client, req, token).await? {
                 return Ok(claim);
             }
         }
@@ -753,6 +830,7 @@ impl PostgresStore {
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
+        token: i64,
     ) -> Result<Option<Claim>, StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
@@ -767,7 +845,7 @@ impl PostgresStore {
                     &fp,
                     &lease_ms,
                     &ttl_ms,
-                    &super::fresh_token(),
+                    &token,
                 ],
             )
             .await?;
@@ -891,37 +969,15 @@ impl Store for PostgresStore {
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
-            if let Some(shared) = &self.shared
-                && let Some(mut client) = shared.get(&self.pool).await?
+            // One token for every attempt: only one of them can insert the row.
+            let token = super::fresh_token();
+            let claimed = self.claim_with(request, token).await;
+            if let Err(e) = &claimed
+                && lost_its_connection(e)
             {
-                let claimed = {
-                    let mut claiming = std::pin::pin!(again_if_it_lost_a_race(|| {
-                        self.claim_on(&client, request)
-                    }));
-                    match tokio::time::timeout(shared::STALLED, claiming.as_mut()).await {
-                        Ok(claimed) => claimed,
-                        Err(_) => {
-                            // The next claims go to another connection; this one waits
-                            // on (its caller's own bound answers its client).
-                            shared.evict(&client);
-                            claiming.await
-                        }
-                    }
-                };
-                client.answered();
-                match claimed {
-                    Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
-                    Err(e) => {
-                        if lost_its_connection(&e) {
-                            shared.evict(&client);
-                        }
-                        return Err(e);
-                    }
-                    claimed => return claimed,
-                }
+                self.release_in_doubt(request, token);
             }
-            let client = self.client().await?;
-            again_if_it_lost_a_race(|| self.claim_on(&client, request)).await
+            claimed
         })
     }
 
