@@ -91,7 +91,8 @@ pub enum JobOutcome {
 pub enum JobError<E> {
     /// The work returned an error.
     Failed(E),
-    /// The work panicked.
+    /// The work panicked (its future, or the function that makes it); the key was
+    /// released, so a redelivery runs it again.
     Panicked,
     /// The key was already used with a different input.
     Mismatch,
@@ -233,7 +234,11 @@ impl JobRunner {
                 #[cfg(feature = "postgres")]
                 transaction: None,
             };
-            let task = tokio::spawn(work(ctx).in_current_span());
+            let Some(work) = started(work, ctx) else {
+                self.release(&lease).await;
+                return Err(JobError::Panicked);
+            };
+            let task = tokio::spawn(work.in_current_span());
             // The rest runs in a task of its own: a caller that drops the run (its own
             // timeout, a `select!`) leaves the work running, and then its lease is still
             // renewed and its result stored, or its key released, rather than the key left
@@ -327,7 +332,15 @@ impl JobRunner {
             key,
             transaction: Some(handle),
         };
-        let joined = tokio::spawn(work(ctx).in_current_span()).await;
+        let joined = match started(work, ctx) {
+            Some(work) => tokio::spawn(work.in_current_span()).await,
+            None => {
+                if let Some(conn) = TransactionHandle::take(&slot, self.store_timeout).await {
+                    rollback(conn).await;
+                }
+                return Err(JobError::Panicked);
+            }
+        };
         let Some(conn) = TransactionHandle::take(&slot, self.store_timeout).await else {
             return Err(JobError::NotCommitted);
         };
@@ -348,6 +361,25 @@ impl JobRunner {
                 rollback(conn).await;
                 Err(JobError::Panicked)
             }
+        }
+    }
+}
+
+/// Calls `work` for its future. A panic of the function itself, before the future
+/// exists, is caught like a panic of the future (`None`), so that the key claimed for it
+/// is released rather than held until its lease lapses.
+fn started<F, Fut>(work: F, ctx: JobContext) -> Option<Fut>
+where
+    F: FnOnce(JobContext) -> Fut,
+{
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx))) {
+        Ok(future) => Some(future),
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the job panicked before its work began"
+            );
+            None
         }
     }
 }

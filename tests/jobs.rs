@@ -90,6 +90,18 @@ async fn failures_release_the_key(runner: JobRunner) {
         })
         .await;
     assert!(matches!(panicked, Err(JobError::Panicked)));
+    // The function itself panics, before its work's future exists.
+    let panicked = runner
+        .run(
+            &scope,
+            "msg-2",
+            b"p",
+            |_| -> std::future::Ready<Result<Bytes, std::io::Error>> {
+                panic!("the job's function panicked on purpose")
+            },
+        )
+        .await;
+    assert!(matches!(panicked, Err(JobError::Panicked)));
     let ran = runner
         .run(&scope, "msg-2", b"p", |ctx| async move {
             Ok::<_, std::io::Error>(Bytes::from(ctx.key.derive("downstream")))
@@ -265,6 +277,14 @@ async fn transactional_the_longest_settings_still_run() {
     let store = schema.store().await;
     let runner = JobRunner::transactional(store.clone()).lock_timeout(std::time::Duration::MAX);
     the_longest_settings_still_run(runner).await;
+    common::idle(&store).await;
+}
+
+#[tokio::test]
+async fn transactional_failures_release_the_key() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    failures_release_the_key(JobRunner::transactional(store.clone())).await;
     common::idle(&store).await;
 }
 
