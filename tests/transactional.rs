@@ -602,11 +602,14 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
     // Two connections: one transactional claim at a time.
     let store = schema.store_at(&common::database_url(), 2).await;
     let table = setup(&schema, &store).await;
+    // A claim waits up to 2.1 s for its turn. The first duplicate holds it for the
+    // lock timeout (1.5 s), the second from then on (to 3 s): the new key, 0.3 s
+    // behind them, gives up at 2.4 s, and the second duplicate has 0.6 s to spare.
     let layer = IdempotencyLayer::transactional(store.clone())
-        .lock_timeout(Duration::from_secs(1))
-        .store_timeout(Duration::from_millis(100));
+        .lock_timeout(Duration::from_millis(1500))
+        .store_timeout(Duration::from_millis(600));
     let (router, counter) = app(layer, &table);
-    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "4000")]), &counter).await;
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "3500")]), &counter).await;
     // Two duplicates take the claims' turn one after the other, each waiting on the
     // first request's row until the lock timeout.
     let duplicates: Vec<_> = (0..2)
