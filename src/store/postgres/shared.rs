@@ -17,7 +17,7 @@
 use std::{
     sync::{
         Arc, Mutex, PoisonError,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -82,12 +82,32 @@ impl Slot {
     }
 }
 
-/// A claim counted in flight on a slot until dropped (answered, failed or cancelled).
-struct Queued<'a>(&'a Slot);
+/// A claim counted in flight on a slot until dropped (answered, failed or cancelled), or
+/// until its connection is forgotten (`uncount`).
+struct Queued<'a> {
+    slot: &'a Slot,
+    uncounted: AtomicBool,
+}
+
+impl<'a> Queued<'a> {
+    fn new(slot: &'a Slot) -> Self {
+        Self {
+            slot,
+            uncounted: AtomicBool::new(false),
+        }
+    }
+
+    /// Takes the claim off its slot's count, once.
+    fn uncount(&self) {
+        if !self.uncounted.swap(true, Ordering::Relaxed) {
+            self.slot.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.uncount();
     }
 }
 
@@ -122,7 +142,7 @@ impl<'a> SharedClient<'a> {
     fn forget(&self) {
         let mut current = self
             .queued
-            .0
+            .slot
             .current
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -196,7 +216,7 @@ impl Shared {
                 None => return Ok(None),
             }
         };
-        let queued = Queued(slot);
+        let queued = Queued::new(slot);
         self.claims.fetch_add(1, Ordering::Relaxed);
         if let Some(client) = slot.open() {
             return Ok(Some(SharedClient::dealt(queued, client)));
@@ -221,8 +241,13 @@ impl Shared {
     /// the next claim dealt to its slot opens a new one rather than finding out again.
     /// (A connection that the server ended reports it closed only once its task has
     /// seen the end; one dropped silently may not report it for many minutes.)
+    ///
+    /// The claim comes off the slot's count too: a claim stuck on a silent connection
+    /// may wait for many minutes, and claims stuck so must not keep the slot looking
+    /// full, so that no new connection opens in it.
     pub(super) fn evict(&self, client: &SharedClient<'_>) {
         client.forget();
+        client.queued.uncount();
     }
 
     /// How many connections are shared.
