@@ -208,10 +208,12 @@ where
         // A guarded request's future owns an instance of its own (it may finish in a task
         // of its own), and a fresh clone stays for the next call. The ready one is let
         // go: what its readiness reserved (a concurrency permit, a buffer slot) must not
-        // be held while the request reads its body, claims its key or waits for a
-        // running duplicate, maybe only to replay. Readiness is asked for again once
-        // the key is claimed (`run_inner`), or in transactional mode just before the
-        // transaction opens, so that waiting for it holds no connection.
+        // be held while the request reads its body. In lease mode readiness is asked for
+        // again once the key is claimed (`run_inner`), so a duplicate that waits for a
+        // running request, maybe only to replay, holds none. In transactional mode it
+        // is asked for just before the transaction opens, so that waiting for it holds
+        // no connection; a duplicate then holds it while it waits on the first
+        // request's row, as it holds a connection, and a replay needs it too.
         let inner = self.inner.clone();
         self.inner = inner.clone();
         let span = tracing::info_span!(

@@ -588,9 +588,10 @@ async fn terminated_shared_claim_connections_are_replaced() {
             assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
         }
     }
-    // Claims alone: the pool lends nothing, so the backends are the shared ones.
+    // Claims alone: the pool lends nothing but the connections that release claims in
+    // doubt (below), so the other backends are the shared ones.
     let backends = format!(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = '{app_name}' AND pid <> pg_backend_pid()"
+        "SELECT pid FROM pg_stat_activity WHERE application_name = '{app_name}' AND pid <> pg_backend_pid() AND query NOT LIKE 'WITH done AS%'"
     );
     let pids =
         |rows: Vec<tokio_postgres::Row>| -> Vec<i32> { rows.iter().map(|r| r.get(0)).collect() };
@@ -633,5 +634,11 @@ async fn terminated_shared_claim_connections_are_replaced() {
         after.iter().all(|pid| !before.contains(pid)),
         "{before:?} {after:?}"
     );
-    assert_eq!(store.pool().status().size, 0);
+    // A claim that failed with its connection may have committed: the store releases it
+    // by its token, on a pooled connection. No claim went to the pool.
+    assert!(
+        store.pool().status().size <= failed,
+        "{:?}, {failed} claims failed",
+        store.pool().status()
+    );
 }

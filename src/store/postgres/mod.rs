@@ -42,6 +42,14 @@ const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
 /// How many times a claim is re-read when the row changes under it.
 const CLAIM_ATTEMPTS: usize = 16;
 
+/// When a claim in doubt is released, counted from the one before: at once, then again
+/// in case the server was still running the claim when its connection went.
+const IN_DOUBT_RELEASES: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_secs(1),
+    Duration::from_secs(5),
+];
+
 /// The bound on the first wait after a serialization failure; it doubles with each
 /// further loss, up to `RACE_BACKOFF_CAP`. Sixteen attempts wait 0.35 s at most in all,
 /// well within a store timeout.
@@ -687,8 +695,8 @@ impl PostgresStore {
     }
 
     /// Claims on `client`, which may be inside a transaction (a conflicting row that
-    /// another transaction has not committed yet is then waited for).
     /// Claims on a shared connection if there is one with room, else on a pooled one.
+    /// A claim whose connection is lost once its statement was sent is released in doubt.
     async fn claim_with(
         &self,
         request: &ClaimRequest<'_>,
@@ -717,6 +725,7 @@ impl PostgresStore {
                 Err(e) => {
                     if lost_its_connection(&e) {
                         shared.evict(&client);
+                        self.release_in_doubt(request, token);
                     }
                     return Err(e);
                 }
@@ -724,15 +733,24 @@ impl PostgresStore {
             }
         }
         let client = self.client().await?;
-        again_if_it_lost_a_race(|| self.claim_on(&client, request, token)).await
+        let claimed = again_if_it_lost_a_race(|| self.claim_on(&client, request, token)).await;
+        if let Err(e) = &claimed
+            && lost_its_connection(e)
+        {
+            self.release_in_doubt(request, token);
+        }
+        claimed
     }
 
     /// A claim whose connection was lost before its answer came may have committed: its
     /// row would hold the key as running, with nobody to run or release it, and every
     /// retry would get 409 until the lease lapsed. The row of a fresh claim carries the
     /// token sent with it, so it is released by that token, on another connection, in
-    /// a task of its own; if the claim did not commit, nothing matches. (A takeover in
-    /// doubt took the old row's token plus one, unknown here: it lapses with its lease.)
+    /// a task of its own; if the claim did not commit, nothing matches. The server may
+    /// still have been running the claim when the connection went (on a lock, or a
+    /// commit waiting for a synchronous standby), so the release is tried again a
+    /// moment later, and later again. (A takeover in doubt took the old row's token plus
+    /// one, unknown here: it lapses with its lease.)
     fn release_in_doubt(&self, request: &ClaimRequest<'_>, token: i64) {
         use tracing::Instrument;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -746,24 +764,35 @@ impl PostgresStore {
         };
         runtime.spawn(
             async move {
-                match store.release(&lease).await {
-                    Ok(true) => tracing::warn!(
-                        token,
-                        "a claim whose answer was lost had committed; released it"
-                    ),
-                    Ok(false) => {}
-                    Err(e) => tracing::warn!(
-                        token,
-                        error = %e,
-                        "a claim whose answer was lost may have committed and could not be released; it frees when its lease lapses"
-                    ),
+                for wait in IN_DOUBT_RELEASES {
+                    tokio::time::sleep(wait).await;
+                    match store.release(&lease).await {
+                        Ok(true) => {
+                            tracing::warn!(
+                                token,
+                                "a claim whose answer was lost had committed; released it"
+                            );
+                            return;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::warn!(
+                                token,
+                                error = %e,
+                                "a claim whose answer was lost may have committed and could not be released; it frees when its lease lapses"
+                            );
+                            return;
+                        }
+                    }
                 }
             }
             .in_current_span(),
         );
     }
 
-    /// A fresh row gets `token`; the caller keeps it to release a claim in doubt.
+    /// Claims on `client`, which may be inside a transaction (a conflicting row that
+    /// another transaction has not committed yet is then waited for). A fresh row gets
+    /// `token`; the caller keeps it to release a claim in doubt.
     pub(crate) async fn claim_on(
         &self,
         client: &ClientWrapper,
@@ -970,14 +999,7 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             // One token for every attempt: only one of them can insert the row.
-            let token = super::fresh_token();
-            let claimed = self.claim_with(request, token).await;
-            if let Err(e) = &claimed
-                && lost_its_connection(e)
-            {
-                self.release_in_doubt(request, token);
-            }
-            claimed
+            self.claim_with(request, super::fresh_token()).await
         })
     }
 
