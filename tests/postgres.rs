@@ -93,6 +93,48 @@ async fn duplicate_burst(
     }
 }
 
+/// A pool built without a wait timeout (deadpool's default) still bounds how long the
+/// store waits for one of its connections: claims whose requests gave up on them (503
+/// at the store timeout) do not queue for a connection without end, and none of them
+/// lands once connections free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_given_up_on_do_not_queue_for_a_connection_without_end() {
+    let schema = TestSchema::new();
+    schema.store().await;
+    let config: tokio_postgres::Config = common::database_url().parse().expect("url");
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(1)
+        .build()
+        .expect("pool");
+    assert!(pool.timeouts().wait.is_none());
+    let store = PostgresStore::new(pool.clone())
+        .with_schema_name(&schema.name)
+        .expect("schema name");
+    let held = pool.get().await.expect("the pool's one connection");
+    let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(200));
+    let (router, counter) = app(layer);
+    for i in 0..3 {
+        assert_eq!(
+            send(&router, post(&format!("k{i}"), "{}")).await.status,
+            503
+        );
+    }
+    // Their claims still wait for the connection, in tasks of their own, then give up.
+    assert_eq!(pool.status().waiting, 3);
+    common::eventually(|| pool.status().waiting == 0).await;
+    drop(held);
+    assert_eq!(send(&router, post("other", "{}")).await.status, 201);
+    let rows = schema
+        .query(&format!(
+            "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key LIKE 'k%'",
+            schema.name
+        ))
+        .await;
+    assert_eq!(rows[0].get::<_, i64>(0), 0);
+    assert_eq!(counter.runs(), 1);
+}
+
 #[tokio::test]
 async fn a_new_key_costs_two_statements_and_a_replay_one() {
     let schema = TestSchema::new();

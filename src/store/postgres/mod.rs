@@ -39,6 +39,24 @@ const MIGRATIONS: &[(i32, &str)] = &[
 /// An advisory lock id shared by every process migrating this crate's tables.
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
 
+/// How long a statement waits for a connection from a pool that sets no wait timeout.
+const POOL_WAIT: Duration = Duration::from_secs(5);
+
+/// A connection from `pool`, waiting at most the pool's wait timeout, or `POOL_WAIT`
+/// if it sets none (see `PostgresStore::client`).
+async fn pooled(pool: &Pool) -> Result<Client, StoreError> {
+    if pool.timeouts().wait.is_some() {
+        return pool.get().await.map_err(classify_pool);
+    }
+    match tokio::time::timeout(POOL_WAIT, pool.get()).await {
+        Ok(got) => got.map_err(classify_pool),
+        Err(_) => Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            "no connection from the pool within 5 s (the pool sets no wait timeout)",
+        )),
+    }
+}
+
 /// How many times a claim is re-read when the row changes under it.
 const CLAIM_ATTEMPTS: usize = 16;
 
@@ -592,7 +610,7 @@ impl PostgresStore {
     /// transaction-scoped advisory lock, in a read committed transaction whatever the
     /// database's default isolation, and recorded in `<table>_migrations`.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut client = self.pool.get().await.map_err(classify_pool)?;
+        let mut client = pooled(&self.pool).await?;
         // Read committed whatever the database's default: a replica that waited on the
         // lock must see the versions the one before it applied. Under repeatable read or
         // serializable its snapshot, taken before the wait, would not, and it would apply
@@ -668,8 +686,12 @@ impl PostgresStore {
         }
     }
 
+    /// A pooled connection. A pool with no wait timeout of its own (deadpool's default)
+    /// gets one of `POOL_WAIT`, as the pools of `pool_for_url` have: a claim whose caller
+    /// gave up on it is finished in a task of its own, and under overload such tasks
+    /// would otherwise queue for a connection without end, ahead of new requests.
     pub(crate) async fn client(&self) -> Result<Client, StoreError> {
-        self.pool.get().await.map_err(classify_pool)
+        pooled(&self.pool).await
     }
 
     pub(crate) async fn query_on(

@@ -24,7 +24,7 @@ use std::{
 
 use deadpool_postgres::{ClientWrapper, Object, Pool};
 
-use super::{classify, classify_pool};
+use super::classify;
 use crate::store::StoreError;
 
 /// The `lock_timeout` of a shared connection: how long one claim may hold up the
@@ -175,7 +175,7 @@ impl std::ops::Deref for SharedClient<'_> {
 /// in its place, and this one, with its own `lock_timeout`, never goes back to serve a
 /// transaction.
 async fn connect(pool: &Pool) -> Result<ClientWrapper, StoreError> {
-    let client = Object::take(pool.get().await.map_err(classify_pool)?);
+    let client = Object::take(super::pooled(pool).await?);
     let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
     client.batch_execute(&set).await.map_err(classify)?;
     Ok(client)
