@@ -240,7 +240,7 @@ async fn create(
         "echo": String::from_utf8_lossy(&body),
     })
     .to_string();
-    (
+    let mut res = (
         status,
         [
             ("content-type", "application/json".to_owned()),
@@ -250,11 +250,15 @@ async fn create(
         ],
         body,
     )
-        .into_response()
+        .into_response();
+    if let Some(v) = headers.get("x-cache-control") {
+        res.headers_mut().insert("cache-control", v.clone());
+    }
+    res
 }
 
 /// `POST|PATCH|GET /payments` behind `layer`. Request headers steer the handler:
-/// `x-delay-ms`, `x-status`, `x-panic`.
+/// `x-delay-ms`, `x-status`, `x-panic`, `x-cache-control` (answered as `Cache-Control`).
 pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
     let counter = Counter::default();
     let router = Router::new()

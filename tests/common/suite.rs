@@ -255,6 +255,24 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs_of("k4"), 1);
             }
 
+            /// `Cache-Control: no-store` speaks to HTTP caches, and payment APIs send it
+            /// on every response: it does not keep a response from being stored for
+            /// replay, or the layer would do nothing for them and a retry would run again.
+            #[tokio::test]
+            async fn a_no_store_response_is_still_replayed() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let charge = || post_with_headers("k", &[("x-cache-control", "no-store")]);
+                let first = send(&router, charge()).await;
+                assert_eq!(first.status, 201);
+                assert_eq!(first.header("cache-control"), Some("no-store"));
+                let again = send(&router, charge()).await;
+                assert_eq!(again.outcome, Some(Outcome::Replayed));
+                assert_eq!(again.header("cache-control"), Some("no-store"));
+                assert_eq!(again.body, first.body);
+                assert_eq!(counter.runs_of("k"), 1);
+            }
+
             #[tokio::test]
             async fn the_storage_policy_is_a_setting() {
                 let (layer, _store, _g) = layer().await;
