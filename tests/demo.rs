@@ -856,7 +856,8 @@ async fn transactional_duplicates_over_two_processes_commit_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_on_another_process_is_woken_by_a_notification() {
     const KEY: &str = "wait-payment-1";
-    const PAYMENT: &str = r#"{"amount":1100,"currency":"EUR","delay_ms":800}"#;
+    // Long enough for B's duplicate to claim and register before A completes.
+    const PAYMENT: &str = r#"{"amount":1100,"currency":"EUR","delay_ms":3000}"#;
     let schema = Schema::new();
     let client = client();
     let mut a = Demo::start(Some(&schema));

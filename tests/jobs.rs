@@ -160,7 +160,7 @@ async fn a_run_dropped_by_its_caller_still_stores_its_result(runner: JobRunner) 
 /// the result, never a lapsed key to run again.
 async fn a_result_whose_first_completions_fail_is_still_stored(store: Arc<dyn Store>) {
     let store = AlteredCompletions::around(store, Completion::FailingFirst(2));
-    let runner = JobRunner::new(store).lease_duration(Duration::from_millis(200));
+    let runner = JobRunner::new(store).lease_duration(Duration::from_secs(1));
     let scope = Scope::new("consumer");
     let runs = Arc::new(AtomicUsize::new(0));
     let work = |runs: Arc<AtomicUsize>| {
@@ -182,7 +182,7 @@ async fn a_result_whose_first_completions_fail_is_still_stored(store: Arc<dyn St
             .await
             .unwrap();
         seen.push(outcome);
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let ran = seen
         .iter()
