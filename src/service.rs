@@ -38,9 +38,12 @@ use crate::{
 /// body first (e.g. `axum::body::Body::new`).
 ///
 /// A guarded request lets go of what the inner service's readiness reserved (a
-/// `ConcurrencyLimit` permit, a `Buffer` slot) and asks a clone for readiness again once
-/// its key is claimed, just before the handler runs: requests that read their body,
-/// wait for a running duplicate or replay hold no capacity of the service inside.
+/// `ConcurrencyLimit` permit, a `Buffer` slot) and asks a clone for readiness again
+/// later: in lease mode once its key is claimed, just before the handler runs, so that
+/// requests that read their body, wait for a running duplicate or replay hold no
+/// capacity of the service inside; in transactional mode just before its transaction
+/// opens, so that waiting for readiness holds no connection (a duplicate then holds the
+/// capacity while it waits on the first request's row, and a replay needs it too).
 #[derive(Clone)]
 pub struct Idempotency<S> {
     pub(crate) inner: S,
@@ -207,13 +210,8 @@ where
         };
         // A guarded request's future owns an instance of its own (it may finish in a task
         // of its own), and a fresh clone stays for the next call. The ready one is let
-        // go: what its readiness reserved (a concurrency permit, a buffer slot) must not
-        // be held while the request reads its body. In lease mode readiness is asked for
-        // again once the key is claimed (`run_inner`), so a duplicate that waits for a
-        // running request, maybe only to replay, holds none. In transactional mode it
-        // is asked for just before the transaction opens, so that waiting for it holds
-        // no connection; a duplicate then holds it while it waits on the first
-        // request's row, as it holds a connection, and a replay needs it too.
+        // go, and readiness asked for again later (see `Idempotency`): in `run_inner`,
+        // or in transactional mode before the transaction opens.
         let inner = self.inner.clone();
         self.inner = inner.clone();
         let span = tracing::info_span!(

@@ -272,9 +272,9 @@ pub(crate) async fn open(
     store_timeout: Duration,
 ) -> Opened {
     // Duplicates block on the first request's row while holding a connection; the
-    // permit keeps them from taking the connections its handler needs.
-    // Waiting this long for a permit is this process's overload, not a running
-    // duplicate: 503, like a pool with no connection to give.
+    // permit keeps them from taking the connections its handler needs. Waiting for one
+    // past the bound is this process's overload, not a running duplicate: 503, like a
+    // pool with no connection to give.
     let Ok(_permit) =
         tokio::time::timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await
     else {
