@@ -81,7 +81,11 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// The request's open transaction, for the handler's own writes.
 ///
 /// Cloning is cheap; every clone is the same transaction. Do not keep it beyond the
-/// handler: once the layer commits or rolls back, [`client`](Self::client) fails.
+/// handler: once the layer commits or rolls back, [`client`](Self::client) fails. Work
+/// that still holds the [`TransactionClient`] when the response is ready (a task the
+/// handler spawned, say) has until the layer's `store_timeout` to let go of it; past
+/// that, the request answers `500 handler-failed`, and the transaction is rolled back
+/// and its connection closed as soon as the client is dropped.
 #[derive(Clone)]
 pub struct TransactionHandle {
     slot: Arc<Mutex<Option<OpenTx>>>,
@@ -140,14 +144,21 @@ impl TransactionHandle {
     }
 
     /// Takes the transaction back once the work is done; `None` if the work still holds
-    /// the connection after `bound` (it is then closed, which rolls back).
+    /// the connection after `bound`. The connection is then closed, which rolls back,
+    /// as soon as the work lets go of its [`TransactionClient`], even if it keeps a
+    /// clone of the handle: a handle kept beyond the request must not hold its row
+    /// lock, and so its key, for as long as the handle lives.
     pub(crate) async fn take(slot: &Arc<Mutex<Option<OpenTx>>>, bound: Duration) -> Option<OpenTx> {
         match tokio::time::timeout(bound, slot.lock()).await {
             Ok(mut slot) => slot.take(),
             Err(_) => {
                 tracing::error!(
-                    "the work kept the transaction's connection; it is rolled back when the connection closes"
+                    "the work kept the transaction's connection; it is closed, which rolls back, once the work lets it go"
                 );
+                // Queued on the lock behind the work's client: the handle's later calls
+                // queue behind this and find the transaction ended.
+                let slot = slot.clone();
+                tokio::spawn(async move { drop(slot.lock().await.take()) });
                 None
             }
         }

@@ -728,3 +728,82 @@ async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
         1
     );
 }
+
+/// Writes through a task that keeps the request's transaction handle long after the
+/// response; with `x-keep-handle`, the task holds the connection for `pg_sleep(1.5)`
+/// past the layer's store timeout, then lets go of the client but keeps the handle.
+async fn keeps_its_handle(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !headers.contains_key("x-keep-handle") {
+        return create(State(app), key, tx, headers, body).await;
+    }
+    app.counter.count_run();
+    let (holding, held) = tokio::sync::oneshot::channel();
+    let table = app.table.clone();
+    tokio::spawn(async move {
+        let client = tx.client().await.expect("transaction");
+        let _ = holding.send(());
+        let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 0, 'kept')");
+        client.execute(&insert, &[&key.as_str()]).await.unwrap();
+        client.batch_execute("SELECT pg_sleep(1.5)").await.unwrap();
+        drop(client);
+        // Kept as a careless app might keep it: in a cache, a struct, a task.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        drop(tx);
+    });
+    held.await.unwrap();
+    (StatusCode::CREATED, "{}").into_response()
+}
+
+/// A handle kept beyond the request must not keep its row lock, and so its key, for as
+/// long as it lives: once the work lets go of the connection, the transaction rolls
+/// back and a retry runs clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let counter = Counter::default();
+    let layer = IdempotencyLayer::transactional(store)
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_millis(200));
+    let router = Router::new()
+        .route("/payments", post(keeps_its_handle))
+        .layer(layer)
+        .with_state(App {
+            counter: counter.clone(),
+            table: table.clone(),
+        });
+    let first = send(&router, post_with("k", &[("x-keep-handle", "1")])).await;
+    assert_eq!(first.status, 500);
+    assert_eq!(first.problem(), "handler-failed");
+    // The kept connection's statement ends 1.5 s in; 10 s is the bound for a retry to
+    // run, against the 600 s the handle is kept.
+    let started = std::time::Instant::now();
+    let mut statuses = Vec::new();
+    let retry = loop {
+        let r = send(&router, post_with("k", &[])).await;
+        statuses.push(r.status.as_u16());
+        if r.status != 409 || started.elapsed() > Duration::from_secs(10) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(retry.status, 201, "{statuses:?}");
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    // The kept transaction's write was rolled back; the retry's is the only one.
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table} WHERE body = 'kept'")).await,
+        0
+    );
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
