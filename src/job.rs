@@ -98,7 +98,10 @@ pub enum JobError<E> {
     Mismatch,
     /// The store could not be reached; the work did not run.
     Store(StoreError),
-    /// Transactional mode: the work's transaction could not be committed.
+    /// Transactional mode: the work's transaction was not committed, so it had no
+    /// effect; or the connection failed during its `COMMIT` and whether it committed
+    /// could not be checked. Either way, run it again with the same key: it returns
+    /// [`JobOutcome::AlreadyDone`] if it did commit.
     NotCommitted,
 }
 
@@ -302,7 +305,9 @@ impl JobRunner {
         Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
         E: Send + 'static,
     {
-        use crate::transactional::{Committed, Opened, TransactionHandle, commit, open, rollback};
+        use crate::transactional::{
+            Committed, Opened, Resolved, TransactionHandle, commit, open, resolve, rollback,
+        };
 
         let (conn, lease) = match open(store, request, lock_timeout, self.store_timeout).await {
             Opened::Acquired(conn, lease) => (conn, lease),
@@ -348,9 +353,22 @@ impl JobRunner {
             Ok(Ok(result)) => {
                 // A work that succeeded although one of its statements failed (and so
                 // aborted the transaction) has had no effect either.
-                match commit(store, conn, &lease, &stored(&result), self.ttl).await {
+                let sent = stored(&result);
+                match commit(store, conn, &lease, &sent, self.ttl).await {
                     Committed::Yes => Ok(JobOutcome::Ran(result)),
                     Committed::Aborted | Committed::No => Err(JobError::NotCommitted),
+                    Committed::InDoubt => {
+                        let timeouts = (lock_timeout, self.store_timeout);
+                        match resolve(store, request, &sent, timeouts.0, timeouts.1).await {
+                            Resolved::Committed => Ok(JobOutcome::Ran(result)),
+                            Resolved::CompletedByAnother(response) => {
+                                Ok(JobOutcome::AlreadyDone(response.body))
+                            }
+                            Resolved::NotCommitted | Resolved::Unknown => {
+                                Err(JobError::NotCommitted)
+                            }
+                        }
+                    }
                 }
             }
             Ok(Err(e)) => {

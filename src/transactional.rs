@@ -260,6 +260,14 @@ fn not_committed<B>() -> Response<ResponseBody<B>> {
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }
 
+fn commit_unknown<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::NotCommitted.response_retry_after(
+        "the connection to the database failed during the commit, and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not",
+        Duration::from_secs(1),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}
+
 /// The result of opening a transaction and claiming the key in it.
 pub(crate) enum Opened {
     /// The claim row is ours, uncommitted, in this transaction.
@@ -363,9 +371,58 @@ pub(crate) enum Committed {
     /// A statement of the handler failed, so PostgreSQL had aborted the transaction:
     /// nothing was committed, and the connection is back in the pool, clean.
     Aborted,
-    /// Nothing was committed (or, if the connection died during `COMMIT`, it is
-    /// unknown; a retry then replays or runs clean).
+    /// Nothing was committed.
     No,
+    /// The connection failed once `COMMIT` may have been sent: the server may have
+    /// committed and lost only its answer. [`resolve`] finds out.
+    InDoubt,
+}
+
+/// What [`resolve`] found of a transaction whose `COMMIT` was in doubt.
+#[derive(Debug)]
+pub(crate) enum Resolved {
+    /// It committed: the key holds the response it was to store.
+    Committed,
+    /// It did not commit, and a duplicate's transaction has since completed the key with
+    /// this response (for the same request: the fingerprints match).
+    CompletedByAnother(StoredResponse),
+    /// It did not commit; nothing it did is kept.
+    NotCommitted,
+    /// The database could not tell in time.
+    Unknown,
+}
+
+/// Finds out whether a transaction whose `COMMIT` was in doubt committed, by claiming
+/// its key again in a transaction of its own, rolled back: that claim waits on the row
+/// while the first transaction is still in progress (up to `lock_timeout`), then finds
+/// the stored response if it committed, or the key free (or taken by a duplicate since)
+/// if it did not.
+pub(crate) async fn resolve(
+    store: &PostgresStore,
+    request: &ClaimRequest<'_>,
+    sent: &StoredResponse,
+    lock_timeout: Duration,
+    store_timeout: Duration,
+) -> Resolved {
+    match open(store, request, lock_timeout, store_timeout).await {
+        Opened::Acquired(conn, _) => {
+            rollback(conn).await;
+            Resolved::NotCommitted
+        }
+        Opened::Found(Claim::Completed {
+            fingerprint,
+            response,
+        }) if fingerprint == request.fingerprint => {
+            if response == *sent {
+                Resolved::Committed
+            } else {
+                Resolved::CompletedByAnother(response)
+            }
+        }
+        // Another request holds the key, or used it with other input: ours did not commit.
+        Opened::Found(_) => Resolved::NotCommitted,
+        Opened::Busy | Opened::Unavailable => Resolved::Unknown,
+    }
 }
 
 /// Writes the response into the claim row and commits, pipelined: one round trip, one
@@ -400,6 +457,16 @@ pub(crate) async fn commit(
         (Err(e), Ok(())) if in_an_aborted_transaction(&e) => {
             conn.ended();
             Committed::Aborted
+        }
+        // No answer from the server to the COMMIT (the connection failed): it may have
+        // committed all the same.
+        (completed, Err(e)) if e.code().is_none() => {
+            tracing::error!(
+                completed = ?completed.as_ref().map_err(ToString::to_string),
+                committed = %e,
+                "the connection failed during COMMIT; checking whether it committed"
+            );
+            Committed::InDoubt
         }
         (completed, committed) => {
             // A failed statement aborts the transaction, and COMMIT then rolls it back.
@@ -548,5 +615,14 @@ where
             Ok(not_committed())
         }
         Committed::No => Ok(not_committed()),
+        Committed::InDoubt => {
+            let (lock_timeout, store_timeout) = (config.lock_timeout, config.store_timeout);
+            match resolve(&store, &request, &stored, lock_timeout, store_timeout).await {
+                Resolved::Committed => Ok(with_outcome(res, Outcome::Executed)),
+                Resolved::CompletedByAnother(response) => Ok(crate::service::replay(response)),
+                Resolved::NotCommitted => Ok(not_committed()),
+                Resolved::Unknown => Ok(commit_unknown()),
+            }
+        }
     }
 }

@@ -351,3 +351,50 @@ async fn transactional_work_commits_its_writes_with_the_result_or_not_at_all() {
         "credited once"
     );
 }
+
+/// A work whose `COMMIT` lost its answer with its connection committed all the same: the
+/// runner checks, and reports it ran, so the consumer acknowledges the message instead
+/// of running it again under another key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_a_commit_whose_answer_was_lost_is_reported_as_ran() {
+    let schema = TestSchema::new();
+    let proxy = Arc::new(common::proxy::PgProxy::start().await);
+    let store = schema.store_at(&proxy.url(), 2).await;
+    let table = format!("\"{}\".balances", schema.name);
+    schema
+        .query(&format!("CREATE TABLE {table} (account text, delta int)"))
+        .await;
+    let runner = JobRunner::transactional(store);
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let credit = || {
+        let (table, proxy, runs) = (table.clone(), proxy.clone(), runs.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            client
+                .execute(&format!("INSERT INTO {table} VALUES ('acct-1', 100)"), &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            proxy.lose_next_commit_reply();
+            Ok::<_, String>(Bytes::from_static(b"credited"))
+        }
+    };
+    let ran = runner
+        .run(&scope, "msg-4", b"+100", credit())
+        .await
+        .unwrap();
+    assert_eq!(ran, JobOutcome::Ran(Bytes::from_static(b"credited")));
+    let count_sql = format!("SELECT count(*) FROM {table}");
+    assert_eq!(schema.query(&count_sql).await[0].get::<_, i64>(0), 1);
+    let again = runner
+        .run(&scope, "msg-4", b"+100", credit())
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        JobOutcome::AlreadyDone(Bytes::from_static(b"credited"))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

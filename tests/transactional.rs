@@ -799,11 +799,68 @@ async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
     assert_eq!(counter.runs(), 2);
     // The kept transaction's write was rolled back; the retry's is the only one.
     assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table} WHERE body = 'kept'")).await,
+        count(
+            &schema,
+            &format!("SELECT count(*) FROM {table} WHERE body = 'kept'")
+        )
+        .await,
         0
     );
     assert_eq!(
         count(&schema, &format!("SELECT count(*) FROM {table}")).await,
         1
     );
+}
+
+/// A `COMMIT` whose answer is lost with its connection may have committed: the layer
+/// checks before it answers, so the client is told what happened, not "no effect".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_whose_answer_was_lost_is_checked_before_the_client_is_told() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let commits = proxy.commits();
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
+    proxy.lose_next_commit_reply();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(first.json()["run"], 1);
+    assert_eq!(proxy.commits() - commits, 1, "one COMMIT, the request's");
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
+/// When the check cannot be made either, the client is told the outcome is unknown,
+/// and its retry with the same key replays what did commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_in_doubt_that_cannot_be_checked_says_so() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    // One connection: the check needs a new one, which the proxy refuses.
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store).store_timeout(Duration::from_secs(1));
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
+    proxy.lose_next_commit_reply();
+    proxy.refuse(true);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem(), "not-committed");
+    let detail = first.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("could not be checked"), "{detail}");
+    proxy.refuse(false);
+    let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[503]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.json()["run"], 1);
+    assert_eq!(counter.runs(), 1);
 }

@@ -1,6 +1,7 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
-//! stall traffic, drop the connections open at a moment silently, or refuse new ones.
+//! stall traffic, drop the connections open at a moment silently, lose the answer to a
+//! `COMMIT`, or refuse new ones.
 
 use std::{
     net::SocketAddr,
@@ -28,6 +29,8 @@ struct Shared {
     refusing: AtomicBool,
     /// Set to close the connection that next hears from the server, unanswered.
     cut_at_reply: AtomicBool,
+    /// Set to lose the server's answers on the connection that next sends `COMMIT`.
+    lose_commit_reply: AtomicBool,
     /// Bumped to close every open connection at once.
     cuts: tokio::sync::watch::Sender<u64>,
 }
@@ -72,6 +75,7 @@ impl PgProxy {
             dead_below: AtomicU64::new(0),
             refusing: AtomicBool::new(false),
             cut_at_reply: AtomicBool::new(false),
+            lose_commit_reply: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
         });
         let s = shared.clone();
@@ -90,8 +94,9 @@ impl PgProxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     let mut cut = s.cuts.subscribe();
-                    let up = tokio::spawn(pump_frontend(cr, sw, s.clone(), id));
-                    let down = tokio::spawn(pump_backend(sr, cw, s, id));
+                    let lost = Arc::new(AtomicBool::new(false));
+                    let up = tokio::spawn(pump_frontend(cr, sw, s.clone(), id, lost.clone()));
+                    let down = tokio::spawn(pump_backend(sr, cw, s, id, lost));
                     let (up_abort, down_abort) = (up.abort_handle(), down.abort_handle());
                     tokio::select! {
                         _ = async { let _ = tokio::join!(up, down); } => {}
@@ -152,6 +157,12 @@ impl PgProxy {
         self.shared.cut_at_reply.store(true, Ordering::SeqCst);
     }
 
+    /// The next connection to send `COMMIT` passes it to the server, then hears nothing
+    /// more and is closed: the server commits, and the client cannot know it.
+    pub fn lose_next_commit_reply(&self) {
+        self.shared.lose_commit_reply.store(true, Ordering::SeqCst);
+    }
+
     /// Closes every open connection now.
     pub fn cut(&self) {
         self.shared.cuts.send_modify(|n| *n += 1);
@@ -171,7 +182,13 @@ async fn wait_while_stalled(s: &Shared, id: u64) {
 
 /// Client to server, parsed: an untyped start-up message (after any SSL/GSS request),
 /// then typed messages `type, int32 length, payload`.
-async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>, id: u64) {
+async fn pump_frontend(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    s: Arc<Shared>,
+    id: u64,
+    lost: Arc<AtomicBool>,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut pending: Vec<u8> = Vec::new();
     let mut started = false;
@@ -217,6 +234,9 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
                         .starts_with(b"COMMIT")
                 {
                     s.commits.fetch_add(1, Ordering::SeqCst);
+                    if s.lose_commit_reply.swap(false, Ordering::SeqCst) {
+                        lost.store(true, Ordering::SeqCst);
+                    }
                 }
                 pending.drain(..1 + len);
             }
@@ -228,7 +248,13 @@ async fn pump_frontend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<S
     let _ = to.shutdown().await;
 }
 
-async fn pump_backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Shared>, id: u64) {
+async fn pump_backend(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    s: Arc<Shared>,
+    id: u64,
+    lost: Arc<AtomicBool>,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
@@ -236,6 +262,17 @@ async fn pump_backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, s: Arc<Sh
             Ok(n) => n,
         };
         wait_while_stalled(&s, id).await;
+        if lost.load(Ordering::SeqCst) {
+            // The client is told the connection closed; the server's side stays open
+            // and is drained, so that it runs what it was sent, COMMIT included.
+            let _ = to.shutdown().await;
+            while let Ok(n) = from.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+            return;
+        }
         if s.cut_at_reply.swap(false, Ordering::SeqCst) {
             // What the server answered is lost with the connection.
             break;
