@@ -73,7 +73,10 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction},
+    store::{
+        Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction,
+        statement_cancelled,
+    },
 };
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -274,8 +277,8 @@ pub(crate) enum Opened {
     Acquired(OpenTx, Lease),
     /// Completed or running under another request (the transaction is rolled back).
     Found(Claim),
-    /// The first request held its row past the lock timeout (or the claim's statement
-    /// timed out, or the key kept changing under it).
+    /// The first request held its row past the lock timeout (or the key kept changing
+    /// under the claim).
     Busy,
     /// No connection, or the database failed.
     Unavailable,
@@ -348,7 +351,10 @@ pub(crate) async fn open(
             tokio::spawn(rollback(conn));
             Opened::Found(found)
         }
-        Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout => {
+        // A lock timeout on the first request's row, or a key that kept changing under
+        // the claim: another request is at work on it. A statement cancelled by
+        // `statement_timeout` is a slow database, like any other store failure.
+        Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout && !statement_cancelled(&e) => {
             rollback(conn).await;
             Opened::Busy
         }

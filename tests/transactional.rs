@@ -864,3 +864,37 @@ async fn a_commit_in_doubt_that_cannot_be_checked_says_so() {
     assert_eq!(retry.json()["run"], 1);
     assert_eq!(counter.runs(), 1);
 }
+
+/// 409 `in-progress` means another request holds the key. A claim cancelled by the
+/// database's `statement_timeout` (the table locked by a migration, say) is a slow
+/// database: 503, nothing run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_cancelled_by_statement_timeout_is_503_not_409() {
+    let schema = TestSchema::new();
+    let url = common::database_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let url = format!("{url}{sep}options=-c%20statement_timeout%3D300");
+    let store = schema.store_at(&url, 2).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store).lock_timeout(Duration::from_secs(5));
+    let (router, counter) = app(layer, &table);
+    let (locker, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE \"{}\".idempotency_keys IN ACCESS EXCLUSIVE MODE",
+            schema.name
+        ))
+        .await
+        .unwrap();
+    let during = send(&router, post_with("k", &[])).await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(during.status, 503, "{:?}", during.body);
+    assert_eq!(during.problem(), "store-unavailable");
+    assert_eq!(counter.runs(), 0);
+    let after = send(&router, post_with("k", &[])).await;
+    assert_eq!(after.status, 201);
+    assert_eq!(counter.runs(), 1);
+}

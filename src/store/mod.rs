@@ -46,7 +46,9 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::{again_if_it_lost_a_race, in_an_aborted_transaction};
+pub(crate) use postgres::{
+    again_if_it_lost_a_race, in_an_aborted_transaction, statement_cancelled,
+};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -336,6 +336,12 @@ pub(crate) fn in_an_aborted_transaction(e: &StoreError) -> bool {
     sqlstate(e) == Some(&SqlState::IN_FAILED_SQL_TRANSACTION)
 }
 
+/// Whether `e` is PostgreSQL cancelling the statement (`statement_timeout`, or a
+/// cancel request): a slow database, not a row held by another request.
+pub(crate) fn statement_cancelled(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::QUERY_CANCELED)
+}
+
 /// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
 fn waited_for_a_lock(e: &StoreError) -> bool {
     sqlstate(e) == Some(&SqlState::LOCK_NOT_AVAILABLE)
