@@ -238,7 +238,11 @@ impl JobRunner {
                 transaction: None,
             };
             let Some(work) = started(work, ctx) else {
-                self.release(&lease).await;
+                // In a task of its own, so that a caller that drops the run meanwhile
+                // does not leave the key claimed for a lease.
+                let runner = self.clone();
+                let _ = tokio::spawn(async move { runner.release(&lease).await }.in_current_span())
+                    .await;
                 return Err(JobError::Panicked);
             };
             let task = tokio::spawn(work.in_current_span());

@@ -398,3 +398,48 @@ async fn transactional_a_commit_whose_answer_was_lost_is_reported_as_ran() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A work function that panics releases its key, even when the caller drops the run
+/// (its own timeout, a `select!`) while the release is on its way.
+async fn a_panicking_run_dropped_by_its_caller_still_releases(store: Arc<dyn Store>) {
+    let store =
+        AlteredCompletions::around(store, Completion::SlowRelease(Duration::from_millis(500)));
+    let runner = JobRunner::new(store);
+    let scope = Scope::new("consumer");
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        runner.run(
+            &scope,
+            "msg-5",
+            b"p",
+            |_| -> std::future::Ready<Result<Bytes, String>> {
+                panic!("the work function panicked on purpose")
+            },
+        ),
+    )
+    .await;
+    assert!(
+        dropped.is_err(),
+        "the run ended before its caller dropped it"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The default lease is 30 s: a key left claimed would answer Running here.
+    let again = runner
+        .run(&scope, "msg-5", b"p", |_| async {
+            Ok::<_, String>(Bytes::from_static(b"ran"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, JobOutcome::Ran(Bytes::from_static(b"ran")));
+}
+
+#[tokio::test]
+async fn memory_a_panicking_run_dropped_by_its_caller_still_releases() {
+    a_panicking_run_dropped_by_its_caller_still_releases(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn postgres_a_panicking_run_dropped_by_its_caller_still_releases() {
+    let schema = TestSchema::new();
+    a_panicking_run_dropped_by_its_caller_still_releases(Arc::new(schema.store().await)).await;
+}

@@ -1,5 +1,5 @@
-//! A store whose completions a test slows down or fails, everything else passed through
-//! to the store under test.
+//! A store whose completions (or releases) a test slows down or fails, everything else
+//! passed through to the store under test.
 
 use std::{
     sync::{
@@ -23,6 +23,8 @@ pub enum Completion {
     Failing,
     /// The first this many fail as `Failing` does; the others reach the store.
     FailingFirst(usize),
+    /// Completions reach the store at once; releases after this long.
+    SlowRelease(Duration),
 }
 
 pub struct AlteredCompletions {
@@ -72,12 +74,20 @@ impl Store for AlteredCompletions {
             Completion::FailingFirst(n) if attempt < n => {
                 Box::pin(std::future::ready(Err(refused())))
             }
-            Completion::FailingFirst(_) => self.inner.complete(lease, response, ttl),
+            Completion::FailingFirst(_) | Completion::SlowRelease(_) => {
+                self.inner.complete(lease, response, ttl)
+            }
         }
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.release(lease)
+        match self.completion {
+            Completion::SlowRelease(delay) => Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                self.inner.release(lease).await
+            }),
+            _ => self.inner.release(lease),
+        }
     }
 
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
