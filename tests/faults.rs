@@ -631,3 +631,28 @@ async fn waiters_still_replay_when_the_listen_connection_goes_silent() {
     assert_eq!(counter.runs_of("k"), 1);
     proxy.stall(false);
 }
+
+/// A `LISTEN` that fails (on a standby during a failover, say) is tried again on a new
+/// connection, rather than leaving the listener connected but deaf, and every waiter on
+/// the fallback timer, for the life of the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_listen_is_tried_again() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema
+        .store()
+        .await
+        .with_notifications(proxy.url().parse().unwrap());
+    proxy.break_listen(true);
+    assert!(
+        store.listen().await.is_err(),
+        "LISTEN failed, yet it listens"
+    );
+    assert!(!store.is_listening());
+    proxy.break_listen(false);
+    store
+        .listen()
+        .await
+        .expect("the listener never tried LISTEN again");
+    assert!(store.is_listening());
+}

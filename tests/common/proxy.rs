@@ -1,7 +1,7 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
 //! stall traffic, drop the connections open at a moment silently, lose the answer to a
-//! `COMMIT`, or refuse new ones.
+//! `COMMIT`, make `LISTEN` fail, or refuse new ones.
 
 use std::{
     net::SocketAddr,
@@ -31,6 +31,8 @@ struct Shared {
     cut_at_reply: AtomicBool,
     /// Set to lose the server's answers on the connection that next sends `COMMIT`.
     lose_commit_reply: AtomicBool,
+    /// While set, `LISTEN` reaches the server misspelt, and fails there.
+    breaking_listen: AtomicBool,
     /// Bumped to close every open connection at once.
     cuts: tokio::sync::watch::Sender<u64>,
 }
@@ -76,6 +78,7 @@ impl PgProxy {
             refusing: AtomicBool::new(false),
             cut_at_reply: AtomicBool::new(false),
             lose_commit_reply: AtomicBool::new(false),
+            breaking_listen: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
         });
         let s = shared.clone();
@@ -163,6 +166,12 @@ impl PgProxy {
         self.shared.lose_commit_reply.store(true, Ordering::SeqCst);
     }
 
+    /// While `on`, every `LISTEN` fails at the server (as on a standby), with a
+    /// syntax error: the proxy misspells it on the way.
+    pub fn break_listen(&self, on: bool) {
+        self.shared.breaking_listen.store(on, Ordering::SeqCst);
+    }
+
     /// Closes every open connection now.
     pub fn cut(&self) {
         self.shared.cuts.send_modify(|n| *n += 1);
@@ -198,6 +207,12 @@ async fn pump_frontend(
             Ok(n) => n,
         };
         wait_while_stalled(&s, id).await;
+        if s.breaking_listen.load(Ordering::SeqCst) {
+            // Same length, so the message's framing holds.
+            if let Some(at) = buf[..n].windows(8).position(|w| w == b"LISTEN \"") {
+                buf[at + 5] = b'X';
+            }
+        }
         pending.extend_from_slice(&buf[..n]);
         loop {
             if !started {

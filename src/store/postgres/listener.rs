@@ -40,6 +40,8 @@ enum Event {
     Message(Option<Result<AsyncMessage, tokio_postgres::Error>>),
     /// The heartbeat went unanswered.
     Silent,
+    /// `LISTEN` failed (on a standby during a failover, say) or went unanswered.
+    NotListening(String),
 }
 
 /// What every waiter is told when the listener reconnects: look again.
@@ -158,7 +160,12 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
         match config.connect(NoTls).await {
             Ok((client, mut connection)) => {
                 let listen = format!("LISTEN \"{channel}\"");
-                let mut listening = Box::pin(client.batch_execute(&listen));
+                // Bounded like a heartbeat: an answer lost on the way must not leave the
+                // connection up but deaf, with nothing left to notice.
+                let mut listening = Box::pin(tokio::time::timeout(
+                    HEARTBEAT_TIMEOUT,
+                    client.batch_execute(&listen),
+                ));
                 let mut subscribed = false;
                 let mut heartbeat =
                     tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
@@ -168,14 +175,23 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                     let event = std::future::poll_fn(|cx| {
                         if !subscribed {
                             if let Poll::Ready(r) = listening.as_mut().poll(cx) {
-                                subscribed = true;
-                                if r.is_ok() {
-                                    if let Some(me) = me.upgrade() {
-                                        me.connected.send_replace(true);
-                                        backoff = Duration::from_millis(100);
-                                        // Anything may have completed while we were away.
-                                        let _ = me.sender.send(Arc::from(EVERYONE));
+                                match r {
+                                    Ok(Ok(())) => {}
+                                    Ok(Err(e)) => {
+                                        return Poll::Ready(Event::NotListening(e.to_string()));
                                     }
+                                    Err(_) => {
+                                        return Poll::Ready(Event::NotListening(
+                                            "no answer to LISTEN".to_owned(),
+                                        ));
+                                    }
+                                }
+                                subscribed = true;
+                                if let Some(me) = me.upgrade() {
+                                    me.connected.send_replace(true);
+                                    backoff = Duration::from_millis(100);
+                                    // Anything may have completed while we were away.
+                                    let _ = me.sender.send(Arc::from(EVERYONE));
                                 }
                             }
                         }
@@ -224,6 +240,10 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                             tracing::warn!(
                                 "the idempotency listener connection stopped answering; reconnecting"
                             );
+                            break;
+                        }
+                        Event::NotListening(error) => {
+                            tracing::warn!(%error, "the idempotency listener could not LISTEN; reconnecting");
                             break;
                         }
                     }
