@@ -16,6 +16,10 @@ use crate::{
 
 /// The longest duration accepted for a TTL, a lease, a wait or a timeout; longer
 /// settings are clamped to it.
+/// The largest `response_body_limit`: a stored response must fit in one PostgreSQL
+/// value (1 GB), with room for its headers.
+const LARGEST_STORED_BODY: usize = 512 * 1024 * 1024;
+
 pub(crate) const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// The longest `lock_timeout` PostgreSQL accepts (`i32::MAX` milliseconds, 24.8 days).
@@ -211,12 +215,12 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long reading a guarded request's body may take (default 30 s). A body that
-    /// never ends, or a client that sends it too slowly, gets `408 body-timeout`, and
-    /// nothing is claimed.
+    /// How long reading a guarded request's body may take (default 30 s; from 1 ms to 10
+    /// years). A body that never ends, or a client that sends it too slowly, gets
+    /// `408 body-timeout`, and nothing is claimed.
     #[must_use]
     pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
-        self.config().request_body_timeout = timeout;
+        self.config().request_body_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
         self
     }
 
@@ -231,13 +235,14 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The largest response body stored (default 1 MiB). A larger response still goes
-    /// in full to its client; if the storage policy would have stored it, the key is
-    /// completed with a `response-not-stored` problem, so a retry never runs the handler
-    /// a second time (one the policy releases, a 5xx say, releases the key as always).
+    /// The largest response body stored (default 1 MiB; at most 512 MiB, as PostgreSQL
+    /// stores no value over 1 GB). A larger response still goes in full to its client;
+    /// if the storage policy would have stored it, the key is completed with a
+    /// `response-not-stored` problem, so a retry never runs the handler a second time
+    /// (one the policy releases, a 5xx say, releases the key as always).
     #[must_use]
     pub fn response_body_limit(mut self, bytes: usize) -> Self {
-        self.config().response_body_limit = bytes;
+        self.config().response_body_limit = bytes.min(LARGEST_STORED_BODY);
         self
     }
 
@@ -338,5 +343,19 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("request_body_limit", &c.request_body_limit)
             .field("response_body_limit", &c.response_body_limit)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    #[test]
+    fn a_stored_response_limit_stays_within_what_postgres_can_store() {
+        let layer = IdempotencyLayer::new(MemoryStore::new()).response_body_limit(usize::MAX);
+        assert_eq!(layer.config.response_body_limit, LARGEST_STORED_BODY);
+        let layer = layer.response_body_limit(10);
+        assert_eq!(layer.config.response_body_limit, 10);
     }
 }
