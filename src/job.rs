@@ -77,7 +77,8 @@ pub enum JobOutcome {
     Ran(Bytes),
     /// The work had already run; this is its stored result.
     AlreadyDone(Bytes),
-    /// Another worker is running it now (lease mode); try again later.
+    /// Another worker is running it now; try again later. (In transactional mode: the
+    /// other worker's transaction held the key past the runner's `lock_timeout`.)
     Running {
         /// Time left on that worker's lease.
         retry_after: Duration,

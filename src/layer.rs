@@ -137,7 +137,10 @@ impl IdempotencyLayer {
 
     /// Transactional mode: how long a duplicate waits on the first request's
     /// uncommitted claim before answering 409 (default 5 s; PostgreSQL's `lock_timeout`,
-    /// from 1 ms to 24.8 days).
+    /// from 1 ms to 24.8 days). It is set for the whole transaction, so it bounds the
+    /// handler's own lock waits too (a `SELECT … FOR UPDATE` on a busy row fails with
+    /// SQLSTATE 55P03 past it); a handler that needs longer runs
+    /// `SET LOCAL lock_timeout` on its [`TransactionHandle`](crate::transactional::TransactionHandle).
     #[cfg(feature = "postgres")]
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {

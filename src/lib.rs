@@ -43,3 +43,7 @@ struct ModesDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/security.md")]
 struct SecurityDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/postgres.md")]
+struct PostgresDoctests;

@@ -20,7 +20,9 @@ use std::fmt;
 pub enum Outcome {
     /// Not a guarded request (method not guarded, or no key and none required).
     PassedThrough,
-    /// The key was claimed and the inner service ran.
+    /// The key was claimed and the inner service ran; or the request failed on its way
+    /// to running it (a panic of the scope or fingerprint function, say), answered
+    /// `500 handler-failed` with nothing held under the key.
     Executed,
     /// A stored response was returned.
     Replayed,
@@ -31,7 +33,11 @@ pub enum Outcome {
     /// The request was refused before running anything: bad or missing key, body too
     /// large or too slow to arrive, the layer shutting down (400, 408, 413, 503).
     Rejected,
-    /// The store could not be reached; the inner service did not run (503).
+    /// The store could not be reached; the inner service did not run (503). Also, in
+    /// transactional mode, a transaction that could not be committed
+    /// (`503 not-committed`): the handler ran, and nothing it wrote was kept (or,
+    /// when the connection died during `COMMIT` and no check could tell, that is
+    /// unknown, and the problem's detail says so).
     StoreError,
 }
 

@@ -35,9 +35,13 @@ pub enum Problem {
     StoreUnavailable,
     /// 503: this instance is shutting down and claims no new keys; nothing was run.
     ShuttingDown,
-    /// 500: the handler panicked or failed; its key was released.
+    /// 500: the request failed while being processed (the handler panicked, its
+    /// response body failed, it kept its transaction's connection); nothing is held
+    /// under the key: released, rolled back, or never claimed.
     HandlerFailed,
-    /// 503: transactional mode could not commit; the request had no effect.
+    /// 503: transactional mode could not commit; the request had no effect (or, when the
+    /// connection died during `COMMIT` and a check could not tell, the detail says the
+    /// outcome is unknown; a retry with the same key replays it if it committed).
     NotCommitted,
     /// 500: the request ran, but its response was too large to store, so it cannot be replayed.
     ResponseNotStored,

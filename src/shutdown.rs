@@ -92,7 +92,8 @@ impl ShutdownHandle {
         self.state.closing.load(Ordering::Acquire)
     }
 
-    /// How many claimed requests are still running or storing their results.
+    /// How many guarded requests are still in progress: claiming, waiting, running, or
+    /// storing their results.
     pub fn in_flight(&self) -> usize {
         self.state.in_flight.load(Ordering::Acquire)
     }

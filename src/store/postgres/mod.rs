@@ -421,9 +421,9 @@ impl PostgresStore {
     /// A store over `pool`, using the table `public.idempotency_keys`.
     ///
     /// Run [`migrate`](Self::migrate) once before serving (it is safe to run from every
-    /// replica at start-up). Give the pool wait and create timeouts so that an exhausted
-    /// pool or an unreachable database answers 503 instead of hanging; [`connect`](Self::connect)
-    /// does.
+    /// replica at start-up). A pool without a wait timeout gets one of 5 s from the
+    /// store, so that an exhausted pool answers 503 instead of hanging; give it a create
+    /// timeout too, for an unreachable database ([`connect`](Self::connect) sets both).
     ///
     /// Waiting for running requests ([`IdempotencyLayer::wait_for_running`](crate::IdempotencyLayer::wait_for_running))
     /// wakes on notifications through a `LISTEN` connection of its own, which a pool
@@ -722,7 +722,6 @@ impl PostgresStore {
         client.execute(&stmt, params).await.map_err(classify)
     }
 
-    /// Claims on `client`, which may be inside a transaction (a conflicting row that
     /// Claims on a shared connection if there is one with room, else on a pooled one.
     /// A claim whose connection is lost once its statement was sent is released in doubt.
     async fn claim_with(
