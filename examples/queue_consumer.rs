@@ -123,5 +123,8 @@ async fn main() -> Result<(), Error> {
         }
     }
     println!("applied {applied}, skipped {skipped} duplicates, {busy} in progress elsewhere");
+    // Before exiting: wait for any result still being stored in the background, so that
+    // no key is left claimed until its lease lapses.
+    runner.shutdown_handle().drain().await;
     Ok(())
 }

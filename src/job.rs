@@ -40,8 +40,9 @@ use tracing::Instrument;
 #[cfg(feature = "postgres")]
 use crate::layer::LONGEST_LOCK_TIMEOUT;
 use crate::{
-    Fingerprint, IdempotencyKey, Scope, StoredResponse,
+    Fingerprint, IdempotencyKey, Scope, ShutdownHandle, StoredResponse,
     layer::TEN_YEARS,
+    shutdown::InFlight,
     store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
 };
 
@@ -52,6 +53,7 @@ pub struct JobRunner {
     lease: Duration,
     ttl: Duration,
     store_timeout: Duration,
+    shutdown: ShutdownHandle,
     #[cfg(feature = "postgres")]
     transactional: Option<(crate::store::PostgresStore, Duration)>,
 }
@@ -99,6 +101,9 @@ pub enum JobError<E> {
     Mismatch,
     /// The store could not be reached; the work did not run.
     Store(StoreError),
+    /// The runner's [`shutdown_handle`](JobRunner::shutdown_handle) is closed: nothing
+    /// was claimed, and the work did not run. Leave the message for another consumer.
+    ShuttingDown,
     /// Transactional mode: the work's transaction was not committed, so it had no
     /// effect; or the connection failed during its `COMMIT` and whether it committed
     /// could not be checked. Either way, run it again with the same key: it returns
@@ -113,6 +118,7 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             Self::Panicked => f.write_str("the job panicked"),
             Self::Mismatch => f.write_str("the key was already used with a different input"),
             Self::Store(e) => write!(f, "{e}"),
+            Self::ShuttingDown => f.write_str("the job runner is shutting down; nothing was run"),
             Self::NotCommitted => f.write_str("the job's transaction was not committed"),
         }
     }
@@ -129,6 +135,7 @@ impl JobRunner {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 3600),
             store_timeout: Duration::from_secs(5),
+            shutdown: ShutdownHandle::default(),
             #[cfg(feature = "postgres")]
             transactional: None,
         }
@@ -182,6 +189,29 @@ impl JobRunner {
         self
     }
 
+    /// Stops this runner (and its clones) from starting work, and waits for the work it
+    /// has started: [`close`](ShutdownHandle::close) makes later runs return
+    /// [`JobError::ShuttingDown`] before they claim anything, and
+    /// [`drain`](ShutdownHandle::drain) waits until every run has ended, its result
+    /// stored or its key released, including results still being stored in the
+    /// background after `run` returned and work whose run its caller dropped. Drain
+    /// before the process exits, so that no result is lost to leave its key claimed
+    /// until the lease lapses.
+    ///
+    /// ```
+    /// use tower_idempotency::{job::JobRunner, store::MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let runner = JobRunner::new(MemoryStore::new());
+    /// let shutdown = runner.shutdown_handle();
+    /// // ... consume messages with `runner`; on SIGTERM, stop consuming, then:
+    /// shutdown.drain().await;
+    /// # }
+    /// ```
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.shutdown.clone()
+    }
+
     /// Runs `work` for (`scope`, `key`) unless it already ran. `input` is fingerprinted:
     /// the same key with another input is [`JobError::Mismatch`].
     ///
@@ -206,6 +236,9 @@ impl JobRunner {
     {
         let span = tracing::info_span!("job", key);
         async move {
+            let Some(in_flight) = self.shutdown.enter() else {
+                return Err(JobError::ShuttingDown);
+            };
             let request = ClaimRequest {
                 scope,
                 key,
@@ -217,7 +250,7 @@ impl JobRunner {
             #[cfg(feature = "postgres")]
             if let Some((store, lock_timeout)) = &self.transactional {
                 return self
-                    .run_transactional(store, *lock_timeout, &request, ctx_key, work)
+                    .run_transactional(store, *lock_timeout, &request, ctx_key, work, in_flight)
                     .await;
             }
             let claim = crate::store::claim_within(&self.store, self.store_timeout, &request)
@@ -242,8 +275,14 @@ impl JobRunner {
                 // In a task of its own, so that a caller that drops the run meanwhile
                 // does not leave the key claimed for a lease.
                 let runner = self.clone();
-                let _ = tokio::spawn(async move { runner.release(&lease).await }.in_current_span())
-                    .await;
+                let _ = tokio::spawn(
+                    async move {
+                        let _in_flight = in_flight;
+                        runner.release(&lease).await;
+                    }
+                    .in_current_span(),
+                )
+                .await;
                 return Err(JobError::Panicked);
             };
             let task = tokio::spawn(work.in_current_span());
@@ -252,9 +291,11 @@ impl JobRunner {
             // renewed and its result stored, or its key released, rather than the key left
             // claimed, unrenewed, for a redelivery to take over while the work still runs.
             let runner = self.clone();
-            tokio::spawn(async move { runner.finish(lease, task).await }.in_current_span())
-                .await
-                .unwrap_or(Err(JobError::Panicked))
+            tokio::spawn(
+                async move { runner.finish(lease, task, in_flight).await }.in_current_span(),
+            )
+            .await
+            .unwrap_or(Err(JobError::Panicked))
         }
         .instrument(span)
         .await
@@ -265,6 +306,7 @@ impl JobRunner {
         &self,
         lease: Lease,
         task: tokio::task::JoinHandle<Result<Bytes, E>>,
+        in_flight: InFlight,
     ) -> Result<JobOutcome, JobError<E>> {
         let joined = crate::service::renew_while(&*self.store, &lease, self.lease, task).await;
         match joined {
@@ -278,7 +320,7 @@ impl JobRunner {
                     store_timeout: self.store_timeout,
                     ttl: self.ttl,
                 };
-                storing.store(&lease, stored(&result), ()).await;
+                storing.store(&lease, stored(&result), in_flight).await;
                 Ok(JobOutcome::Ran(result))
             }
             Ok(Err(e)) => {
@@ -304,6 +346,7 @@ impl JobRunner {
         request: &ClaimRequest<'_>,
         key: IdempotencyKey,
         work: F,
+        in_flight: InFlight,
     ) -> Result<JobOutcome, JobError<E>>
     where
         F: FnOnce(JobContext) -> Fut,
@@ -343,7 +386,16 @@ impl JobRunner {
             transaction: Some(handle),
         };
         let joined = match started(work, ctx) {
-            Some(work) => tokio::spawn(work.in_current_span()).await,
+            Some(work) => {
+                // Counted while it runs, even if the run is dropped and rolls back: a
+                // drain waits for work that may still call other systems.
+                let counted = in_flight.clone();
+                let work = async move {
+                    let _counted = counted;
+                    work.await
+                };
+                tokio::spawn(work.in_current_span()).await
+            }
             None => {
                 if let Some(conn) = TransactionHandle::take(&slot, self.store_timeout).await {
                     rollback(conn).await;

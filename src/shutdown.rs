@@ -9,7 +9,8 @@ use tokio::sync::Notify;
 
 /// Stops a layer from claiming new keys and waits for the requests it is running.
 ///
-/// Get it from [`IdempotencyLayer::shutdown_handle`](crate::IdempotencyLayer::shutdown_handle).
+/// Get it from [`IdempotencyLayer::shutdown_handle`](crate::IdempotencyLayer::shutdown_handle)
+/// (or, for work without HTTP, [`JobRunner::shutdown_handle`](crate::job::JobRunner::shutdown_handle)).
 /// After [`close`](Self::close) (or during [`drain`](Self::drain)), guarded requests are
 /// answered `503 shutting-down` with `Retry-After` before anything is claimed, so a
 /// load balancer can send the retry to another replica; requests already claimed run to

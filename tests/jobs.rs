@@ -443,3 +443,47 @@ async fn postgres_a_panicking_run_dropped_by_its_caller_still_releases() {
     let schema = TestSchema::new();
     a_panicking_run_dropped_by_its_caller_still_releases(Arc::new(schema.store().await)).await;
 }
+
+/// A runner drained before its process exits waits for the results it is still storing
+/// in the background, so none is lost to leave its key claimed until the lease lapses;
+/// once closed, it starts nothing.
+async fn a_drain_waits_for_results_still_being_stored(inner: Arc<dyn Store>) {
+    let store = AlteredCompletions::around(inner.clone(), Completion::FailingFirst(3));
+    let runner = JobRunner::new(store).lease_duration(Duration::from_secs(5));
+    let shutdown = runner.shutdown_handle();
+    let scope = Scope::new("consumer");
+    let done = |body: &'static str| {
+        move |_| async move { Ok::<_, String>(Bytes::from_static(body.as_bytes())) }
+    };
+    let ran = runner
+        .run(&scope, "msg-6", b"p", done("done"))
+        .await
+        .unwrap();
+    assert_eq!(ran, JobOutcome::Ran(Bytes::from_static(b"done")));
+    shutdown.drain().await;
+    let refused = runner.run(&scope, "msg-7", b"p", done("late")).await;
+    assert!(
+        matches!(refused, Err(JobError::ShuttingDown)),
+        "{refused:?}"
+    );
+    // Another process, after this one exited: the result is there.
+    let next = JobRunner::new(inner);
+    let again = next
+        .run(&scope, "msg-6", b"p", done("again"))
+        .await
+        .unwrap();
+    assert_eq!(again, JobOutcome::AlreadyDone(Bytes::from_static(b"done")));
+    let unclaimed = next.run(&scope, "msg-7", b"p", done("now")).await.unwrap();
+    assert_eq!(unclaimed, JobOutcome::Ran(Bytes::from_static(b"now")));
+}
+
+#[tokio::test]
+async fn memory_a_drain_waits_for_results_still_being_stored() {
+    a_drain_waits_for_results_still_being_stored(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn postgres_a_drain_waits_for_results_still_being_stored() {
+    let schema = TestSchema::new();
+    a_drain_waits_for_results_still_being_stored(Arc::new(schema.store().await)).await;
+}
