@@ -416,11 +416,11 @@ impl JobRunner {
                     Committed::Aborted | Committed::No => Err(JobError::NotCommitted),
                     Committed::InDoubt => {
                         let timeouts = (lock_timeout, self.store_timeout);
-                        match resolve(store, request, &sent, timeouts.0, timeouts.1).await {
+                        let fingerprint = &request.fingerprint;
+                        match resolve(store, &lease, fingerprint, &sent, timeouts.0, timeouts.1)
+                            .await
+                        {
                             Resolved::Committed => Ok(JobOutcome::Ran(result)),
-                            Resolved::CompletedByAnother(response) => {
-                                Ok(JobOutcome::AlreadyDone(response.body))
-                            }
                             Resolved::NotCommitted | Resolved::Unknown => {
                                 Err(JobError::NotCommitted)
                             }

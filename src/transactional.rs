@@ -63,7 +63,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower_service::Service;
 
 use crate::{
-    IdempotencyKey, Outcome, StoredResponse,
+    Fingerprint, IdempotencyKey, Outcome, StoredResponse,
     body::{BoxError, ResponseBody},
     catch_panic::CatchPanic,
     layer::Config,
@@ -74,8 +74,8 @@ use crate::{
     },
     shutdown::InFlight,
     store::{
-        Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, in_an_aborted_transaction,
-        statement_cancelled,
+        Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, connection_lost,
+        in_an_aborted_transaction, statement_cancelled,
     },
 };
 
@@ -385,49 +385,48 @@ pub(crate) enum Committed {
 }
 
 /// What [`resolve`] found of a transaction whose `COMMIT` was in doubt.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Resolved {
-    /// It committed: the key holds the response it was to store.
+    /// It committed: the key holds its claim, completed with its response.
     Committed,
-    /// It did not commit, and a duplicate's transaction has since completed the key with
-    /// this response (for the same request: the fingerprints match).
-    CompletedByAnother(StoredResponse),
     /// It did not commit; nothing it did is kept.
     NotCommitted,
     /// The database could not tell in time.
     Unknown,
 }
 
-/// Finds out whether a transaction whose `COMMIT` was in doubt committed, by claiming
-/// its key again in a transaction of its own, rolled back: that claim waits on the row
-/// while the first transaction is still in progress (up to `lock_timeout`), then finds
-/// the stored response if it committed, or the key free (or taken by a duplicate since)
-/// if it did not.
+/// Finds out whether a transaction whose `COMMIT` was in doubt committed, on another
+/// connection, in a transaction of its own that it rolls back: it waits for the first
+/// transaction to end if the server is still running it (up to `lock_timeout`), then
+/// reads the key's row ([`PostgresStore::committed_on`]).
 pub(crate) async fn resolve(
     store: &PostgresStore,
-    request: &ClaimRequest<'_>,
+    lease: &Lease,
+    fingerprint: &Fingerprint,
     sent: &StoredResponse,
     lock_timeout: Duration,
     store_timeout: Duration,
 ) -> Resolved {
-    match open(store, request, lock_timeout, store_timeout).await {
-        Opened::Acquired(conn, _) => {
-            rollback(conn).await;
-            Resolved::NotCommitted
-        }
-        Opened::Found(Claim::Completed {
-            fingerprint,
-            response,
-        }) if fingerprint == request.fingerprint => {
-            if response == *sent {
-                Resolved::Committed
-            } else {
-                Resolved::CompletedByAnother(response)
-            }
-        }
-        // Another request holds the key, or used it with other input: ours did not commit.
-        Opened::Found(_) => Resolved::NotCommitted,
-        Opened::Busy | Opened::Unavailable => Resolved::Unknown,
+    let checked = tokio::time::timeout(store_timeout + lock_timeout, async {
+        let conn = OpenTx(Some(store.client().await.ok()?));
+        // Read committed whatever the database's default: the read must see what
+        // committed while the insert waited.
+        let begin = format!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}",
+            lock_timeout.as_millis().max(1)
+        );
+        conn.conn().batch_execute(&begin).await.ok()?;
+        let committed = store
+            .committed_on(conn.conn(), lease, fingerprint, sent)
+            .await;
+        rollback(conn).await;
+        committed.ok()
+    })
+    .await;
+    match checked {
+        Ok(Some(true)) => Resolved::Committed,
+        Ok(Some(false)) => Resolved::NotCommitted,
+        Ok(None) | Err(_) => Resolved::Unknown,
     }
 }
 
@@ -464,9 +463,9 @@ pub(crate) async fn commit(
             conn.ended();
             Committed::Aborted
         }
-        // No answer from the server to the COMMIT (the connection failed): it may have
-        // committed all the same.
-        (completed, Err(e)) if e.code().is_none() => {
+        // No answer from the server to the COMMIT (the connection failed, or the server
+        // ended the session): it may have committed all the same.
+        (completed, Err(e)) if connection_lost(&e) => {
             tracing::error!(
                 completed = ?completed.as_ref().map_err(ToString::to_string),
                 committed = %e,
@@ -623,9 +622,18 @@ where
         Committed::No => Ok(not_committed()),
         Committed::InDoubt => {
             let (lock_timeout, store_timeout) = (config.lock_timeout, config.store_timeout);
-            match resolve(&store, &request, &stored, lock_timeout, store_timeout).await {
+            let fingerprint = &request.fingerprint;
+            match resolve(
+                &store,
+                &lease,
+                fingerprint,
+                &stored,
+                lock_timeout,
+                store_timeout,
+            )
+            .await
+            {
                 Resolved::Committed => Ok(with_outcome(res, Outcome::Executed)),
-                Resolved::CompletedByAnother(response) => Ok(crate::service::replay(response)),
                 Resolved::NotCommitted => Ok(not_committed()),
                 Resolved::Unknown => Ok(commit_unknown()),
             }

@@ -898,3 +898,58 @@ async fn a_claim_cancelled_by_statement_timeout_is_503_not_409() {
     assert_eq!(after.status, 201);
     assert_eq!(counter.runs(), 1);
 }
+
+/// A `COMMIT` that never reached the server, its connection closed: the transaction
+/// rolled back, and the duplicate that waited on its row ran instead. The check finds
+/// the key completed, but by another claim (its token is not this one's), and tells
+/// this client the truth: not committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_lost_on_its_way_is_found_not_committed_though_a_duplicate_completed_the_key() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 4).await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "500")]), &counter).await;
+    // The duplicate waits on the first request's row.
+    let duplicate = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    proxy.drop_next_commit();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    assert_eq!(first.problem(), "not-committed");
+    let detail = first.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("had no effect"), "{detail}");
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, 201, "{:?}", duplicate.body);
+    assert_eq!(duplicate.json()["run"], 2);
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1,
+        "only the duplicate's write is kept"
+    );
+}
+
+/// The check reads the key's row as it is: a record whose TTL already ran out is still
+/// this transaction's, committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_in_doubt_is_found_committed_even_past_its_ttl() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_millis(1));
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
+    proxy.lose_next_commit_reply();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}

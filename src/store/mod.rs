@@ -47,7 +47,7 @@ pub use memory::MemoryStore;
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{
-    again_if_it_lost_a_race, in_an_aborted_transaction, statement_cancelled,
+    again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction, statement_cancelled,
 };
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).

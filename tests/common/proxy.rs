@@ -1,7 +1,7 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
-//! stall traffic, drop the connections open at a moment silently, lose the answer to a
-//! `COMMIT`, make `LISTEN` fail, or refuse new ones.
+//! stall traffic, drop the connections open at a moment silently, lose a `COMMIT` or
+//! its answer, make `LISTEN` fail, or refuse new ones.
 
 use std::{
     net::SocketAddr,
@@ -31,6 +31,8 @@ struct Shared {
     cut_at_reply: AtomicBool,
     /// Set to lose the server's answers on the connection that next sends `COMMIT`.
     lose_commit_reply: AtomicBool,
+    /// Set to close the connection that next sends `COMMIT`, before it reaches the server.
+    drop_commit: AtomicBool,
     /// While set, `LISTEN` reaches the server misspelt, and fails there.
     breaking_listen: AtomicBool,
     /// Bumped to close every open connection at once.
@@ -79,6 +81,7 @@ impl PgProxy {
             cut_at_reply: AtomicBool::new(false),
             lose_commit_reply: AtomicBool::new(false),
             breaking_listen: AtomicBool::new(false),
+            drop_commit: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
         });
         let s = shared.clone();
@@ -166,6 +169,12 @@ impl PgProxy {
         self.shared.lose_commit_reply.store(true, Ordering::SeqCst);
     }
 
+    /// The next connection to send `COMMIT` is closed instead, with what it sent along
+    /// with it: the server rolls the transaction back, and the client cannot know it.
+    pub fn drop_next_commit(&self) {
+        self.shared.drop_commit.store(true, Ordering::SeqCst);
+    }
+
     /// While `on`, every `LISTEN` fails at the server (as on a standby), with a
     /// syntax error: the proxy misspells it on the way.
     pub fn break_listen(&self, on: bool) {
@@ -201,6 +210,7 @@ async fn pump_frontend(
     let mut buf = vec![0u8; 64 * 1024];
     let mut pending: Vec<u8> = Vec::new();
     let mut started = false;
+    let mut dropping = false;
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -252,9 +262,17 @@ async fn pump_frontend(
                     if s.lose_commit_reply.swap(false, Ordering::SeqCst) {
                         lost.store(true, Ordering::SeqCst);
                     }
+                    if s.drop_commit.swap(false, Ordering::SeqCst) {
+                        dropping = true;
+                    }
                 }
                 pending.drain(..1 + len);
             }
+        }
+        if dropping {
+            // Closed with the COMMIT unsent: the server sees the client go, and rolls
+            // back; the client sees the connection close.
+            break;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             break;

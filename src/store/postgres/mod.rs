@@ -169,6 +169,8 @@ struct Sql {
     release: String,
     renew: String,
     wait: String,
+    in_doubt_wait: String,
+    in_doubt_read: String,
     purge: String,
     qualified: String,
     expires_index: String,
@@ -234,6 +236,14 @@ impl Sql {
             ),
             wait: format!(
                 "UPDATE {t} SET waiters = true WHERE scope = $1 AND key = $2 AND state = 'running'"
+            ),
+            // For a COMMIT in doubt (`committed_on`): an insert of the key, rolled back
+            // after, waits for a transaction still inserting it; the read, `FOR SHARE`,
+            // waits for one still updating it (a takeover), then sees its outcome.
+            in_doubt_wait: format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
+            in_doubt_read: format!(
+                "SELECT token, state, status, headers, body FROM {t}
+                 WHERE scope = $1 AND key = $2 FOR SHARE"
             ),
             // The outer condition repeats the inner one: a ctid names a row only within
             // one table, so on a partitioned table it could name a live row elsewhere.
@@ -393,12 +403,17 @@ fn race_backoff(losses: usize, random: u64) -> Duration {
     Duration::from_micros(random % (micros + 1))
 }
 
-/// Whether `e` ended its connection: an I/O error or a closed connection (no SQLSTATE),
-/// a connection exception (class `08`), or the server shutting the session down.
+/// Whether `e` ended its connection ([`connection_lost`]).
 fn lost_its_connection(e: &StoreError) -> bool {
-    let Some(e) = e.source.downcast_ref::<tokio_postgres::Error>() else {
-        return false;
-    };
+    e.source
+        .downcast_ref::<tokio_postgres::Error>()
+        .is_some_and(connection_lost)
+}
+
+/// Whether `e` ended the connection: an I/O error or a closed connection (no
+/// SQLSTATE), a connection exception (class `08`), or the server shutting the session
+/// down.
+pub(crate) fn connection_lost(e: &tokio_postgres::Error) -> bool {
     match e.code() {
         None => true,
         Some(code) => {
@@ -851,6 +866,41 @@ impl PostgresStore {
     }
 
     /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
+    /// Whether the transaction that claimed `lease` and sent `sent` as its completion
+    /// committed, once it has ended: for a `COMMIT` whose answer was lost. `client` is
+    /// in a read committed transaction of its own, which the caller rolls back.
+    ///
+    /// The row then carries that claim's token, completed with that response, only if
+    /// it committed: a fresh claim's token is drawn at random, so a duplicate that claimed
+    /// the key after a rollback holds another. A duplicate that took an expired row over
+    /// after a rollback gets the same token (one more than the row's), and is taken for
+    /// this transaction only if it also stored the same response.
+    pub(crate) async fn committed_on(
+        &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+        fingerprint: &Fingerprint,
+        sent: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let (scope, key) = (lease.scope.as_str(), &*lease.key);
+        let fp: &[u8] = fingerprint.as_bytes();
+        self.query_on(client, &self.sql.in_doubt_wait, &[&scope, &key, &fp])
+            .await?;
+        let rows = self
+            .query_on(client, &self.sql.in_doubt_read, &[&scope, &key])
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(false);
+        };
+        let ours = row.get::<_, i64>(0) == lease.token
+            && row.get::<_, &str>(1) == "completed"
+            && row.get::<_, Option<i16>>(2) == Some(sent.status.as_u16() as i16)
+            && row.get::<_, Option<&[u8]>>(3)
+                == Some(&StoredResponse::encode_headers(&sent.headers)[..])
+            && row.get::<_, Option<&[u8]>>(4) == Some(&sent.body[..]);
+        Ok(ours)
+    }
+
     pub(crate) async fn complete_on(
         &self,
         client: &ClientWrapper,
