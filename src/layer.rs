@@ -14,12 +14,12 @@ use crate::{
     store::{IntoStore, Store},
 };
 
-/// The longest duration accepted for a TTL, a lease, a wait or a timeout; longer
-/// settings are clamped to it.
 /// The largest `response_body_limit`: a stored response must fit in one PostgreSQL
 /// value (1 GB), with room for its headers.
 const LARGEST_STORED_BODY: usize = 512 * 1024 * 1024;
 
+/// The longest duration accepted for a TTL, a lease, a wait or a timeout; longer
+/// settings are clamped to it.
 pub(crate) const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// The longest `lock_timeout` PostgreSQL accepts (`i32::MAX` milliseconds, 24.8 days).
