@@ -953,3 +953,62 @@ async fn a_commit_in_doubt_is_found_committed_even_past_its_ttl() {
         1
     );
 }
+
+/// Writes the ledger row and answers `204` with no body, whatever the input: two
+/// requests' answers are byte for byte the same.
+async fn record_and_answer_204(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+    body: Bytes,
+) -> StatusCode {
+    let _ = create(State(app), key, tx, headers, body).await;
+    StatusCode::NO_CONTENT
+}
+
+/// A record past its TTL may be taken over by any request with its key, and two
+/// takeovers of the same row get the same token. A takeover whose `COMMIT` was lost
+/// (rolled back), followed by another request's takeover with the same answer, is still
+/// told the truth: its input was not the one that committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_in_doubt_is_not_mistaken_for_another_takeover_of_the_same_expired_record() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 4).await;
+    let table = setup(&schema, &store).await;
+    let counter = Counter::default();
+    let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_millis(200));
+    let router = Router::new()
+        .route("/payments", post(record_and_answer_204))
+        .layer(layer)
+        .with_state(App {
+            counter: counter.clone(),
+            table: table.clone(),
+        });
+    let expired = send(&router, post_body("k", "{\"amount\":1}", &[])).await;
+    assert_eq!(expired.status, 204);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Both take the expired record over; the first holds it while its handler runs.
+    let first = in_flight(
+        &router,
+        post_body("k", "{\"amount\":2}", &[("x-delay-ms", "500")]),
+        &counter,
+    )
+    .await;
+    let other = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_body("k", "{\"amount\":3}", &[])).await }
+    });
+    proxy.drop_next_commit();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    assert_eq!(first.problem(), "not-committed");
+    assert_eq!(other.await.unwrap().status, 204);
+    let bodies = format!("SELECT string_agg(body, ',' ORDER BY run) FROM {table}");
+    let kept: String = schema.query(&bodies).await[0].get(0);
+    assert_eq!(
+        kept, "{\"amount\":1},{\"amount\":3}",
+        "the first takeover's write is gone"
+    );
+}

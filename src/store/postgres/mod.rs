@@ -238,12 +238,14 @@ impl Sql {
                 "UPDATE {t} SET waiters = true WHERE scope = $1 AND key = $2 AND state = 'running'"
             ),
             // For a COMMIT in doubt (`committed_on`): an insert of the key, rolled back
-            // after, waits for a transaction still inserting it; the read, `FOR SHARE`,
-            // waits for one still updating it (a takeover), then sees its outcome.
+            // after, waits for a transaction still inserting or updating its row (the
+            // unique check waits on it); the read, in a snapshot taken after, sees how
+            // that transaction ended. Not `FOR SHARE`: that would wait for a duplicate
+            // that took the row since, through its whole handler.
             in_doubt_wait: format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
             in_doubt_read: format!(
-                "SELECT token, state, status, headers, body FROM {t}
-                 WHERE scope = $1 AND key = $2 FOR SHARE"
+                "SELECT token, state, fingerprint, status, headers, body FROM {t}
+                 WHERE scope = $1 AND key = $2"
             ),
             // The outer condition repeats the inner one: a ctid names a row only within
             // one table, so on a partitioned table it could name a live row elsewhere.
@@ -865,16 +867,19 @@ impl PostgresStore {
             .map_err(classify)
     }
 
-    /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
-    /// Whether the transaction that claimed `lease` and sent `sent` as its completion
-    /// committed, once it has ended: for a `COMMIT` whose answer was lost. `client` is
-    /// in a read committed transaction of its own, which the caller rolls back.
+    /// Whether the transaction that claimed `lease` for `fingerprint` and sent `sent` as
+    /// its completion committed, once it has ended: for a `COMMIT` whose answer was lost.
+    /// `client` is in a read committed transaction of its own, which the caller rolls
+    /// back.
     ///
     /// The row then carries that claim's token, completed with that response, only if
-    /// it committed: a fresh claim's token is drawn at random, so a duplicate that claimed
-    /// the key after a rollback holds another. A duplicate that took an expired row over
-    /// after a rollback gets the same token (one more than the row's), and is taken for
-    /// this transaction only if it also stored the same response.
+    /// it committed. A duplicate's claim cannot be taken for it: a fresh claim's token is
+    /// drawn at random, and the read sees the row as the transaction left it unless a
+    /// duplicate that was waiting on it has taken it and committed in the moment since.
+    /// Only a takeover of an expired row gets the same token (one more than the row's);
+    /// that duplicate would also need the same input and the same stored response. The
+    /// check relies on the record outliving it: a TTL of milliseconds, with a purge or a
+    /// takeover in between, reads as not committed.
     pub(crate) async fn committed_on(
         &self,
         client: &ClientWrapper,
@@ -894,13 +899,15 @@ impl PostgresStore {
         };
         let ours = row.get::<_, i64>(0) == lease.token
             && row.get::<_, &str>(1) == "completed"
-            && row.get::<_, Option<i16>>(2) == Some(sent.status.as_u16() as i16)
-            && row.get::<_, Option<&[u8]>>(3)
+            && row.get::<_, &[u8]>(2) == fp
+            && row.get::<_, Option<i16>>(3) == Some(sent.status.as_u16() as i16)
+            && row.get::<_, Option<&[u8]>>(4)
                 == Some(&StoredResponse::encode_headers(&sent.headers)[..])
-            && row.get::<_, Option<&[u8]>>(4) == Some(&sent.body[..]);
+            && row.get::<_, Option<&[u8]>>(5) == Some(&sent.body[..]);
         Ok(ours)
     }
 
+    /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
     pub(crate) async fn complete_on(
         &self,
         client: &ClientWrapper,
