@@ -90,6 +90,15 @@ async fn setup(schema: &TestSchema, store: &PostgresStore) -> String {
     table
 }
 
+/// A store of `size` connections that reach PostgreSQL through a [`PgProxy`], and the
+/// ledger table.
+async fn through_proxy(schema: &TestSchema, size: usize) -> (PgProxy, PostgresStore, String) {
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), size).await;
+    let table = setup(schema, &store).await;
+    (proxy, store, table)
+}
+
 fn app(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
     let counter = Counter::default();
     let router = Router::new()
@@ -130,9 +139,7 @@ fn post_body(key: &str, body: &str, extra: &[(&str, &str)]) -> axum::http::Reque
 #[tokio::test]
 async fn a_new_key_commits_its_writes_and_response_together_in_one_commit() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 1).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 1).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     // Warm the connection's statement cache.
     assert_eq!(send(&router, post_with("warm-up", &[])).await.status, 201);
@@ -503,9 +510,7 @@ async fn a_client_that_hangs_up_does_not_cancel_the_transaction() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 2).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 2).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
     // Warm: the statements are prepared, so the stalled claim is on the wire whole.
     assert_eq!(send(&router, post_with("warm-up", &[])).await.status, 201);
@@ -693,9 +698,7 @@ async fn requests_waiting_for_a_concurrency_permit_hold_no_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 2).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 2).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
     proxy.cut();
@@ -817,9 +820,7 @@ async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_whose_answer_was_lost_is_checked_before_the_client_is_told() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 2).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 2).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     let commits = proxy.commits();
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
@@ -844,10 +845,8 @@ async fn a_commit_whose_answer_was_lost_is_checked_before_the_client_is_told() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_in_doubt_that_cannot_be_checked_says_so() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
     // One connection: the check needs a new one, which the proxy refuses.
-    let store = schema.store_at(&proxy.url(), 1).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 1).await;
     let layer = IdempotencyLayer::transactional(store).store_timeout(Duration::from_secs(1));
     let (router, counter) = app(layer, &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
@@ -906,9 +905,7 @@ async fn a_claim_cancelled_by_statement_timeout_is_503_not_409() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_lost_on_its_way_is_found_not_committed_though_a_duplicate_completed_the_key() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 4).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 4).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "500")]), &counter).await;
     // The duplicate waits on the first request's row.
@@ -938,9 +935,7 @@ async fn a_commit_lost_on_its_way_is_found_not_committed_though_a_duplicate_comp
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_in_doubt_is_found_committed_even_past_its_ttl() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 2).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 2).await;
     let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_millis(1));
     let (router, counter) = app(layer, &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
@@ -974,9 +969,7 @@ async fn record_and_answer_204(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_in_doubt_is_not_mistaken_for_another_takeover_of_the_same_expired_record() {
     let schema = TestSchema::new();
-    let proxy = PgProxy::start().await;
-    let store = schema.store_at(&proxy.url(), 4).await;
-    let table = setup(&schema, &store).await;
+    let (proxy, store, table) = through_proxy(&schema, 4).await;
     let counter = Counter::default();
     let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_millis(200));
     let router = Router::new()
