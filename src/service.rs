@@ -641,6 +641,10 @@ where
             return Produced::TooLarge(parts, concat(chunks, len), body);
         }
     }
+    // Trailers are not passed on with a buffered response either: it must not announce
+    // them (RFC 9110 section 6.6.2).
+    let mut parts = parts;
+    parts.headers.remove(http::header::TRAILER);
     Produced::Buffered(parts, concat(chunks, len))
 }
 

@@ -561,3 +561,66 @@ mod scheduling {
         assert_eq!(registered, 0, "the abandoned duplicate registered to wait");
     }
 }
+
+/// Trailers are neither stored nor passed on with a buffered response, so that response
+/// must not announce them either.
+mod trailers {
+    use std::{
+        convert::Infallible,
+        pin::Pin,
+        task::{Context, Poll},
+    };
+
+    use axum::body::{Body, Bytes};
+    use http::{HeaderMap, HeaderValue, header::TRAILER};
+    use http_body::Frame;
+    use tower::{Layer, ServiceExt, service_fn};
+    use tower_idempotency::{IdempotencyLayer, Outcome, store::MemoryStore};
+
+    use crate::common::post;
+
+    /// `{}`, then a trailer field `x-sum`.
+    struct WithTrailers(u8);
+
+    impl http_body::Body for WithTrailers {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            self.0 += 1;
+            Poll::Ready(match self.0 {
+                1 => Some(Ok(Frame::data(Bytes::from_static(b"{}")))),
+                2 => {
+                    let mut trailers = HeaderMap::new();
+                    trailers.insert("x-sum", HeaderValue::from_static("42"));
+                    Some(Ok(Frame::trailers(trailers)))
+                }
+                _ => None,
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_response_whose_trailers_are_dropped_does_not_announce_them() {
+        let handler = service_fn(|_req: http::Request<Body>| async {
+            let mut res = http::Response::new(Body::new(WithTrailers(0)));
+            res.headers_mut()
+                .insert(TRAILER, HeaderValue::from_static("x-sum"));
+            Ok::<_, Infallible>(res)
+        });
+        let svc = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
+        for expected in [Outcome::Executed, Outcome::Replayed] {
+            let res = svc.clone().oneshot(post("k", "{}")).await.unwrap();
+            assert_eq!(res.extensions().get::<Outcome>(), Some(&expected));
+            assert_eq!(res.headers().get(TRAILER), None, "{expected:?}");
+            let collected = http_body_util::BodyExt::collect(res.into_body())
+                .await
+                .unwrap();
+            assert_eq!(collected.trailers(), None);
+            assert_eq!(collected.to_bytes(), "{}");
+        }
+    }
+}
