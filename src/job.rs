@@ -308,7 +308,9 @@ impl JobRunner {
         task: tokio::task::JoinHandle<Result<Bytes, E>>,
         in_flight: InFlight,
     ) -> Result<JobOutcome, JobError<E>> {
-        let joined = crate::service::renew_while(&*self.store, &lease, self.lease, task).await;
+        let renewing = crate::service::Renewing::Work;
+        let joined =
+            crate::service::renew_while(&*self.store, &lease, self.lease, renewing, task).await;
         match joined {
             Ok(Ok(result)) => {
                 // As the layer stores a response: renewed while the first attempt runs,

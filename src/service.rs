@@ -678,7 +678,14 @@ where
     let limit = config.response_body_limit;
     // Polled inline, not spawned: no second task to hand the result over.
     let handler = run_inner(inner, req, limit);
-    let produced = renew_while(&*config.store, &lease, config.lease, handler).await;
+    let produced = renew_while(
+        &*config.store,
+        &lease,
+        config.lease,
+        Renewing::Work,
+        handler,
+    )
+    .await;
     match produced {
         Produced::ServiceFailed(e) => {
             release(&config, &lease).await;
@@ -723,6 +730,16 @@ where
     }
 }
 
+/// What [`renew_while`] keeps the lease for, which says what a lost lease means.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewing {
+    /// The handler or the job's work: a lost lease means its result will not be stored.
+    Work,
+    /// The first attempt to store the result: a renewal that finds the lease gone may
+    /// only have come after that attempt landed, which the attempt itself reports.
+    Completion,
+}
+
 /// Awaits `handler`, renewing `lease` every third of `duration` meanwhile.
 ///
 /// The handler is polled all along, a renewal in flight included: a slow or stalled
@@ -731,6 +748,7 @@ pub(crate) async fn renew_while<F: Future>(
     store: &dyn crate::store::Store,
     lease: &Lease,
     duration: Duration,
+    renewing: Renewing,
     handler: F,
 ) -> F::Output {
     let mut handler = std::pin::pin!(handler);
@@ -754,7 +772,16 @@ pub(crate) async fn renew_while<F: Future>(
                     Ok(Ok(true)) => {}
                     Ok(Ok(false)) => {
                         lost = true;
-                        tracing::warn!(token = lease.token, "the lease was lost while the handler ran; its result will not be stored");
+                        match renewing {
+                            Renewing::Work => tracing::warn!(
+                                token = lease.token,
+                                "the lease was lost while the handler ran; its result will not be stored"
+                            ),
+                            Renewing::Completion => tracing::debug!(
+                                token = lease.token,
+                                "a renewal found the lease gone while the result was being stored (the result may just have landed)"
+                            ),
+                        }
                     }
                     Ok(Err(e)) => tracing::warn!(error = %e, "lease renewal failed"),
                     Err(_) => tracing::warn!("lease renewal timed out"),
@@ -818,7 +845,7 @@ impl Storing {
         // A slow store must not let the lease lapse under a result about to be stored:
         // a retry would take the key over and run the handler again.
         let first = self.try_complete(lease, &stored, 1);
-        if renew_while(&*self.store, lease, self.lease, first).await {
+        if renew_while(&*self.store, lease, self.lease, Renewing::Completion, first).await {
             return;
         }
         let (this, lease) = (self.clone(), lease.clone());

@@ -220,3 +220,32 @@ async fn a_job_s_events_are_in_a_span_with_its_key() {
         );
     }
 }
+
+/// A renewal that finds the lease gone while the result's first attempt is on its way
+/// may only have come after that attempt landed: no warning that the result is lost,
+/// since it is not.
+#[tokio::test]
+async fn a_completion_that_lands_before_its_answer_raises_no_false_alarm() {
+    let (_spans, events, _guard) = recording();
+    let store = AlteredCompletions::around(
+        Arc::new(MemoryStore::new()),
+        Completion::AnsweredLate(std::time::Duration::from_millis(400)),
+    );
+    let layer = IdempotencyLayer::new(store).lease_duration(std::time::Duration::from_millis(150));
+    let (router, counter) = app(layer);
+    assert_eq!(send(&router, post("k", "{}")).await.status, 201);
+    let replay = send(&router, post("k", "{}")).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(counter.runs_of("k"), 1);
+    let messages = events.messages();
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("a renewal found the lease gone")),
+        "no renewal met the landed result: {messages:?}"
+    );
+    assert!(
+        !messages.iter().any(|m| m.starts_with("the lease was lost")),
+        "{messages:?}"
+    );
+}

@@ -25,6 +25,8 @@ pub enum Completion {
     FailingFirst(usize),
     /// Completions reach the store at once; releases after this long.
     SlowRelease(Duration),
+    /// Completions land in the store at once, and answer this long after.
+    AnsweredLate(Duration),
 }
 
 pub struct AlteredCompletions {
@@ -77,6 +79,11 @@ impl Store for AlteredCompletions {
             Completion::FailingFirst(_) | Completion::SlowRelease(_) => {
                 self.inner.complete(lease, response, ttl)
             }
+            Completion::AnsweredLate(delay) => Box::pin(async move {
+                let landed = self.inner.complete(lease, response, ttl).await;
+                tokio::time::sleep(delay).await;
+                landed
+            }),
         }
     }
 
