@@ -253,15 +253,20 @@ impl JobRunner {
                     .run_transactional(store, *lock_timeout, &request, ctx_key, work, in_flight)
                     .await;
             }
-            let claim = crate::store::claim_within(&self.store, self.store_timeout, &request)
-                .await
-                .map_err(|_| {
-                    JobError::Store(StoreError::new(
-                        crate::store::StoreErrorKind::Timeout,
-                        "claim timed out",
-                    ))
-                })?
-                .map_err(JobError::Store)?;
+            let claim = crate::store::claim_within(
+                &self.store,
+                self.store_timeout,
+                &request,
+                in_flight.clone(),
+            )
+            .await
+            .map_err(|_| {
+                JobError::Store(StoreError::new(
+                    crate::store::StoreErrorKind::Timeout,
+                    "claim timed out",
+                ))
+            })?
+            .map_err(JobError::Store)?;
             let lease = match found(claim, &request)? {
                 Ok(lease) => lease,
                 Err(outcome) => return Ok(outcome),
@@ -360,6 +365,12 @@ impl JobRunner {
         };
 
         let (conn, lease) = match open(store, request, lock_timeout, self.store_timeout).await {
+            // A run that waited on another worker's row may get it after `close()`:
+            // nothing is claimed after the close, so it lets the row go.
+            Opened::Acquired(conn, _) if self.shutdown.is_closed() => {
+                rollback(conn).await;
+                return Err(JobError::ShuttingDown);
+            }
             Opened::Acquired(conn, lease) => (conn, lease),
             Opened::Found(claim) => {
                 return match found(claim, request)? {

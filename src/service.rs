@@ -381,7 +381,7 @@ where
         ))
         .await;
     }
-    let lease = match claim(&config, &claim_request, handoff).await {
+    let lease = match claim(&config, &claim_request, handoff, &in_flight).await {
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
@@ -453,6 +453,7 @@ async fn claim<B>(
     config: &Config,
     request: &ClaimRequest<'_>,
     handoff: &Handoff,
+    in_flight: &InFlight,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
     loop {
@@ -464,7 +465,13 @@ async fn claim<B>(
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
         handoff.hold();
-        let claim = crate::store::claim_within(&config.store, config.store_timeout, request).await;
+        let claim = crate::store::claim_within(
+            &config.store,
+            config.store_timeout,
+            request,
+            in_flight.clone(),
+        )
+        .await;
         match claim {
             Ok(Ok(Claim::Running {
                 fingerprint,

@@ -487,3 +487,78 @@ async fn postgres_a_drain_waits_for_results_still_being_stored() {
     let schema = TestSchema::new();
     a_drain_waits_for_results_still_being_stored(Arc::new(schema.store().await)).await;
 }
+
+/// A claim given up on at the store timeout may still land; it is then released. A
+/// drain waits for that release, so that a consumer that exits at once does not leave
+/// the key claimed for a lease.
+#[tokio::test]
+async fn a_drain_waits_for_a_late_claim_to_be_released() {
+    let (store, releases) = AlteredCompletions::counting_releases(
+        Arc::new(MemoryStore::new()),
+        Completion::SlowClaim(Duration::from_millis(300)),
+    );
+    let runner = JobRunner::new(store).store_timeout(Duration::from_millis(50));
+    let scope = Scope::new("consumer");
+    let given_up = runner
+        .run(&scope, "msg-8", b"p", |_| async {
+            Ok::<_, String>(Bytes::from_static(b"never"))
+        })
+        .await;
+    assert!(matches!(given_up, Err(JobError::Store(_))), "{given_up:?}");
+    runner.shutdown_handle().drain().await;
+    assert_eq!(releases.load(Ordering::SeqCst), 1);
+}
+
+/// A transactional run that waited on another worker's row and gets it after `close()`
+/// claims nothing and runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_run_that_gets_the_row_after_close_runs_nothing() {
+    let schema = TestSchema::new();
+    let runner = JobRunner::transactional(schema.store().await);
+    let scope = Scope::new("consumer");
+    let (started, first_started) = tokio::sync::oneshot::channel();
+    let (finish, may_finish) = tokio::sync::oneshot::channel::<()>();
+    let first = tokio::spawn({
+        let (runner, scope) = (runner.clone(), scope.clone());
+        async move {
+            runner
+                .run(&scope, "msg-9", b"p", move |_| async move {
+                    let _ = started.send(());
+                    let _ = may_finish.await;
+                    Err::<Bytes, _>("the first worker failed".to_owned())
+                })
+                .await
+        }
+    });
+    first_started.await.unwrap();
+    let ran_second = Arc::new(AtomicUsize::new(0));
+    let second = tokio::spawn({
+        let (runner, scope, ran) = (runner.clone(), scope.clone(), ran_second.clone());
+        async move {
+            runner
+                .run(&scope, "msg-9", b"p", move |_| async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, String>(Bytes::from_static(b"second"))
+                })
+                .await
+        }
+    });
+    // The close comes once the second run waits on the first one's row.
+    let waiting = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{}%'",
+        schema.name
+    );
+    for _ in 0..500 {
+        if schema.query(&waiting).await[0].get::<_, i64>(0) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(schema.query(&waiting).await[0].get::<_, i64>(0), 1);
+    runner.shutdown_handle().close();
+    finish.send(()).unwrap();
+    assert!(matches!(first.await.unwrap(), Err(JobError::Failed(_))));
+    let second = second.await.unwrap();
+    assert!(matches!(second, Err(JobError::ShuttingDown)), "{second:?}");
+    assert_eq!(ran_second.load(Ordering::SeqCst), 0);
+}

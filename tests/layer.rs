@@ -624,3 +624,37 @@ mod trailers {
         }
     }
 }
+
+/// A drain waits for what the layer still does for requests already answered.
+mod draining {
+    use std::{
+        sync::{Arc, atomic::Ordering},
+        time::Duration,
+    };
+
+    use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+
+    use crate::common::{
+        app,
+        completions::{AlteredCompletions, Completion},
+        post, send,
+    };
+
+    /// A claim given up on at the store timeout (503) may still land; it is then
+    /// released, and a drain waits for that release, so that a process that exits at
+    /// once does not leave the key claimed for a lease.
+    #[tokio::test]
+    async fn a_drain_waits_for_a_late_claim_to_be_released() {
+        let (store, releases) = AlteredCompletions::counting_releases(
+            Arc::new(MemoryStore::new()),
+            Completion::SlowClaim(Duration::from_millis(300)),
+        );
+        let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(50));
+        let shutdown = layer.shutdown_handle();
+        let (router, counter) = app(layer);
+        assert_eq!(send(&router, post("k", "{}")).await.status, 503);
+        shutdown.drain().await;
+        assert_eq!(releases.load(Ordering::SeqCst), 1);
+        assert_eq!(counter.runs_of("k"), 0);
+    }
+}

@@ -62,6 +62,7 @@ pub(crate) async fn claim_within(
     store: &Arc<dyn Store>,
     timeout: Duration,
     request: &ClaimRequest<'_>,
+    in_flight: crate::shutdown::InFlight,
 ) -> Result<Result<Claim, StoreError>, tokio::time::error::Elapsed> {
     let owned = store.clone();
     let (scope, key) = (request.scope.clone(), request.key.to_owned());
@@ -78,6 +79,7 @@ pub(crate) async fn claim_within(
             owned.claim(&request).await
         })),
         store: store.clone(),
+        in_flight: Some(in_flight),
     };
     let running = claim.claim.as_mut().expect("the claim was just set");
     let claimed = tokio::time::timeout(timeout, running).await?;
@@ -86,10 +88,12 @@ pub(crate) async fn claim_within(
 }
 
 /// A claim that may still be on its way to the store; if it is dropped unfinished, the
-/// rest of it runs in a task that releases the key if the claim lands.
+/// rest of it runs in a task that releases the key if the claim lands, counted in flight
+/// meanwhile, so that a drain waits for that release.
 struct Unfinished {
     claim: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
     store: Arc<dyn Store>,
+    in_flight: Option<crate::shutdown::InFlight>,
 }
 
 impl Drop for Unfinished {
@@ -104,7 +108,9 @@ impl Drop for Unfinished {
             return;
         };
         let store = self.store.clone();
+        let in_flight = self.in_flight.take();
         let finish = async move {
+            let _in_flight = in_flight;
             if let Ok(Claim::Acquired(lease)) = claim.await {
                 tracing::warn!(
                     token = lease.token,

@@ -27,21 +27,36 @@ pub enum Completion {
     SlowRelease(Duration),
     /// Completions land in the store at once, and answer this long after.
     AnsweredLate(Duration),
+    /// Completions reach the store at once; claims after this long.
+    SlowClaim(Duration),
 }
 
 pub struct AlteredCompletions {
     inner: Arc<dyn Store>,
     completion: Completion,
     attempts: AtomicUsize,
+    releases: Arc<AtomicUsize>,
 }
 
 impl AlteredCompletions {
     pub fn around(inner: Arc<dyn Store>, completion: Completion) -> Arc<dyn Store> {
-        Arc::new(Self {
+        Self::counting_releases(inner, completion).0
+    }
+
+    /// [`around`](Self::around), and a count of the releases that reached the store.
+    #[allow(dead_code)] // not every test binary counts them
+    pub fn counting_releases(
+        inner: Arc<dyn Store>,
+        completion: Completion,
+    ) -> (Arc<dyn Store>, Arc<AtomicUsize>) {
+        let releases = Arc::new(AtomicUsize::new(0));
+        let store = Arc::new(Self {
             inner,
             completion,
             attempts: AtomicUsize::new(0),
-        })
+            releases: releases.clone(),
+        });
+        (store, releases)
     }
 }
 
@@ -57,7 +72,13 @@ impl Store for AlteredCompletions {
         &'a self,
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        self.inner.claim(request)
+        match self.completion {
+            Completion::SlowClaim(delay) => Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                self.inner.claim(request).await
+            }),
+            _ => self.inner.claim(request),
+        }
     }
 
     fn complete<'a>(
@@ -76,7 +97,7 @@ impl Store for AlteredCompletions {
             Completion::FailingFirst(n) if attempt < n => {
                 Box::pin(std::future::ready(Err(refused())))
             }
-            Completion::FailingFirst(_) | Completion::SlowRelease(_) => {
+            Completion::FailingFirst(_) | Completion::SlowRelease(_) | Completion::SlowClaim(_) => {
                 self.inner.complete(lease, response, ttl)
             }
             Completion::AnsweredLate(delay) => Box::pin(async move {
@@ -88,13 +109,16 @@ impl Store for AlteredCompletions {
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
-        match self.completion {
-            Completion::SlowRelease(delay) => Box::pin(async move {
-                tokio::time::sleep(delay).await;
-                self.inner.release(lease).await
-            }),
-            _ => self.inner.release(lease),
-        }
+        let delay = match self.completion {
+            Completion::SlowRelease(delay) => delay,
+            _ => Duration::ZERO,
+        };
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            let released = self.inner.release(lease).await;
+            self.releases.fetch_add(1, Ordering::SeqCst);
+            released
+        })
     }
 
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
