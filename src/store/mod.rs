@@ -310,9 +310,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 }
 
-/// Purges expired records from `store` in the background: every `every`, batches of
-/// `batch` until a batch comes back short. Errors are logged and retried next time.
-/// Drop or abort the handle to stop it. Several replicas may each run one: PostgreSQL
+/// Purges expired records from `store` in the background: every `every` (at least
+/// 1 ms), batches of `batch` until a batch comes back short. Errors are logged and
+/// retried next time. Abort the handle to stop it: as with any Tokio task, dropping the
+/// handle leaves the purger running. Several replicas may each run one: PostgreSQL
 /// purgers skip each other's rows.
 ///
 /// ```
@@ -330,6 +331,8 @@ pub fn spawn_purger(
     batch: usize,
 ) -> tokio::task::JoinHandle<()> {
     let batch = batch.max(1);
+    // A zero period would panic inside the task, where nobody sees it.
+    let every = every.clamp(Duration::from_millis(1), crate::layer::TEN_YEARS);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -373,5 +376,23 @@ impl IntoStore for Arc<dyn Store> {
 impl IntoStore for deadpool_postgres::Pool {
     fn into_store(self) -> Arc<dyn Store> {
         Arc::new(PostgresStore::new(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_purger_with_a_zero_period_keeps_running() {
+        let purger = spawn_purger(Arc::new(MemoryStore::new()), Duration::ZERO, 10);
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            !purger.is_finished(),
+            "the purger's task ended (it panicked)"
+        );
+        purger.abort();
     }
 }
