@@ -938,3 +938,39 @@ async fn a_waiting_duplicate_gives_up_at_its_bound_with_409() {
         json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
     );
 }
+
+/// A payment the backend cannot complete gets a 500 problem document that names no
+/// internals; the key is released, and the retry completes it with the charge the
+/// provider already made for that key.
+#[tokio::test]
+async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_charges_once() {
+    let schema = Schema::new();
+    let mut demo = Demo::start(Some(&schema));
+    let client = client();
+    demo.wait_ready(&client).await;
+    let payments = format!("\"{}\".demo_payments", schema.name);
+    query(&format!(
+        "ALTER TABLE {payments} RENAME TO demo_payments_away"
+    ))
+    .await;
+    let payment = r#"{"amount":700,"currency":"EUR"}"#;
+    let failed = post_payment(&client, demo.addr, Some("fails-once"), payment).await;
+    failed.assert_problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "payments-demo-payment-failed",
+    );
+    let body = String::from_utf8_lossy(&failed.body).into_owned();
+    assert!(!body.contains("demo_payments"), "{body}");
+    query(&format!(
+        "ALTER TABLE \"{}\".demo_payments_away RENAME TO demo_payments",
+        schema.name
+    ))
+    .await;
+    let retried = post_payment(&client, demo.addr, Some("fails-once"), payment).await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{retried:?}");
+    assert!(!retried.replayed());
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+    );
+}

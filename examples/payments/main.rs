@@ -336,11 +336,21 @@ async fn create_payment(
         .into_response()
 }
 
+/// A 500 for a payment the backend could not complete. The cause goes to the log, not
+/// to the client; the key is released (a 5xx is not stored), so a retry with it runs
+/// again, and the provider, given the same derived key, charges once.
 fn internal(e: backend::Error) -> Response {
     tracing::error!(error = %e, "payment failed");
+    let body = json!({
+        "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-payment-failed",
+        "title": "Payment failed",
+        "status": 500,
+        "detail": "the payment could not be completed; retry with the same Idempotency-Key",
+    });
     (
         StatusCode::INTERNAL_SERVER_ERROR,
-        format!("payment failed: {e}"),
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
     )
         .into_response()
 }
