@@ -360,9 +360,7 @@ impl JobRunner {
         Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
         E: Send + 'static,
     {
-        use crate::transactional::{
-            Committed, Opened, Resolved, TransactionHandle, commit, open, resolve, rollback,
-        };
+        use crate::transactional::{Committed, Opened, TransactionHandle, commit, open, rollback};
 
         let (conn, lease) = match open(store, request, lock_timeout, self.store_timeout).await {
             // A run that waited on another worker's row may get it after `close()`:
@@ -424,20 +422,11 @@ impl JobRunner {
                 // A work that succeeded although one of its statements failed (and so
                 // aborted the transaction) has had no effect either.
                 let sent = stored(&result);
-                match commit(store, conn, &lease, &sent, self.ttl).await {
+                let timeouts = (lock_timeout, self.store_timeout);
+                match commit(store, conn, &lease, request, &sent, timeouts.0, timeouts.1).await {
                     Committed::Yes => Ok(JobOutcome::Ran(result)),
-                    Committed::Aborted | Committed::No => Err(JobError::NotCommitted),
-                    Committed::InDoubt => {
-                        let timeouts = (lock_timeout, self.store_timeout);
-                        let fingerprint = &request.fingerprint;
-                        match resolve(store, &lease, fingerprint, &sent, timeouts.0, timeouts.1)
-                            .await
-                        {
-                            Resolved::Committed => Ok(JobOutcome::Ran(result)),
-                            Resolved::NotCommitted | Resolved::Unknown => {
-                                Err(JobError::NotCommitted)
-                            }
-                        }
+                    Committed::Aborted | Committed::No | Committed::Unknown => {
+                        Err(JobError::NotCommitted)
                     }
                 }
             }

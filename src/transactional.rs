@@ -63,7 +63,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower_service::Service;
 
 use crate::{
-    Fingerprint, IdempotencyKey, Outcome, StoredResponse,
+    IdempotencyKey, Outcome, StoredResponse,
     body::{BoxError, ResponseBody},
     catch_panic::CatchPanic,
     layer::Config,
@@ -255,19 +255,14 @@ pub(crate) async fn rollback(tx: OpenTx) {
     }
 }
 
-fn not_committed<B>() -> Response<ResponseBody<B>> {
-    let res = Problem::NotCommitted.response_retry_after(
-        "the request's transaction could not be committed, so it had no effect; retry with the same key",
-        Duration::from_secs(1),
-    );
-    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
-}
+/// `503 not-committed`: nothing was kept.
+const NOT_COMMITTED: &str = "the request's transaction could not be committed, so it had no effect; retry with the same key";
 
-fn commit_unknown<B>() -> Response<ResponseBody<B>> {
-    let res = Problem::NotCommitted.response_retry_after(
-        "the connection to the database failed during the commit, and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not",
-        Duration::from_secs(1),
-    );
+/// `503 not-committed` when the outcome is unknown.
+const COMMIT_UNKNOWN: &str = "the connection to the database failed during the commit, and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not";
+
+fn not_committed<B>(detail: &str) -> Response<ResponseBody<B>> {
+    let res = Problem::NotCommitted.response_retry_after(detail, Duration::from_secs(1));
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }
 
@@ -314,10 +309,7 @@ pub(crate) async fn open(
             return Opened::Unavailable;
         }
     };
-    let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = {}",
-        lock_timeout.as_millis().max(1)
-    );
+    let begin = begin("", lock_timeout);
     let claimed = tokio::time::timeout(store_timeout + lock_timeout, async {
         let client = conn.conn();
         let failed = |e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e);
@@ -379,65 +371,60 @@ pub(crate) enum Committed {
     Aborted,
     /// Nothing was committed.
     No,
-    /// The connection failed once `COMMIT` may have been sent: the server may have
-    /// committed and lost only its answer. [`resolve`] finds out.
-    InDoubt,
-}
-
-/// What [`resolve`] found of a transaction whose `COMMIT` was in doubt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Resolved {
-    /// It committed: the key holds its claim, completed with its response.
-    Committed,
-    /// It did not commit; nothing it did is kept.
-    NotCommitted,
-    /// The database could not tell in time.
+    /// The connection failed during `COMMIT`, and whether the server committed could
+    /// not be checked in time either.
     Unknown,
 }
 
-/// Finds out whether a transaction whose `COMMIT` was in doubt committed, on another
-/// connection, in a transaction of its own that it rolls back: it waits for the first
-/// transaction to end if the server is still running it (up to `lock_timeout`), then
-/// reads the key's row ([`PostgresStore::committed_on`]).
-pub(crate) async fn resolve(
+/// `BEGIN` with the transaction's `lock_timeout`, sent as one simple query.
+fn begin(isolation: &str, lock_timeout: Duration) -> String {
+    format!(
+        "BEGIN{isolation}; SET LOCAL lock_timeout = {}",
+        lock_timeout.as_millis().max(1)
+    )
+}
+
+/// Finds out whether a transaction whose `COMMIT` was in doubt committed (`None`: the
+/// database could not tell in time), on another connection, in a transaction of its own
+/// that it rolls back: it waits for the first transaction to end if the server is still
+/// running it (up to `lock_timeout`), then reads the key's row
+/// ([`PostgresStore::committed_on`]).
+async fn resolve(
     store: &PostgresStore,
     lease: &Lease,
-    fingerprint: &Fingerprint,
+    request: &ClaimRequest<'_>,
     sent: &StoredResponse,
     lock_timeout: Duration,
     store_timeout: Duration,
-) -> Resolved {
-    let checked = tokio::time::timeout(store_timeout + lock_timeout, async {
+) -> Option<bool> {
+    tokio::time::timeout(store_timeout + lock_timeout, async {
         let conn = OpenTx(Some(store.client().await.ok()?));
         // Read committed whatever the database's default: the read must see what
         // committed while the insert waited.
-        let begin = format!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}",
-            lock_timeout.as_millis().max(1)
-        );
+        let begin = begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout);
         conn.conn().batch_execute(&begin).await.ok()?;
         let committed = store
-            .committed_on(conn.conn(), lease, fingerprint, sent)
+            .committed_on(conn.conn(), lease, &request.fingerprint, sent)
             .await;
         rollback(conn).await;
         committed.ok()
     })
-    .await;
-    match checked {
-        Ok(Some(true)) => Resolved::Committed,
-        Ok(Some(false)) => Resolved::NotCommitted,
-        Ok(None) | Err(_) => Resolved::Unknown,
-    }
+    .await
+    .ok()
+    .flatten()
 }
 
 /// Writes the response into the claim row and commits, pipelined: one round trip, one
-/// commit.
+/// commit. If the connection fails during the `COMMIT`, finds out on another whether
+/// it committed ([`resolve`]).
 pub(crate) async fn commit(
     store: &PostgresStore,
     conn: OpenTx,
     lease: &Lease,
+    request: &ClaimRequest<'_>,
     stored: &StoredResponse,
-    ttl: Duration,
+    lock_timeout: Duration,
+    store_timeout: Duration,
 ) -> Committed {
     let client = conn.conn();
     // Prepared first, so that its Execute is on the wire before the COMMIT.
@@ -450,7 +437,7 @@ pub(crate) async fn commit(
         return Committed::No;
     }
     let (completed, committed) = tokio::join!(
-        store.complete_on(client, lease, stored, ttl),
+        store.complete_on(client, lease, stored, request.ttl),
         client.batch_execute("COMMIT"),
     );
     match (completed, committed) {
@@ -471,7 +458,12 @@ pub(crate) async fn commit(
                 committed = %e,
                 "the connection failed during COMMIT; checking whether it committed"
             );
-            Committed::InDoubt
+            drop(conn);
+            match resolve(store, lease, request, stored, lock_timeout, store_timeout).await {
+                Some(true) => Committed::Yes,
+                Some(false) => Committed::No,
+                None => Committed::Unknown,
+            }
         }
         (completed, committed) => {
             // A failed statement aborts the transaction, and COMMIT then rolls it back.
@@ -601,7 +593,17 @@ where
             )
         }
     };
-    match commit(&store, conn, &lease, &stored, config.ttl).await {
+    let (lock_timeout, store_timeout) = (config.lock_timeout, config.store_timeout);
+    let committed = commit(
+        &store,
+        conn,
+        &lease,
+        &request,
+        &stored,
+        lock_timeout,
+        store_timeout,
+    );
+    match committed.await {
         Committed::Yes => Ok(with_outcome(res, Outcome::Executed)),
         // The handler met a failed statement (a unique violation, say) and answered a
         // client error: its answer stands, nothing was committed, and the key is free.
@@ -617,26 +619,9 @@ where
                 status = res.status().as_u16(),
                 "the handler answered although a statement of its transaction failed, which aborted it; nothing was committed"
             );
-            Ok(not_committed())
+            Ok(not_committed(NOT_COMMITTED))
         }
-        Committed::No => Ok(not_committed()),
-        Committed::InDoubt => {
-            let (lock_timeout, store_timeout) = (config.lock_timeout, config.store_timeout);
-            let fingerprint = &request.fingerprint;
-            match resolve(
-                &store,
-                &lease,
-                fingerprint,
-                &stored,
-                lock_timeout,
-                store_timeout,
-            )
-            .await
-            {
-                Resolved::Committed => Ok(with_outcome(res, Outcome::Executed)),
-                Resolved::NotCommitted => Ok(not_committed()),
-                Resolved::Unknown => Ok(commit_unknown()),
-            }
-        }
+        Committed::No => Ok(not_committed(NOT_COMMITTED)),
+        Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
     }
 }

@@ -13,7 +13,7 @@ use axum::{
     extract::State,
     http::{HeaderMap, StatusCode},
     response::{IntoResponse, Response},
-    routing::post,
+    routing::{MethodRouter, post},
 };
 use common::{Counter, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
@@ -100,9 +100,14 @@ async fn through_proxy(schema: &TestSchema, size: usize) -> (PgProxy, PostgresSt
 }
 
 fn app(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
+    app_on(post(create), layer, table)
+}
+
+/// `POST /payments` served by `route`, behind `layer`, writing to `table`.
+fn app_on(route: MethodRouter<App>, layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
     let counter = Counter::default();
     let router = Router::new()
-        .route("/payments", post(create))
+        .route("/payments", route)
         .layer(layer)
         .with_state(App {
             counter: counter.clone(),
@@ -771,17 +776,10 @@ async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
     let schema = TestSchema::new();
     let store = schema.store_at(&common::database_url(), 2).await;
     let table = setup(&schema, &store).await;
-    let counter = Counter::default();
     let layer = IdempotencyLayer::transactional(store)
         .store_timeout(Duration::from_millis(500))
         .lock_timeout(Duration::from_millis(200));
-    let router = Router::new()
-        .route("/payments", post(keeps_its_handle))
-        .layer(layer)
-        .with_state(App {
-            counter: counter.clone(),
-            table: table.clone(),
-        });
+    let (router, counter) = app_on(post(keeps_its_handle), layer, &table);
     let first = send(&router, post_with("k", &[("x-keep-handle", "1")])).await;
     assert_eq!(first.status, 500);
     assert_eq!(first.problem(), "handler-failed");
@@ -970,15 +968,8 @@ async fn record_and_answer_204(
 async fn a_commit_in_doubt_is_not_mistaken_for_another_takeover_of_the_same_expired_record() {
     let schema = TestSchema::new();
     let (proxy, store, table) = through_proxy(&schema, 4).await;
-    let counter = Counter::default();
     let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_millis(200));
-    let router = Router::new()
-        .route("/payments", post(record_and_answer_204))
-        .layer(layer)
-        .with_state(App {
-            counter: counter.clone(),
-            table: table.clone(),
-        });
+    let (router, counter) = app_on(post(record_and_answer_204), layer, &table);
     let expired = send(&router, post_body("k", "{\"amount\":1}", &[])).await;
     assert_eq!(expired.status, 204);
     tokio::time::sleep(Duration::from_millis(400)).await;
