@@ -384,15 +384,36 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn a_purger_with_a_zero_period_keeps_running() {
-        let purger = spawn_purger(Arc::new(MemoryStore::new()), Duration::ZERO, 10);
-        for _ in 0..20 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+    async fn a_purger_with_a_zero_period_keeps_purging() {
+        let store = Arc::new(MemoryStore::new());
+        let claim = |key| {
+            let store = store.clone();
+            async move {
+                let scope = Scope::anonymous();
+                let request = ClaimRequest {
+                    scope: &scope,
+                    key,
+                    fingerprint: crate::Fingerprint([0; 32]),
+                    lease: Duration::ZERO,
+                    ttl: Duration::ZERO,
+                };
+                let claimed = store.claim(&request).await;
+                assert!(matches!(claimed, Ok(Claim::Acquired(_))));
+            }
+        };
+        let purger = spawn_purger(store.clone(), Duration::ZERO, 10);
+        // Records whose lease and TTL have lapsed, claimed after the purger's first
+        // tick: only a purger that is still running removes them.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        claim("a").await;
+        claim("b").await;
+        for _ in 0..1000 {
+            if store.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(
-            !purger.is_finished(),
-            "the purger's task ended (it panicked)"
-        );
+        assert!(store.is_empty(), "the purger stopped purging (it panicked)");
         purger.abort();
     }
 }

@@ -4,7 +4,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -29,6 +29,8 @@ pub enum Completion {
     AnsweredLate(Duration),
     /// Completions reach the store at once; claims after this long.
     SlowClaim(Duration),
+    /// Everything reaches the store as it is (for a store that only counts).
+    Unaltered,
 }
 
 pub struct AlteredCompletions {
@@ -36,6 +38,27 @@ pub struct AlteredCompletions {
     completion: Completion,
     attempts: AtomicUsize,
     releases: Arc<AtomicUsize>,
+    purges: Arc<Purges>,
+}
+
+/// What the purges that went through a store deleted.
+#[derive(Default)]
+pub struct Purges {
+    calls: AtomicUsize,
+    deleted: AtomicU64,
+}
+
+#[allow(dead_code)] // not every test binary purges
+impl Purges {
+    /// Purges that returned.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    /// Records they deleted, in all.
+    pub fn deleted(&self) -> u64 {
+        self.deleted.load(Ordering::SeqCst)
+    }
 }
 
 impl AlteredCompletions {
@@ -55,8 +78,23 @@ impl AlteredCompletions {
             completion,
             attempts: AtomicUsize::new(0),
             releases: releases.clone(),
+            purges: Arc::default(),
         });
         (store, releases)
+    }
+
+    /// `inner` unaltered, and what the purges that went through it deleted.
+    #[allow(dead_code)] // not every test binary purges
+    pub fn counting_purges(inner: Arc<dyn Store>) -> (Arc<dyn Store>, Arc<Purges>) {
+        let purges = Arc::new(Purges::default());
+        let store = Arc::new(Self {
+            inner,
+            completion: Completion::Unaltered,
+            attempts: AtomicUsize::new(0),
+            releases: Arc::default(),
+            purges: purges.clone(),
+        });
+        (store, purges)
     }
 }
 
@@ -97,9 +135,10 @@ impl Store for AlteredCompletions {
             Completion::FailingFirst(n) if attempt < n => {
                 Box::pin(std::future::ready(Err(refused())))
             }
-            Completion::FailingFirst(_) | Completion::SlowRelease(_) | Completion::SlowClaim(_) => {
-                self.inner.complete(lease, response, ttl)
-            }
+            Completion::FailingFirst(_)
+            | Completion::SlowRelease(_)
+            | Completion::SlowClaim(_)
+            | Completion::Unaltered => self.inner.complete(lease, response, ttl),
             Completion::AnsweredLate(delay) => Box::pin(async move {
                 let landed = self.inner.complete(lease, response, ttl).await;
                 tokio::time::sleep(delay).await;
@@ -122,7 +161,14 @@ impl Store for AlteredCompletions {
     }
 
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
-        self.inner.purge(batch)
+        Box::pin(async move {
+            let purged = self.inner.purge(batch).await;
+            if let Ok(n) = purged {
+                self.purges.deleted.fetch_add(n, Ordering::SeqCst);
+            }
+            self.purges.calls.fetch_add(1, Ordering::SeqCst);
+            purged
+        })
     }
 
     fn register_waiter<'a>(

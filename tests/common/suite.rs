@@ -831,7 +831,7 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
-            async fn the_background_purger_empties_expired_records() {
+            async fn the_background_purger_purges_batch_after_batch() {
                 let (layer, store, _g) = layer().await;
                 let (router, _) = app(layer.ttl(Duration::from_millis(20)));
                 for i in 0..5 {
@@ -840,32 +840,20 @@ macro_rules! layer_suite {
                         201
                     );
                 }
-                let purger = tower_idempotency::store::spawn_purger(
-                    store.clone(),
-                    Duration::from_millis(20),
-                    2,
-                );
-                let scope = Scope::anonymous();
-                let probe = ClaimRequest {
-                    scope: &scope,
-                    key: "k4",
-                    fingerprint: Fingerprint([0; 32]),
-                    lease: Duration::from_secs(1),
-                    ttl: Duration::from_secs(1),
-                };
-                // Purged rows are gone: a claim with another fingerprint acquires.
-                let mut acquired = false;
-                for _ in 0..200 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    if store.purge(100).await.unwrap() == 0
-                        && matches!(store.claim(&probe).await.unwrap(), Claim::Acquired(_))
-                    {
-                        acquired = true;
-                        break;
-                    }
-                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let (counted, purges) = AlteredCompletions::counting_purges(store.clone());
+                // Its first tick comes at once and the next in an hour: that one tick
+                // must take all five expired records, two at a time.
+                let purger =
+                    tower_idempotency::store::spawn_purger(counted, Duration::from_secs(3600), 2);
+                eventually(|| purges.deleted() == 5).await;
                 purger.abort();
-                assert!(acquired);
+                assert_eq!(purges.calls(), 3, "batches of 2, 2 and 1");
+                assert_eq!(
+                    store.purge(100).await.unwrap(),
+                    0,
+                    "nothing is left to purge"
+                );
             }
 
             #[tokio::test]
