@@ -196,8 +196,13 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let config = &self.config;
-        // A request passed through calls the ready instance where it is: no clone.
-        if !config.methods.contains(req.method()) {
+        // A request passed through calls the ready instance where it is: no clone. So is
+        // one an outer layer guards already (it carries the key that layer claimed):
+        // guarded again, it would find its own claim running and answer 409, which the
+        // outer layer would store.
+        if !config.methods.contains(req.method())
+            || req.extensions().get::<IdempotencyKey>().is_some()
+        {
             return pass_through(self.inner.call(req));
         }
         let key = match key_from_headers(req.headers(), &config.header) {

@@ -133,6 +133,26 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
+            async fn a_layer_inside_another_passes_the_guarded_request_through() {
+                let (layer, store, _g) = layer().await;
+                // A key required on one route, under a layer for the whole router.
+                let (inner, counter) = app(IdempotencyLayer::new(store).require_key(true));
+                let router = inner.layer(layer);
+                let first = send(&router, post("k", "{}")).await;
+                assert_eq!(first.status, 201);
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let again = send(&router, post("k", "{}")).await;
+                assert_eq!(again.outcome, Some(Outcome::Replayed));
+                assert_eq!(again.body, first.body);
+                assert_eq!(counter.runs(), 1);
+                // A request the outer layer let through is still the inner layer's.
+                let keyless = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
+                assert_eq!(keyless.status, 400);
+                assert_eq!(keyless.problem(), "key-missing");
+                assert_eq!(counter.runs(), 1);
+            }
+
+            #[tokio::test]
             async fn malformed_keys_are_400_and_claim_nothing() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer);
