@@ -174,6 +174,28 @@ async fn a_claim_whose_answer_was_lost_with_its_connection_is_released() {
     assert_eq!(counter.runs_of("k"), 1);
 }
 
+/// The database that lost a claim's answer is often still away when the release is
+/// first tried (a crash, a failover): the release is tried again until it is back,
+/// and the retry runs within seconds, not after the 60 s lease.
+#[tokio::test]
+async fn a_claim_in_doubt_is_released_once_the_database_is_back() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
+    let (router, counter) = app(layer);
+    assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+    proxy.cut_at_next_reply();
+    proxy.refuse(true);
+    let lost = send(&router, post("k", "{}")).await;
+    assert_eq!(lost.status, 503);
+    // The first release found the database away.
+    eventually(|| proxy.refused() > 0).await;
+    proxy.refuse(false);
+    retry_until_created(&router, "k", &[409, 503]).await;
+    assert_eq!(counter.runs_of("k"), 1);
+}
+
 /// A shared claim connection dropped without a word (forgotten by a NAT: nothing fails,
 /// nothing arrives) is forgotten in turn once a claim on it goes unanswered for a
 /// second: the claims after it open a new shared connection and run, instead of

@@ -27,6 +27,7 @@ struct Shared {
     opened: AtomicU64,
     dead_below: AtomicU64,
     refusing: AtomicBool,
+    refused: AtomicU64,
     /// Set to close the connection that next hears from the server, unanswered.
     cut_at_reply: AtomicBool,
     /// Set to lose the server's answers on the connection that next sends `COMMIT`.
@@ -78,6 +79,7 @@ impl PgProxy {
             opened: AtomicU64::new(0),
             dead_below: AtomicU64::new(0),
             refusing: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
             cut_at_reply: AtomicBool::new(false),
             lose_commit_reply: AtomicBool::new(false),
             breaking_listen: AtomicBool::new(false),
@@ -88,6 +90,7 @@ impl PgProxy {
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if s.refusing.load(Ordering::SeqCst) {
+                    s.refused.fetch_add(1, Ordering::SeqCst);
                     drop(client);
                     continue;
                 }
@@ -189,6 +192,11 @@ impl PgProxy {
     /// Closes new connections at once while `on`.
     pub fn refuse(&self, on: bool) {
         self.shared.refusing.store(on, Ordering::SeqCst);
+    }
+
+    /// Connections closed at once because they came while refusing.
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
     }
 }
 

@@ -68,6 +68,10 @@ const IN_DOUBT_RELEASES: [Duration; 3] = [
     Duration::from_secs(5),
 ];
 
+/// How soon a release in doubt that failed (the database still away) is tried again,
+/// until the claim's lease would have lapsed.
+const IN_DOUBT_RETRY: Duration = Duration::from_secs(1);
+
 /// The bound on the first wait after a serialization failure; it doubles with each
 /// further loss, up to `RACE_BACKOFF_CAP`. Sixteen attempts wait 0.35 s at most in all,
 /// well within a store timeout.
@@ -806,9 +810,13 @@ impl PostgresStore {
             key: Arc::from(request.key),
             token,
         };
+        // Past the lease, the row frees itself: no release is worth trying then.
+        let lapses = tokio::time::Instant::now() + request.lease;
         runtime.spawn(
             async move {
-                for wait in IN_DOUBT_RELEASES {
+                let mut schedule = IN_DOUBT_RELEASES.into_iter();
+                let mut next = schedule.next();
+                while let Some(wait) = next {
                     tokio::time::sleep(wait).await;
                     match store.release(&lease).await {
                         Ok(true) => {
@@ -818,7 +826,13 @@ impl PostgresStore {
                             );
                             return;
                         }
-                        Ok(false) => {}
+                        Ok(false) => next = schedule.next(),
+                        // The database that lost the answer is often still away (a
+                        // crash, a failover): try again until it is back.
+                        Err(e) if tokio::time::Instant::now() + IN_DOUBT_RETRY < lapses => {
+                            tracing::debug!(token, error = %e, "could not release a claim in doubt yet");
+                            next = Some(IN_DOUBT_RETRY);
+                        }
                         Err(e) => {
                             tracing::warn!(
                                 token,
