@@ -362,7 +362,15 @@ impl JobRunner {
     {
         use crate::transactional::{Committed, Opened, TransactionHandle, commit, open, rollback};
 
-        let (conn, lease) = match open(store, request, lock_timeout, self.store_timeout).await {
+        let (conn, lease) = match open(
+            store,
+            request,
+            lock_timeout,
+            lock_timeout,
+            self.store_timeout,
+        )
+        .await
+        {
             // A run that waited on another worker's row may get it after `close()`:
             // nothing is claimed after the close, so it lets the row go.
             Opened::Acquired(conn, _) if self.shutdown.is_closed() => {

@@ -137,7 +137,8 @@ impl IdempotencyLayer {
 
     /// Transactional mode: how long a duplicate waits on the first request's
     /// uncommitted claim before answering 409 (default 5 s; PostgreSQL's `lock_timeout`,
-    /// from 1 ms to 24.8 days). It is set for the whole transaction, so it bounds the
+    /// from 1 ms to 24.8 days), unless [`wait_for_running`](Self::wait_for_running) is
+    /// longer. It is set for the whole transaction, so it bounds the
     /// handler's own lock waits too (a `SELECT … FOR UPDATE` on a busy row fails with
     /// SQLSTATE 55P03 past it); a handler that needs longer runs
     /// `SET LOCAL lock_timeout` on its [`TransactionHandle`](crate::transactional::TransactionHandle).
@@ -195,6 +196,12 @@ impl IdempotencyLayer {
     /// A waiter also looks again when the running request's lease lapses (its process
     /// may have crashed, and then notifies nobody), and stops with `503 shutting-down`
     /// when the layer's [`ShutdownHandle`] closes.
+    ///
+    /// In transactional mode a duplicate waits on the first request's uncommitted row
+    /// instead, holding a connection, for this bound or
+    /// [`lock_timeout`](Self::lock_timeout), whichever is longer (at most 24.8 days);
+    /// the handler's own lock waits keep `lock_timeout`, set again once the claim has
+    /// its key (one more round trip per new key when this bound is the longer).
     #[must_use]
     pub fn wait_for_running(mut self, bound: Duration) -> Self {
         self.config().wait = bound.min(TEN_YEARS);

@@ -281,10 +281,12 @@ pub(crate) enum Opened {
 
 /// Takes a connection, then sends BEGIN and the claim together: one round trip. A
 /// duplicate's claim waits here on the first request's uncommitted row, up to
-/// `lock_timeout`.
+/// `claim_wait`; the transaction then goes on with `lock_timeout` (one more round
+/// trip where the two differ).
 pub(crate) async fn open(
     store: &PostgresStore,
     request: &ClaimRequest<'_>,
+    claim_wait: Duration,
     lock_timeout: Duration,
     store_timeout: Duration,
 ) -> Opened {
@@ -293,7 +295,7 @@ pub(crate) async fn open(
     // past the bound is this process's overload, not a running duplicate: 503, like a
     // pool with no connection to give.
     let Ok(_permit) =
-        tokio::time::timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await
+        tokio::time::timeout(store_timeout + claim_wait, store.tx_claim_permit()).await
     else {
         tracing::error!("too many transactional claims waiting; nothing was run");
         return Opened::Unavailable;
@@ -309,8 +311,8 @@ pub(crate) async fn open(
             return Opened::Unavailable;
         }
     };
-    let begin = begin("", lock_timeout);
-    let claimed = tokio::time::timeout(store_timeout + lock_timeout, async {
+    let begin = begin("", claim_wait);
+    let claimed = tokio::time::timeout(store_timeout + claim_wait, async {
         let client = conn.conn();
         let failed = |e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e);
         // Where transactions default to repeatable read or serializable, a duplicate
@@ -335,6 +337,26 @@ pub(crate) async fn open(
         .await
     })
     .await;
+    let claimed = match claimed {
+        Ok(Ok(Claim::Acquired(lease))) if claim_wait != lock_timeout => {
+            // The handler's own lock waits are bounded by `lock_timeout`, not by how
+            // long a duplicate may wait for the key.
+            let reset = tokio::time::timeout(
+                store_timeout,
+                conn.conn().batch_execute(&set_lock_timeout(lock_timeout)),
+            )
+            .await;
+            match reset {
+                Ok(Ok(())) => Ok(Ok(Claim::Acquired(lease))),
+                Ok(Err(e)) => Ok(Err(crate::store::StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    e,
+                ))),
+                Err(elapsed) => Err(elapsed),
+            }
+        }
+        claimed => claimed,
+    };
     match claimed {
         Ok(Ok(Claim::Acquired(lease))) => Opened::Acquired(conn, lease),
         Ok(Ok(found)) => {
@@ -378,8 +400,13 @@ pub(crate) enum Committed {
 
 /// `BEGIN` with the transaction's `lock_timeout`, sent as one simple query.
 fn begin(isolation: &str, lock_timeout: Duration) -> String {
+    format!("BEGIN{isolation}; {}", set_lock_timeout(lock_timeout))
+}
+
+/// `SET LOCAL lock_timeout`, in milliseconds (at least 1: zero would mean no bound).
+fn set_lock_timeout(lock_timeout: Duration) -> String {
     format!(
-        "BEGIN{isolation}; SET LOCAL lock_timeout = {}",
+        "SET LOCAL lock_timeout = {}",
         lock_timeout.as_millis().max(1)
     )
 }
@@ -503,29 +530,40 @@ where
     // row, as it holds a connection.
     let mut inner = inner;
     std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-    let (conn, lease) =
-        match open(&store, &request, config.lock_timeout, config.store_timeout).await {
-            // A duplicate that waited on the first request's row may get it after
-            // `close()`: nothing is claimed after the close, so it lets the row go.
-            Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
-                rollback(conn).await;
-                return Ok(shutting_down());
-            }
-            Opened::Acquired(conn, lease) => {
-                // Until now, dropping the request dropped its connection, which rolled
-                // back anything claimed; from now on it finishes even if its client goes.
-                handoff.hold();
-                (conn, lease)
-            }
-            Opened::Found(found) => {
-                // Found is never ours to run: a replay, a 409 or a 422.
-                return Ok(settle(found, request.fingerprint)
-                    .err()
-                    .unwrap_or_else(unavailable));
-            }
-            Opened::Unavailable => return Ok(unavailable()),
-            Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
-        };
+    // A duplicate waits on the first request's row for `lock_timeout`, or for as long
+    // as `wait_for_running` lets it wait if that is longer.
+    let claim_wait = config
+        .lock_timeout
+        .max(config.wait.min(crate::layer::LONGEST_LOCK_TIMEOUT));
+    let opened = open(
+        &store,
+        &request,
+        claim_wait,
+        config.lock_timeout,
+        config.store_timeout,
+    );
+    let (conn, lease) = match opened.await {
+        // A duplicate that waited on the first request's row may get it after
+        // `close()`: nothing is claimed after the close, so it lets the row go.
+        Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
+            rollback(conn).await;
+            return Ok(shutting_down());
+        }
+        Opened::Acquired(conn, lease) => {
+            // Until now, dropping the request dropped its connection, which rolled
+            // back anything claimed; from now on it finishes even if its client goes.
+            handoff.hold();
+            (conn, lease)
+        }
+        Opened::Found(found) => {
+            // Found is never ours to run: a replay, a 409 or a 422.
+            return Ok(settle(found, request.fingerprint)
+                .err()
+                .unwrap_or_else(unavailable));
+        }
+        Opened::Unavailable => return Ok(unavailable()),
+        Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
+    };
 
     let (handle, slot) = TransactionHandle::holding(conn);
     parts.extensions.insert(handle);

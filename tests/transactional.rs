@@ -603,6 +603,43 @@ async fn a_duplicate_past_the_lock_timeout_gets_409() {
     assert_eq!(counter.runs(), 1);
 }
 
+/// `wait_for_running` holds in transactional mode too: a duplicate waits on the first
+/// request's row for as long as it allows, past `lock_timeout`, and replays the answer;
+/// the handler's own lock waits keep `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_waits_for_running_past_the_lock_timeout_and_replays() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store)
+        .lock_timeout(Duration::from_millis(100))
+        .wait_for_running(Duration::from_secs(30));
+    let handler = |State(app): State<App>, tx: TransactionHandle, headers: HeaderMap| async move {
+        let run = app.counter.count_run();
+        let client = tx.client().await.expect("transaction");
+        let row = client.query_one("SHOW lock_timeout", &[]).await.unwrap();
+        let lock_timeout: String = row.get(0);
+        drop(client);
+        if let Some(ms) = headers
+            .get("x-delay-ms")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+        {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        (StatusCode::CREATED, format!("{run} {lock_timeout}"))
+    };
+    let (router, counter) = app_on(post(handler), layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "1000")]), &counter).await;
+    let dup = send(&router, post_with("k", &[])).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body, "1 100ms");
+    assert_eq!(dup.status, 201, "{}", String::from_utf8_lossy(&dup.body));
+    assert_eq!(dup.outcome, Some(Outcome::Replayed));
+    assert_eq!(dup.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
 /// Transactional claims waiting for a connection are this process's overload, not a
 /// running duplicate: a new key that cannot get its turn in time is told 503, not the
 /// 409 "in progress" of a key nobody has used.
