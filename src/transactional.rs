@@ -56,7 +56,7 @@
 use std::{ops::Deref, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use deadpool_postgres::{Client, ClientWrapper};
+use deadpool_postgres::ClientWrapper;
 use http::{Request, Response, request::Parts};
 use http_body::Body;
 use tokio::sync::{Mutex, OwnedMutexGuard};
@@ -74,7 +74,7 @@ use crate::{
     },
     shutdown::InFlight,
     store::{
-        Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, connection_lost,
+        Checkout, Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, connection_lost,
         in_an_aborted_transaction, statement_cancelled,
     },
 };
@@ -91,40 +91,14 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// and its connection closed as soon as the client is dropped.
 #[derive(Clone)]
 pub struct TransactionHandle {
-    slot: Arc<Mutex<Option<OpenTx>>>,
-}
-
-/// A pooled connection inside a transaction. Dropped without being ended, it closes
-/// the connection (the server rolls back) instead of returning it to the pool open.
-pub(crate) struct OpenTx(Option<Client>);
-
-impl Drop for OpenTx {
-    fn drop(&mut self) {
-        if let Some(conn) = self.0.take() {
-            drop(deadpool_postgres::Object::take(conn));
-        }
-    }
-}
-
-impl OpenTx {
-    fn conn(&self) -> &Client {
-        match &self.0 {
-            Some(conn) => conn,
-            None => unreachable!("the connection leaves an OpenTx only when it is consumed"),
-        }
-    }
-
-    /// The transaction ended: the connection goes back to the pool.
-    fn ended(mut self) {
-        drop(self.0.take());
-    }
+    slot: Arc<Mutex<Option<Checkout>>>,
 }
 
 /// The transaction's connection, locked for one handler at a time; derefs to the pooled
 /// client (`prepare_cached`, `execute`, `query`, …). Do not run `COMMIT` or `ROLLBACK`
 /// on it: the layer ends the transaction.
 pub struct TransactionClient {
-    guard: OwnedMutexGuard<Option<OpenTx>>,
+    guard: OwnedMutexGuard<Option<Checkout>>,
 }
 
 /// [`TransactionHandle::client`] after the transaction ended.
@@ -141,7 +115,7 @@ impl std::error::Error for TransactionClosed {}
 
 impl TransactionHandle {
     /// A handle over an open transaction, and the slot to take it back from.
-    pub(crate) fn holding(conn: OpenTx) -> (Self, Arc<Mutex<Option<OpenTx>>>) {
+    pub(crate) fn holding(conn: Checkout) -> (Self, Arc<Mutex<Option<Checkout>>>) {
         let slot = Arc::new(Mutex::new(Some(conn)));
         (Self { slot: slot.clone() }, slot)
     }
@@ -151,7 +125,10 @@ impl TransactionHandle {
     /// as soon as the work lets go of its [`TransactionClient`], even if it keeps a
     /// clone of the handle: a handle kept beyond the request must not hold its row
     /// lock, and so its key, for as long as the handle lives.
-    pub(crate) async fn take(slot: &Arc<Mutex<Option<OpenTx>>>, bound: Duration) -> Option<OpenTx> {
+    pub(crate) async fn take(
+        slot: &Arc<Mutex<Option<Checkout>>>,
+        bound: Duration,
+    ) -> Option<Checkout> {
         match tokio::time::timeout(bound, slot.lock()).await {
             Ok(mut slot) => slot.take(),
             Err(_) => {
@@ -182,7 +159,7 @@ impl Deref for TransactionClient {
 
     fn deref(&self) -> &ClientWrapper {
         match self.guard.as_ref() {
-            Some(tx) => tx.conn(),
+            Some(tx) => tx,
             // `client()` checked, and the slot only empties under this lock.
             None => unreachable!("TransactionClient over an ended transaction"),
         }
@@ -247,10 +224,10 @@ mod extract {
 #[cfg(feature = "axum")]
 pub use extract::MissingTransaction;
 
-pub(crate) async fn rollback(tx: OpenTx) {
-    match tx.conn().batch_execute("ROLLBACK").await {
-        Ok(()) => tx.ended(),
-        // Dropping the OpenTx closes the connection, which rolls back.
+pub(crate) async fn rollback(tx: Checkout) {
+    match tx.batch_execute("ROLLBACK").await {
+        Ok(()) => tx.done(),
+        // Dropping the Checkout closes the connection, which rolls back.
         Err(e) => tracing::warn!(error = %e, "rollback failed; closing the connection"),
     }
 }
@@ -269,7 +246,7 @@ fn not_committed<B>(detail: &str) -> Response<ResponseBody<B>> {
 /// The result of opening a transaction and claiming the key in it.
 pub(crate) enum Opened {
     /// The claim row is ours, uncommitted, in this transaction.
-    Acquired(OpenTx, Lease),
+    Acquired(Checkout, Lease),
     /// Completed or running under another request (the transaction is rolled back).
     Found(Claim),
     /// The first request held its row past the lock timeout (or the key kept changing
@@ -301,7 +278,7 @@ pub(crate) async fn open(
         return Opened::Unavailable;
     };
     let conn = match tokio::time::timeout(store_timeout, store.client()).await {
-        Ok(Ok(conn)) => OpenTx(Some(conn)),
+        Ok(Ok(conn)) => conn,
         Ok(Err(e)) => {
             tracing::error!(error = %e, "no connection for the transaction; nothing was run");
             return Opened::Unavailable;
@@ -313,7 +290,7 @@ pub(crate) async fn open(
     };
     let begin = begin("", claim_wait);
     let claimed = tokio::time::timeout(store_timeout + claim_wait, async {
-        let client = conn.conn();
+        let client = &*conn;
         let failed = |e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e);
         // Where transactions default to repeatable read or serializable, a duplicate
         // that waited on the first request's row fails so once that row commits: it
@@ -343,7 +320,7 @@ pub(crate) async fn open(
             // long a duplicate may wait for the key.
             let reset = tokio::time::timeout(
                 store_timeout,
-                conn.conn().batch_execute(&set_lock_timeout(lock_timeout)),
+                conn.batch_execute(&set_lock_timeout(lock_timeout)),
             )
             .await;
             match reset {
@@ -425,13 +402,13 @@ async fn resolve(
     store_timeout: Duration,
 ) -> Option<bool> {
     tokio::time::timeout(store_timeout + lock_timeout, async {
-        let conn = OpenTx(Some(store.client().await.ok()?));
+        let conn = store.client().await.ok()?;
         // Read committed whatever the database's default: the read must see what
         // committed while the insert waited.
         let begin = begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout);
-        conn.conn().batch_execute(&begin).await.ok()?;
+        conn.batch_execute(&begin).await.ok()?;
         let committed = store
-            .committed_on(conn.conn(), lease, &request.fingerprint, sent)
+            .committed_on(&conn, lease, &request.fingerprint, sent)
             .await;
         rollback(conn).await;
         committed.ok()
@@ -446,14 +423,14 @@ async fn resolve(
 /// it committed ([`resolve`]).
 pub(crate) async fn commit(
     store: &PostgresStore,
-    conn: OpenTx,
+    conn: Checkout,
     lease: &Lease,
     request: &ClaimRequest<'_>,
     stored: &StoredResponse,
     lock_timeout: Duration,
     store_timeout: Duration,
 ) -> Committed {
-    let client = conn.conn();
+    let client = &*conn;
     // Prepared first, so that its Execute is on the wire before the COMMIT.
     if let Err(e) = store.prepare_completion(client).await {
         if in_an_aborted_transaction(&e) {
@@ -469,12 +446,12 @@ pub(crate) async fn commit(
     );
     match (completed, committed) {
         (Ok(true), Ok(())) => {
-            conn.ended();
+            conn.done();
             Committed::Yes
         }
         // The COMMIT of an aborted transaction rolls it back, and succeeds at that.
         (Err(e), Ok(())) if in_an_aborted_transaction(&e) => {
-            conn.ended();
+            conn.done();
             Committed::Aborted
         }
         // No answer from the server to the COMMIT (the connection failed, or the server

@@ -14,7 +14,7 @@ use common::{
 use tokio::io::AsyncWriteExt;
 use tower_idempotency::{
     Fingerprint, IdempotencyLayer, Outcome, Scope,
-    store::{Claim, ClaimRequest, Store},
+    store::{Claim, ClaimRequest, PostgresStore, Store, pool_for_url},
 };
 
 /// The state of `key` in the test's table: (state, token).
@@ -249,6 +249,44 @@ async fn a_silently_dropped_shared_claim_connection_is_replaced() {
     // It was dealt to a new shared connection, not sent to the pool because the
     // stuck claims kept the slot looking full.
     assert_eq!(store.metrics().shared_claims, 10);
+}
+
+/// Pooled connections dropped without a word (forgotten overnight by a NAT) are not
+/// handed out again and again: a statement given up on closes its connection, and a
+/// claim given up on is waited for one lease at most. New connections then serve,
+/// instead of every request answering 503 until TCP gives up, many minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn silently_dropped_pooled_connections_are_replaced() {
+    let schema = TestSchema::new();
+    schema.store().await;
+    let proxy = PgProxy::start().await;
+    let store = PostgresStore::new(pool_for_url(&proxy.url(), 2).unwrap())
+        .with_schema_name(&schema.name)
+        .unwrap();
+    // Both of the pool's connections open, idle, then dead.
+    let (a, b) = tokio::join!(store.pool().get(), store.pool().get());
+    drop((a.unwrap(), b.unwrap()));
+    assert_eq!(store.pool().status().size, 2);
+    proxy.blackhole();
+
+    let layer = IdempotencyLayer::new(store.clone())
+        .store_timeout(Duration::from_millis(300))
+        .lease_duration(Duration::from_secs(1));
+    let (router, counter) = app(layer);
+    let mut answers = Vec::new();
+    for i in 0..60 {
+        let key = format!("k{i}");
+        let reply = send(&router, post(&key, "{}")).await;
+        answers.push(reply.status.as_u16());
+        if reply.status == 201 {
+            assert_eq!(counter.runs_of(&key), 1);
+            break;
+        }
+        assert_eq!(reply.status, 503);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(answers.last(), Some(&201), "{answers:?}");
+    assert_eq!(answers[0], 503, "the first request met a dead connection");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -44,11 +44,12 @@ mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
-#[cfg(feature = "postgres")]
 pub(crate) use postgres::{
-    again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction, statement_cancelled,
+    Checkout, again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+    statement_cancelled,
 };
+#[cfg(feature = "postgres")]
+pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -80,6 +81,7 @@ pub(crate) async fn claim_within(
         })),
         store: store.clone(),
         in_flight: Some(in_flight),
+        lease: request.lease,
     };
     let running = claim.claim.as_mut().expect("the claim was just set");
     let claimed = tokio::time::timeout(timeout, running).await?;
@@ -89,11 +91,14 @@ pub(crate) async fn claim_within(
 
 /// A claim that may still be on its way to the store; if it is dropped unfinished, the
 /// rest of it runs in a task that releases the key if the claim lands, counted in flight
-/// meanwhile, so that a drain waits for that release.
+/// meanwhile, so that a drain waits for that release. The task waits for the claim's
+/// answer at most one lease: past it, a claim that landed frees its key by itself,
+/// and a claim still unanswered is dropped, which closes a connection that may be dead.
 struct Unfinished {
     claim: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
     store: Arc<dyn Store>,
     in_flight: Option<crate::shutdown::InFlight>,
+    lease: Duration,
 }
 
 impl Drop for Unfinished {
@@ -109,14 +114,21 @@ impl Drop for Unfinished {
         };
         let store = self.store.clone();
         let in_flight = self.in_flight.take();
+        let bound = self.lease;
         let finish = async move {
             let _in_flight = in_flight;
-            if let Ok(Claim::Acquired(lease)) = claim.await {
-                tracing::warn!(
-                    token = lease.token,
-                    "a claim given up on landed late; releasing it"
-                );
-                let _ = store.release(&lease).await;
+            match tokio::time::timeout(bound, claim).await {
+                Ok(Ok(Claim::Acquired(lease))) => {
+                    tracing::warn!(
+                        token = lease.token,
+                        "a claim given up on landed late; releasing it"
+                    );
+                    let _ = store.release(&lease).await;
+                }
+                Ok(_) => {}
+                Err(_) => tracing::warn!(
+                    "a claim given up on went unanswered for a lease; dropped it (if it landed, its key frees as its lease lapses)"
+                ),
             }
         };
         runtime.spawn(finish.in_current_span());

@@ -57,6 +57,40 @@ async fn pooled(pool: &Pool) -> Result<Client, StoreError> {
     }
 }
 
+/// A pooled connection that goes back to the pool only once its work is done
+/// ([`done`](Self::done)). Dropped before that, it is closed instead: its caller gave
+/// up in the middle of a statement (a timeout, a client gone), and a connection whose
+/// answer never came may be dead without a word, its next user waiting behind that
+/// answer for as long as TCP takes to give up; or a transaction was left open on it,
+/// which closing rolls back.
+pub(crate) struct Checkout(Option<Client>);
+
+impl Checkout {
+    /// The work is done: the connection goes back to the pool.
+    pub(crate) fn done(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl std::ops::Deref for Checkout {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        match &self.0 {
+            Some(conn) => conn,
+            None => unreachable!("the connection leaves a Checkout only when it is done"),
+        }
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(deadpool_postgres::Object::take(conn));
+        }
+    }
+}
+
 /// How many times a claim is re-read when the row changes under it.
 const CLAIM_ATTEMPTS: usize = 16;
 
@@ -701,7 +735,10 @@ impl PostgresStore {
         let params: [&(dyn ToSql + Sync); 1] = [&batch];
         // Under repeatable read or serializable, locking a row changed since the
         // statement's snapshot (a takeover of an expired key) fails: look again.
-        again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.purge, &params)).await
+        let purged =
+            again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.purge, &params)).await;
+        client.done();
+        purged
     }
 
     /// A permit to hold a connection for a transactional claim (see `tx_claims`).
@@ -717,8 +754,8 @@ impl PostgresStore {
     /// gets one of `POOL_WAIT`, as the pools of `pool_for_url` have: a claim whose caller
     /// gave up on it is finished in a task of its own, and under overload such tasks
     /// would otherwise queue for a connection without end, ahead of new requests.
-    pub(crate) async fn client(&self) -> Result<Client, StoreError> {
-        pooled(&self.pool).await
+    pub(crate) async fn client(&self) -> Result<Checkout, StoreError> {
+        pooled(&self.pool).await.map(|conn| Checkout(Some(conn)))
     }
 
     pub(crate) async fn query_on(
@@ -782,6 +819,7 @@ impl PostgresStore {
         }
         let client = self.client().await?;
         let claimed = again_if_it_lost_a_race(|| self.claim_on(&client, request, token)).await;
+        client.done();
         if let Err(e) = &claimed
             && lost_its_connection(e)
         {
@@ -1054,6 +1092,10 @@ impl PostgresStore {
 }
 
 /// A pool for `url` with bounded waits: 5 s to connect, 5 s to wait for a connection.
+/// Unless the URL sets them otherwise, its connections send TCP keepalives after a
+/// minute of silence (every 10 s, failing after 3 unanswered), so that a NAT or a load
+/// balancer keeps them, or they are found out, and fail when data they sent goes
+/// unacknowledged for 30 s (`tcp_user_timeout`).
 ///
 /// ```
 /// let pool = tower_idempotency::store::pool_for_url("postgres://postgres@127.0.0.1/postgres", 8)?;
@@ -1079,13 +1121,38 @@ pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
         .map_err(|e| ConfigError(format!("cannot build the pool: {e}")))
 }
 
-/// Parses a database URL, with a 5 s connect timeout unless it sets one.
+/// TCP keepalive settings of `parse_url`, and the idle time tokio-postgres defaults to.
+const KEEPALIVES_IDLE: Duration = Duration::from_secs(60);
+const KEEPALIVES_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVES_RETRIES: u32 = 3;
+const DRIVER_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
+/// How long sent data may go unacknowledged before the connection fails.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Parses a database URL. Where the URL does not say otherwise: a 5 s connect timeout;
+/// TCP keepalives after a minute of silence, every 10 s, the connection failing after
+/// 3 unanswered ones (a NAT or a load balancer then keeps idle pooled connections, and
+/// one that forgets them anyway is found out within two minutes, not two hours); and
+/// a `tcp_user_timeout` of 30 s, so that a connection whose statements go
+/// unacknowledged fails then, not after the kernel's retransmissions (about 15 min).
 fn parse_url(url: &str) -> Result<tokio_postgres::Config, ConfigError> {
     let mut config: tokio_postgres::Config = url
         .parse()
         .map_err(|e| ConfigError(format!("invalid database URL: {e}")))?;
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(Duration::from_secs(5));
+    }
+    if config.get_keepalives() && config.get_keepalives_idle() == DRIVER_KEEPALIVES_IDLE {
+        config.keepalives_idle(KEEPALIVES_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVES_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVES_RETRIES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
     Ok(config)
 }
@@ -1109,7 +1176,10 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl)).await
+            let completed =
+                again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl)).await;
+            client.done();
+            completed
         })
     }
 
@@ -1124,9 +1194,11 @@ impl Store for PostgresStore {
                 &self.listener.channel(),
                 &id,
             ];
-            again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params))
-                .await
-                .map(|rows| rows.len() == 1)
+            let released =
+                again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params))
+                    .await;
+            client.done();
+            released.map(|rows| rows.len() == 1)
         })
     }
 
@@ -1143,9 +1215,11 @@ impl Store for PostgresStore {
                 &lease.token,
                 &ms(duration),
             ];
-            again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params))
-                .await
-                .map(|n| n == 1)
+            let renewed =
+                again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params))
+                    .await;
+            client.done();
+            renewed.map(|n| n == 1)
         })
     }
 
@@ -1161,9 +1235,10 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
-            again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.wait, &params))
-                .await
-                .map(|n| n == 1)
+            let registered =
+                again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.wait, &params)).await;
+            client.done();
+            registered.map(|n| n == 1)
         })
     }
 
@@ -1175,6 +1250,33 @@ impl Store for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parsed_urls_notice_dead_connections_unless_they_say_otherwise() {
+        let config = parse_url("postgres://u@h/db").expect("a URL");
+        assert!(config.get_keepalives());
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(
+            config.get_keepalives_interval(),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(config.get_keepalives_retries(), Some(3));
+        assert_eq!(
+            config.get_tcp_user_timeout(),
+            Some(&Duration::from_secs(30))
+        );
+        assert_eq!(config.get_connect_timeout(), Some(&Duration::from_secs(5)));
+
+        let own = parse_url(
+            "postgres://u@h/db?keepalives_idle=300&keepalives_interval=5&keepalives_retries=9&tcp_user_timeout=7&connect_timeout=2",
+        )
+        .expect("a URL");
+        assert_eq!(own.get_keepalives_idle(), Duration::from_secs(300));
+        assert_eq!(own.get_keepalives_interval(), Some(Duration::from_secs(5)));
+        assert_eq!(own.get_keepalives_retries(), Some(9));
+        assert_eq!(own.get_tcp_user_timeout(), Some(&Duration::from_secs(7)));
+        assert_eq!(own.get_connect_timeout(), Some(&Duration::from_secs(2)));
+    }
 
     #[test]
     fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
