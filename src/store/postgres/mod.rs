@@ -573,7 +573,8 @@ impl PostgresStore {
     ///
     /// The connections are taken from the pool when first needed and kept (the pool
     /// may open others in their place, and does not see or close these); one that
-    /// loses its connection is replaced when next used. A claim that would wait there
+    /// loses its connection, or stops answering for a second, is replaced when next
+    /// used, with at most `2n` shared connections open at once. A claim that would wait there
     /// on a row lock gives up after 50 ms (`lock_timeout`), having changed nothing, and
     /// runs again on a pooled connection of its own, so that it does not hold up the
     /// claims queued behind it. Completions, releases, renewals, purges, migrations and

@@ -50,6 +50,11 @@ const MAX_QUEUED: usize = 8;
 /// concurrent claims need them.
 pub(super) struct Shared {
     slots: Box<[Slot]>,
+    /// Shared connections open, in use or forgotten and still closing: at most two per
+    /// slot, so that a database slow to answer (a synchronous standby gone, a disk
+    /// stalled), whose connections are forgotten one after the other, is not flooded
+    /// with new ones.
+    open: Arc<AtomicUsize>,
     /// Claims dealt to a shared connection, and those of them moved off it.
     claims: AtomicU64,
     moved: AtomicU64,
@@ -57,7 +62,7 @@ pub(super) struct Shared {
 
 #[derive(Default)]
 struct Slot {
-    current: Mutex<Option<Arc<ClientWrapper>>>,
+    current: Mutex<Option<Arc<Connection>>>,
     /// Claims dealt to this slot and not yet answered.
     in_flight: AtomicUsize,
     /// Held while the slot connects, so that a burst of statements opens one connection.
@@ -69,10 +74,10 @@ struct Slot {
 
 impl Slot {
     /// The slot's connection, unless it has closed (then the slot is emptied).
-    fn open(&self) -> Option<Arc<ClientWrapper>> {
+    fn open(&self) -> Option<Arc<Connection>> {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         match &*current {
-            Some(client) if !client.is_closed() => Some(client.clone()),
+            Some(client) if !client.client.is_closed() => Some(client.clone()),
             Some(_) => {
                 *current = None;
                 None
@@ -119,12 +124,12 @@ impl Drop for Queued<'_> {
 /// be answered; the claims already sent on it keep it until they end.
 pub(super) struct SharedClient<'a> {
     queued: Queued<'a>,
-    client: Arc<ClientWrapper>,
+    client: Arc<Connection>,
     answered: bool,
 }
 
 impl<'a> SharedClient<'a> {
-    fn dealt(queued: Queued<'a>, client: Arc<ClientWrapper>) -> Self {
+    fn dealt(queued: Queued<'a>, client: Arc<Connection>) -> Self {
         Self {
             queued,
             client,
@@ -167,24 +172,64 @@ impl std::ops::Deref for SharedClient<'_> {
     type Target = ClientWrapper;
 
     fn deref(&self) -> &ClientWrapper {
-        &self.client
+        &self.client.client
+    }
+}
+
+/// A shared connection, counted open (`Shared::open`) until it closes, when the last
+/// claim on it lets it go.
+struct Connection {
+    client: ClientWrapper,
+    open: Arc<AtomicUsize>,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 /// A connection for a slot, taken out of the pool for good: the pool may open another
 /// in its place, and this one, with its own `lock_timeout`, never goes back to serve a
-/// transaction.
-async fn connect(pool: &Pool) -> Result<ClientWrapper, StoreError> {
-    let client = Object::take(super::pooled(pool).await?);
+/// transaction. `None` when as many shared connections as allowed are open.
+async fn connect(
+    pool: &Pool,
+    open: &Arc<AtomicUsize>,
+    limit: usize,
+) -> Result<Option<Connection>, StoreError> {
+    let room = |n: usize| (n < limit).then_some(n + 1);
+    if open
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, room)
+        .is_err()
+    {
+        return Ok(None);
+    }
+    // Counted from here: dropped on any failure, the connection uncounts itself.
+    let client = match super::pooled(pool).await {
+        Ok(conn) => Object::take(conn),
+        Err(e) => {
+            open.fetch_sub(1, Ordering::Relaxed);
+            return Err(e);
+        }
+    };
+    let connection = Connection {
+        client,
+        open: open.clone(),
+    };
     let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
-    client.batch_execute(&set).await.map_err(classify)?;
-    Ok(client)
+    connection
+        .client
+        .batch_execute(&set)
+        .await
+        .map_err(classify)?;
+    Ok(Some(connection))
 }
 
 impl Shared {
     pub(super) fn new(n: usize) -> Self {
         Self {
             slots: (0..n).map(|_| Slot::default()).collect(),
+            open: Arc::default(),
             claims: AtomicU64::new(0),
             moved: AtomicU64::new(0),
         }
@@ -192,8 +237,9 @@ impl Shared {
 
     /// The connection with the fewest claims in flight (the first of them on a tie),
     /// opened (or reopened) from `pool` if need be. `None`, for a pooled connection
-    /// instead: every shared one has `MAX_QUEUED`, or an attempt to open this one failed
-    /// while the claim waited for it.
+    /// instead: every shared one has `MAX_QUEUED`, an attempt to open this one failed
+    /// while the claim waited for it, or it would be one connection too many (two per
+    /// slot, counting forgotten ones still open).
     pub(super) async fn get(&self, pool: &Pool) -> Result<Option<SharedClient<'_>>, StoreError> {
         let room = |queued: usize| (queued < MAX_QUEUED).then_some(queued + 1);
         let take = |slot: &Slot| {
@@ -229,10 +275,13 @@ impl Shared {
         if slot.failures.load(Ordering::Relaxed) != failures {
             return Ok(None);
         }
-        let client = connect(pool).await.inspect_err(|_| {
+        let connected = connect(pool, &self.open, 2 * self.slots.len()).await;
+        let client = match connected.inspect_err(|_| {
             slot.failures.fetch_add(1, Ordering::Relaxed);
-        })?;
-        let client = Arc::new(client);
+        })? {
+            Some(client) => Arc::new(client),
+            None => return Ok(None),
+        };
         *slot.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(client.clone());
         Ok(Some(SharedClient::dealt(queued, client)))
     }
@@ -316,6 +365,25 @@ mod tests {
         let next = shared.get(&pool).await.expect("connects").expect("room");
         assert!(Arc::ptr_eq(&next.client, &connection));
         assert_eq!(shared.claims(), 2 * MAX_QUEUED as u64 + 1);
+    }
+
+    #[tokio::test]
+    async fn forgotten_connections_still_open_count_against_the_limit() {
+        let (pool, shared) = (pool(), Shared::new(1));
+        let first = shared.get(&pool).await.expect("connects").expect("room");
+        // Forgotten (it stopped answering), and still open for the claim on it.
+        shared.evict(&first);
+        let second = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(!Arc::ptr_eq(&first.client, &second.client), "a new one");
+        shared.evict(&second);
+        // Two open for one slot: the next claim takes a pooled connection instead.
+        assert!(shared.get(&pool).await.expect("no connection").is_none());
+        assert_eq!(shared.open.load(Ordering::Relaxed), 2);
+        // The first closes with its last claim: one may open in its place.
+        drop(first);
+        assert_eq!(shared.open.load(Ordering::Relaxed), 1);
+        let third = shared.get(&pool).await.expect("connects").expect("room");
+        assert!(!Arc::ptr_eq(&third.client, &second.client), "a new one");
     }
 
     #[tokio::test]
