@@ -84,6 +84,7 @@ pub(crate) struct Config {
     pub(crate) shutdown: ShutdownHandle,
     pub(crate) wait: Duration,
     pub(crate) request_body_timeout: Duration,
+    pub(crate) response_body_timeout: Duration,
     pub(crate) hash_keys_in_traces: bool,
     #[cfg(feature = "postgres")]
     pub(crate) transactional: Option<crate::store::PostgresStore>,
@@ -115,6 +116,7 @@ impl IdempotencyLayer {
                 shutdown: ShutdownHandle::default(),
                 wait: Duration::ZERO,
                 request_body_timeout: Duration::from_secs(30),
+                response_body_timeout: Duration::from_secs(30),
                 hash_keys_in_traces: false,
                 #[cfg(feature = "postgres")]
                 transactional: None,
@@ -245,6 +247,20 @@ impl IdempotencyLayer {
         self
     }
 
+    /// How long the handler's response body may take to end once its head is ready
+    /// (default 30 s; from 1 ms to 10 years). A guarded response is read whole before it
+    /// is sent, so that it can be stored: a body that streams without end (server-sent
+    /// events, say) or stalls would hold its key, and renew its lease, for as long as it
+    /// lasts, even with its client gone. Past the bound it is treated as a response
+    /// over [`response_body_limit`](Self::response_body_limit): what was read and the
+    /// rest go to the client, and, if the storage policy would have stored it, the key
+    /// is completed with a `response-not-stored` problem. Guard no streaming route.
+    #[must_use]
+    pub fn response_body_timeout(mut self, timeout: Duration) -> Self {
+        self.config().response_body_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
+        self
+    }
+
     /// The largest response body stored (default 1 MiB; at most 512 MiB, as PostgreSQL
     /// stores no value over 1 GB). A larger response still goes in full to its client;
     /// if the storage policy would have stored it, the key is completed with a
@@ -352,6 +368,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("ttl", &c.ttl)
             .field("request_body_limit", &c.request_body_limit)
             .field("response_body_limit", &c.response_body_limit)
+            .field("response_body_timeout", &c.response_body_timeout)
             .finish_non_exhaustive()
     }
 }

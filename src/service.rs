@@ -432,10 +432,33 @@ pub(crate) fn to_store(
 }
 
 /// What retries of a request whose response was over the storage limit get.
-pub(crate) fn not_stored_problem(limit: usize) -> Response<Bytes> {
-    Problem::ResponseNotStored.response(&format!(
-        "the request was processed once, but its response was over the {limit}-byte storage limit and cannot be replayed"
-    ))
+/// Why a response could not be read whole, to be stored.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Unbuffered {
+    /// Over `response_body_limit`.
+    TooLarge,
+    /// Its body did not end within `response_body_timeout`.
+    TooSlow,
+}
+
+/// The problem a response that could not be stored is replayed as.
+pub(crate) fn not_stored_problem(config: &Config, why: Unbuffered) -> StoredResponse {
+    let detail = match why {
+        Unbuffered::TooLarge => format!(
+            "the request was processed once, but its response was over the {}-byte storage limit and cannot be replayed",
+            config.response_body_limit
+        ),
+        Unbuffered::TooSlow => format!(
+            "the request was processed once, but its response body did not end within {} ms and cannot be replayed",
+            config.response_body_timeout.as_millis()
+        ),
+    };
+    let (p, body) = Problem::ResponseNotStored.response(&detail).into_parts();
+    StoredResponse {
+        status: p.status,
+        headers: p.headers,
+        body,
+    }
 }
 
 /// How long past a running key's lease a waiting duplicate looks again, so that it does
@@ -610,7 +633,8 @@ pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
 /// What the inner service produced, read up to the storage limit.
 pub(crate) enum Produced<B, E> {
     Buffered(http::response::Parts, Bytes),
-    TooLarge(http::response::Parts, Bytes, Pin<Box<B>>),
+    /// The head, the body read so far, and the rest of it.
+    Unbuffered(http::response::Parts, Bytes, Pin<Box<B>>, Unbuffered),
     BodyFailed(BoxError),
     ServiceFailed(E),
 }
@@ -618,7 +642,7 @@ pub(crate) enum Produced<B, E> {
 pub(crate) async fn run_inner<S, ReqBody, ResBody>(
     mut inner: S,
     req: Request<ReqBody>,
-    limit: usize,
+    config: &Config,
 ) -> Produced<ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -638,10 +662,19 @@ where
     let mut body = Box::pin(body);
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut len = 0;
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(e) => return Produced::BodyFailed(e.into()),
+    let (limit, ends_by) = (
+        config.response_body_limit,
+        tokio::time::Instant::now() + config.response_body_timeout,
+    );
+    loop {
+        let frame = match tokio::time::timeout_at(ends_by, body.frame()).await {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e))) => return Produced::BodyFailed(e.into()),
+            Ok(None) => break,
+            Err(_) => {
+                let read = concat(chunks, len);
+                return Produced::Unbuffered(parts, read, body, Unbuffered::TooSlow);
+            }
         };
         // Trailers are not stored.
         let Ok(data) = frame.into_data() else {
@@ -650,7 +683,7 @@ where
         len += data.len();
         chunks.push(data);
         if len > limit {
-            return Produced::TooLarge(parts, concat(chunks, len), body);
+            return Produced::Unbuffered(parts, concat(chunks, len), body, Unbuffered::TooLarge);
         }
     }
     // Trailers are not passed on with a buffered response either: it must not announce
@@ -687,9 +720,8 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let limit = config.response_body_limit;
     // Polled inline, not spawned: no second task to hand the result over.
-    let handler = run_inner(inner, req, limit);
+    let handler = run_inner(inner, req, &config);
     let produced = renew_while(
         &*config.store,
         &lease,
@@ -719,18 +751,13 @@ where
             res.headers_mut().remove(header::CONTENT_LENGTH);
             Ok(with_outcome(res, Outcome::Executed))
         }
-        Produced::TooLarge(parts, prefix, rest) => {
+        Produced::Unbuffered(parts, prefix, rest, why) => {
             if (config.policy)(parts.status, &parts.headers) {
                 tracing::warn!(
-                    limit,
-                    "the response is over the storage limit; retries will get response-not-stored"
+                    ?why,
+                    "the response could not be read whole; retries will get response-not-stored"
                 );
-                let (p, b) = not_stored_problem(limit).into_parts();
-                let stored = StoredResponse {
-                    status: p.status,
-                    headers: p.headers,
-                    body: b,
-                };
+                let stored = not_stored_problem(&config, why);
                 store_result(&config, &lease, stored, in_flight).await;
             } else {
                 // Not to be stored in any size: the key is free for a retry.

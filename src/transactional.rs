@@ -552,8 +552,7 @@ where
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
     let _in_flight = in_flight;
-    let limit = config.response_body_limit;
-    let produced = CatchPanic::new(run_inner(inner, req, limit)).await;
+    let produced = CatchPanic::new(run_inner(inner, req, &config)).await;
     let Some(conn) = TransactionHandle::take(&slot, config.store_timeout).await else {
         return Ok(handler_failed());
     };
@@ -590,18 +589,13 @@ where
             res.headers_mut().remove(http::header::CONTENT_LENGTH);
             (stored, res)
         }
-        Produced::TooLarge(parts, prefix, rest) => {
+        Produced::Unbuffered(parts, prefix, rest, why) => {
             if !(config.policy)(parts.status, &parts.headers) {
                 rollback(conn).await;
                 let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
                 return Ok(with_outcome(res, Outcome::Executed));
             }
-            let (p, b) = crate::service::not_stored_problem(limit).into_parts();
-            let stored = StoredResponse {
-                status: p.status,
-                headers: p.headers,
-                body: b,
-            };
+            let stored = crate::service::not_stored_problem(&config, why);
             (
                 stored,
                 Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)),

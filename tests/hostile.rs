@@ -4,51 +4,12 @@
 
 mod common;
 
-use std::{
-    pin::Pin,
-    task::{Context, Poll},
-    time::Duration,
-};
+use std::time::Duration;
 
-use axum::body::{Body, Bytes};
-use common::{TestSchema, app, post, post_with_headers, req, send};
-use http_body::Frame;
+use axum::body::Body;
+use common::{TestSchema, Trickle, app, post, post_with_headers, req, send};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower_idempotency::{IdempotencyLayer, Outcome};
-
-/// A body that sends `chunks` chunks, one every `every`, and never ends if `chunks` is
-/// `None`.
-struct Trickle {
-    left: Option<usize>,
-    every: Duration,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl http_body::Body for Trickle {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if self.left == Some(0) {
-            return Poll::Ready(None);
-        }
-        let every = self.every;
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
-        if sleep.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
-        }
-        self.sleep = None;
-        if let Some(left) = &mut self.left {
-            *left -= 1;
-        }
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"x")))))
-    }
-}
 
 async fn rows(schema: &TestSchema) -> i64 {
     schema

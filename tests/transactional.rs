@@ -640,6 +640,59 @@ async fn a_duplicate_waits_for_running_past_the_lock_timeout_and_replays() {
     assert_eq!(counter.runs(), 1);
 }
 
+/// A response body that never ends does not hold the transaction open without end: at
+/// `response_body_timeout` the key commits as `response-not-stored`, with the handler's
+/// writes, and the body goes on to its client.
+#[tokio::test]
+async fn a_response_body_that_never_ends_commits_as_not_stored() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer =
+        IdempotencyLayer::transactional(store).response_body_timeout(Duration::from_millis(300));
+    let handler = |State(app): State<App>, key: IdempotencyKey, tx: TransactionHandle| async move {
+        let run = app.counter.count_run();
+        let client = tx.client().await.expect("transaction");
+        let insert = format!(
+            "INSERT INTO {} (key, run, body) VALUES ($1, $2, '')",
+            app.table
+        );
+        client
+            .execute(&insert, &[&key.as_str(), &(run as i32)])
+            .await
+            .unwrap();
+        Response::new(Body::new(common::Trickle {
+            left: None,
+            every: Duration::from_millis(20),
+            sleep: None,
+        }))
+    };
+    let (router, counter) = app_on(post(handler), layer, &table);
+    let res = tokio::time::timeout(
+        Duration::from_secs(10),
+        router.clone().oneshot(post_with("k", &[])),
+    )
+    .await
+    .expect("the head arrives")
+    .unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    assert!(body.frame().await.expect("more").unwrap().is_data());
+    drop(body);
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 500);
+    assert_eq!(retry.problem(), "response-not-stored");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
+
 /// Transactional claims waiting for a connection are this process's overload, not a
 /// running duplicate: a new key that cannot get its turn in time is told 503, not the
 /// 409 "in progress" of a key nobody has used.

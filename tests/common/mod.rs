@@ -410,3 +410,37 @@ impl http_body::Body for Chunked {
         std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
     }
 }
+
+/// A body that sends `chunks` chunks, one every `every`, and never ends if `chunks` is
+/// `None`.
+pub struct Trickle {
+    pub left: Option<usize>,
+    pub every: Duration,
+    pub sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl http_body::Body for Trickle {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.left == Some(0) {
+            return std::task::Poll::Ready(None);
+        }
+        let every = self.every;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
+        if sleep.as_mut().poll(cx).is_pending() {
+            return std::task::Poll::Pending;
+        }
+        self.sleep = None;
+        if let Some(left) = &mut self.left {
+            *left -= 1;
+        }
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"x")))))
+    }
+}

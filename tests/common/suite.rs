@@ -152,6 +152,69 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            /// `POST /payments` whose response streams without end, behind `layer`.
+            fn endless(layer: IdempotencyLayer) -> (axum::Router, $crate::common::Counter) {
+                let counter = $crate::common::Counter::default();
+                let runs = counter.clone();
+                let handler = move || {
+                    let runs = runs.clone();
+                    async move {
+                        runs.count_run();
+                        axum::response::Response::new(Body::new($crate::common::Trickle {
+                            left: None,
+                            every: Duration::from_millis(20),
+                            sleep: None,
+                        }))
+                    }
+                };
+                let router = axum::Router::new()
+                    .route("/payments", axum::routing::post(handler))
+                    .layer(layer);
+                (router, counter)
+            }
+
+            #[tokio::test]
+            async fn a_response_body_that_never_ends_is_sent_on_and_replayed_as_not_stored() {
+                use http_body_util::BodyExt;
+                use tower::ServiceExt;
+
+                let (layer, _store, _g) = layer().await;
+                let layer = layer.response_body_timeout(Duration::from_millis(300));
+                let shutdown = layer.shutdown_handle();
+                let (router, counter) = endless(layer);
+                // The client gets the head at the bound, then the body as it streams.
+                let res = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    router.clone().oneshot(post("k", "{}")),
+                )
+                .await
+                .expect("the head arrives")
+                .unwrap();
+                assert_eq!(res.status(), 200);
+                assert_eq!(res.extensions().get::<Outcome>(), Some(&Outcome::Executed));
+                let mut body = res.into_body();
+                for _ in 0..3 {
+                    let frame = body.frame().await.expect("more").unwrap();
+                    assert!(frame.into_data().is_ok_and(|d| !d.is_empty()));
+                }
+                drop(body);
+                let retry = send(&router, post("k", "{}")).await;
+                assert_eq!(retry.status, 500);
+                assert_eq!(retry.problem(), "response-not-stored");
+                assert_eq!(retry.outcome, Some(Outcome::Replayed));
+                assert_eq!(counter.runs(), 1);
+
+                // A client gone before the head: the request still ends, and its key
+                // is completed rather than held and renewed without end.
+                let gone = in_flight(&router, post("k2", "{}"), &counter).await;
+                gone.abort();
+                eventually(|| shutdown.in_flight() == 0).await;
+                let retry = send(&router, post("k2", "{}")).await;
+                assert_eq!(retry.status, 500);
+                assert_eq!(retry.problem(), "response-not-stored");
+                assert_eq!(counter.runs(), 2);
+            }
+
             #[tokio::test]
             async fn malformed_keys_are_400_and_claim_nothing() {
                 let (layer, _store, _g) = layer().await;
