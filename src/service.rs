@@ -334,6 +334,13 @@ where
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
             return Ok(too_large(limit));
         }
+        // A limit set in front of the layer (a `Limited` body, wrapped on its way).
+        Ok(Err(e)) if over_a_limit(&*e) => {
+            return Ok(reject(
+                Problem::BodyTooLarge,
+                &format!("the request body is over a size limit: {e}"),
+            ));
+        }
         Ok(Err(e)) => {
             return Ok(reject(
                 Problem::BodyUnreadable,
@@ -582,6 +589,18 @@ pub(crate) fn in_progress<B>(retry_after: Duration) -> Response<ResponseBody<B>>
         retry_after,
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Conflict)
+}
+
+/// Whether `e`, or an error it wraps, is a body over a size limit.
+fn over_a_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.is::<LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {

@@ -154,6 +154,29 @@ async fn a_body_over_the_limit_is_413_with_or_without_content_length() {
     assert_eq!(rows(&schema).await, 0);
 }
 
+/// A size limit set in front of the layer, whose error reaches it wrapped, is a 413 too.
+#[tokio::test]
+async fn a_body_over_a_limit_in_front_of_the_layer_is_413() {
+    let schema = TestSchema::new();
+    let (router, counter) = app(IdempotencyLayer::new(schema.store().await));
+    let limited = http_body_util::Limited::new(
+        common::Chunked::new(&["{\"amount\":".into(), "12345678}".into()]),
+        10,
+    );
+    let r = send(
+        &router,
+        req("POST")
+            .header("idempotency-key", "k")
+            .body(Body::new(limited))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.problem(), "body-too-large");
+    assert_eq!(counter.runs(), 0);
+    assert_eq!(rows(&schema).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_content_length_that_lies_on_the_wire_is_408() {
     let schema = TestSchema::new();
