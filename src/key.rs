@@ -267,16 +267,30 @@ mod extract {
     use super::IdempotencyKey;
     use crate::rejection::Problem;
 
-    /// Rejection of the [`IdempotencyKey`] extractor: the handler is not behind an
-    /// [`IdempotencyLayer`](crate::IdempotencyLayer), or the request had no key.
+    /// Rejection of the [`IdempotencyKey`] extractor: the request had no key (`400
+    /// key-missing`), or it has an `Idempotency-Key` field that no
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer) guarded (`500 handler-failed`: the
+    /// layer is not in front of the route, or does not guard its method; the client is
+    /// not to blame).
     #[derive(Debug, Clone, Copy)]
-    pub struct MissingIdempotencyKey;
+    pub struct MissingIdempotencyKey {
+        unguarded: bool,
+    }
 
     impl IntoResponse for MissingIdempotencyKey {
         fn into_response(self) -> Response {
-            let (parts, body) = Problem::KeyMissing
-                .response("this handler needs an Idempotency-Key, and the request had none")
-                .into_parts();
+            let res = if self.unguarded {
+                tracing::error!(
+                    "a handler that takes an IdempotencyKey got a keyed request no IdempotencyLayer guarded; is the layer in front of the route, for its method?"
+                );
+                Problem::HandlerFailed.response(
+                    "this handler needs its request guarded by the idempotency layer, and none guarded it; nothing was processed",
+                )
+            } else {
+                Problem::KeyMissing
+                    .response("this handler needs an Idempotency-Key, and the request had none")
+            };
+            let (parts, body) = res.into_parts();
             Response::from_parts(parts, axum_core::body::Body::from(body))
         }
     }
@@ -289,7 +303,9 @@ mod extract {
                 .extensions
                 .get::<IdempotencyKey>()
                 .cloned()
-                .ok_or(MissingIdempotencyKey)
+                .ok_or(MissingIdempotencyKey {
+                    unguarded: parts.headers.contains_key(crate::IDEMPOTENCY_KEY),
+                })
         }
     }
 

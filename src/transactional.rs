@@ -183,16 +183,30 @@ mod extract {
     use super::TransactionHandle;
     use crate::rejection::Problem;
 
-    /// Rejection of the [`TransactionHandle`] extractor: the route is not behind a
-    /// transactional [`IdempotencyLayer`](crate::IdempotencyLayer), or the request had no key.
+    /// Rejection of the [`TransactionHandle`] extractor: the request had no key (`400
+    /// key-missing`), or a layer in lease mode guarded it (`500 handler-failed`: the
+    /// route needs [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional),
+    /// and the client is not to blame, nor is the answer stored).
     #[derive(Debug, Clone, Copy)]
-    pub struct MissingTransaction;
+    pub struct MissingTransaction {
+        guarded: bool,
+    }
 
     impl IntoResponse for MissingTransaction {
         fn into_response(self) -> Response {
-            let (parts, body) = Problem::KeyMissing
-                .response("this handler runs in the request's idempotency transaction, and the request had no Idempotency-Key")
-                .into_parts();
+            let res = if self.guarded {
+                tracing::error!(
+                    "a handler that takes a TransactionHandle is behind an IdempotencyLayer in lease mode; use IdempotencyLayer::transactional"
+                );
+                Problem::HandlerFailed.response(
+                    "this handler runs in an idempotency transaction, and the layer in front of it opens none; nothing was processed",
+                )
+            } else {
+                Problem::KeyMissing.response(
+                    "this handler runs in the request's idempotency transaction, and the request had no Idempotency-Key",
+                )
+            };
+            let (parts, body) = res.into_parts();
             Response::from_parts(parts, axum_core::body::Body::from(body))
         }
     }
@@ -205,7 +219,9 @@ mod extract {
                 .extensions
                 .get::<TransactionHandle>()
                 .cloned()
-                .ok_or(MissingTransaction)
+                .ok_or(MissingTransaction {
+                    guarded: parts.extensions.get::<crate::IdempotencyKey>().is_some(),
+                })
         }
     }
 

@@ -658,3 +658,35 @@ mod draining {
         assert_eq!(counter.runs_of("k"), 0);
     }
 }
+
+/// What the extractors answer when the layer did not guard the request: a client
+/// without a key is told so; a keyed request the layer did not guard is the server's
+/// fault (500, released), not a 400 the client is blamed for, stored and replayed.
+mod extractors {
+    use axum::{Router, routing::put};
+    use tower_idempotency::{IdempotencyKey, IdempotencyLayer, store::MemoryStore};
+
+    use crate::common::{req, send};
+
+    #[tokio::test]
+    async fn a_keyed_request_the_layer_did_not_guard_is_500_not_400() {
+        // PUT is not among the guarded methods (POST, PATCH).
+        let router = Router::new()
+            .route(
+                "/payments",
+                put(|key: IdempotencyKey| async move { key.to_string() }),
+            )
+            .layer(IdempotencyLayer::new(MemoryStore::new()));
+        let keyed = req("PUT")
+            .header("idempotency-key", "k")
+            .body(axum::body::Body::from("{}"))
+            .unwrap();
+        let r = send(&router, keyed).await;
+        assert_eq!(r.status, 500);
+        assert_eq!(r.problem(), "handler-failed");
+        let keyless = req("PUT").body(axum::body::Body::from("{}")).unwrap();
+        let r = send(&router, keyless).await;
+        assert_eq!(r.status, 400);
+        assert_eq!(r.problem(), "key-missing");
+    }
+}

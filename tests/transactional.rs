@@ -693,6 +693,26 @@ async fn a_response_body_that_never_ends_commits_as_not_stored() {
     );
 }
 
+/// A handler that takes a `TransactionHandle` behind a layer in lease mode is the
+/// server's mistake: 500, and the key released, not a `400 key-missing` stored and
+/// replayed to a client that sent a key.
+#[tokio::test]
+async fn a_transaction_handler_behind_a_lease_mode_layer_is_500_and_stores_nothing() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let (router, counter) = app(IdempotencyLayer::new(store), &table);
+    for _ in 0..2 {
+        let r = send(&router, post_with("k", &[])).await;
+        assert_eq!(r.status, 500);
+        assert_eq!(r.problem(), "handler-failed");
+        assert_eq!(r.outcome, Some(Outcome::Executed));
+    }
+    assert_eq!(counter.runs(), 0);
+    let keys = format!("SELECT count(*) FROM \"{}\".idempotency_keys", schema.name);
+    assert_eq!(count(&schema, &keys).await, 0);
+}
+
 /// Transactional claims waiting for a connection are this process's overload, not a
 /// running duplicate: a new key that cannot get its turn in time is told 503, not the
 /// 409 "in progress" of a key nobody has used.
