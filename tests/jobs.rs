@@ -402,8 +402,10 @@ async fn transactional_a_commit_whose_answer_was_lost_is_reported_as_ran() {
 /// A work function that panics releases its key, even when the caller drops the run
 /// (its own timeout, a `select!`) while the release is on its way.
 async fn a_panicking_run_dropped_by_its_caller_still_releases(store: Arc<dyn Store>) {
-    let store =
-        AlteredCompletions::around(store, Completion::SlowRelease(Duration::from_millis(500)));
+    let (store, releases) = AlteredCompletions::counting_releases(
+        store,
+        Completion::SlowRelease(Duration::from_millis(500)),
+    );
     let runner = JobRunner::new(store);
     let scope = Scope::new("consumer");
     let dropped = tokio::time::timeout(
@@ -422,7 +424,8 @@ async fn a_panicking_run_dropped_by_its_caller_still_releases(store: Arc<dyn Sto
         dropped.is_err(),
         "the run ended before its caller dropped it"
     );
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The release reaches the store although its run was dropped.
+    common::eventually(|| releases.load(Ordering::SeqCst) == 1).await;
     // The default lease is 30 s: a key left claimed would answer Running here.
     let again = runner
         .run(&scope, "msg-5", b"p", |_| async {
@@ -544,17 +547,7 @@ async fn transactional_a_run_that_gets_the_row_after_close_runs_nothing() {
         }
     });
     // The close comes once the second run waits on the first one's row.
-    let waiting = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{}%'",
-        schema.name
-    );
-    for _ in 0..500 {
-        if schema.query(&waiting).await[0].get::<_, i64>(0) > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(schema.query(&waiting).await[0].get::<_, i64>(0), 1);
+    schema.wait_for_lock_waiters(1).await;
     runner.shutdown_handle().close();
     finish.send(()).unwrap();
     assert!(matches!(first.await.unwrap(), Err(JobError::Failed(_))));

@@ -416,7 +416,7 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
         let router = router.clone();
         async move { send(&router, post_with("k", &[])).await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    schema.wait_for_lock_waiters(1).await;
     shutdown.close();
     assert_eq!(first.await.unwrap().status, 503);
     let duplicate = duplicate.await.unwrap();
@@ -520,12 +520,14 @@ async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
     // Warm: the statements are prepared, so the stalled claim is on the wire whole.
     assert_eq!(send(&router, post_with("warm-up", &[])).await.status, 201);
     proxy.stall(true);
+    let before = proxy.received();
     let client = tokio::spawn({
         let router = router.clone();
         async move { send(&router, post_with("k", &[])).await }
     });
-    // Let BEGIN and the claim reach the proxy, then hang up while they are held there.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Let BEGIN and the claim (sent together) reach the proxy, then hang up while they
+    // are held there.
+    eventually(|| proxy.received() > before).await;
     client.abort();
     proxy.stall(false);
     // Its connection was closed with the transaction open: the claim rolled back, and

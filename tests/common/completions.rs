@@ -38,18 +38,24 @@ pub struct AlteredCompletions {
     completion: Completion,
     attempts: AtomicUsize,
     releases: Arc<AtomicUsize>,
-    purges: Arc<Purges>,
+    counts: Arc<Counts>,
 }
 
-/// What the purges that went through a store deleted.
+/// What went through a counting store.
 #[derive(Default)]
-pub struct Purges {
+pub struct Counts {
     calls: AtomicUsize,
     deleted: AtomicU64,
+    registrations: AtomicUsize,
 }
 
-#[allow(dead_code)] // not every test binary purges
-impl Purges {
+#[allow(dead_code)] // not every test binary reads every count
+impl Counts {
+    /// Waiters registered (the store answered).
+    pub fn registrations(&self) -> usize {
+        self.registrations.load(Ordering::SeqCst)
+    }
+
     /// Purges that returned.
     pub fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
@@ -78,23 +84,23 @@ impl AlteredCompletions {
             completion,
             attempts: AtomicUsize::new(0),
             releases: releases.clone(),
-            purges: Arc::default(),
+            counts: Arc::default(),
         });
         (store, releases)
     }
 
-    /// `inner` unaltered, and what the purges that went through it deleted.
-    #[allow(dead_code)] // not every test binary purges
-    pub fn counting_purges(inner: Arc<dyn Store>) -> (Arc<dyn Store>, Arc<Purges>) {
-        let purges = Arc::new(Purges::default());
+    /// `inner` unaltered, and what went through it: purges, registrations.
+    #[allow(dead_code)] // not every test binary counts
+    pub fn counting(inner: Arc<dyn Store>) -> (Arc<dyn Store>, Arc<Counts>) {
+        let counts = Arc::new(Counts::default());
         let store = Arc::new(Self {
             inner,
             completion: Completion::Unaltered,
             attempts: AtomicUsize::new(0),
             releases: Arc::default(),
-            purges: purges.clone(),
+            counts: counts.clone(),
         });
-        (store, purges)
+        (store, counts)
     }
 }
 
@@ -164,9 +170,9 @@ impl Store for AlteredCompletions {
         Box::pin(async move {
             let purged = self.inner.purge(batch).await;
             if let Ok(n) = purged {
-                self.purges.deleted.fetch_add(n, Ordering::SeqCst);
+                self.counts.deleted.fetch_add(n, Ordering::SeqCst);
             }
-            self.purges.calls.fetch_add(1, Ordering::SeqCst);
+            self.counts.calls.fetch_add(1, Ordering::SeqCst);
             purged
         })
     }
@@ -176,7 +182,11 @@ impl Store for AlteredCompletions {
         scope: &'a Scope,
         key: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.register_waiter(scope, key)
+        Box::pin(async move {
+            let registered = self.inner.register_waiter(scope, key).await;
+            self.counts.registrations.fetch_add(1, Ordering::SeqCst);
+            registered
+        })
     }
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {

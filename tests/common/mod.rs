@@ -123,6 +123,22 @@ impl TestSchema {
             .expect("schema name")
     }
 
+    /// Returns once `n` statements on this schema's objects wait on a lock (polled,
+    /// at most ~10 s: a bounded wait, not a timing claim).
+    pub async fn wait_for_lock_waiters(&self, n: i64) {
+        let waiting = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{}%'",
+            self.name
+        );
+        for _ in 0..500 {
+            if self.query(&waiting).await[0].get::<_, i64>(0) >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{n} statements never waited on a lock in {}", self.name);
+    }
+
     /// Runs one query on a fresh connection, outside every pool under test.
     pub async fn query(&self, sql: &str) -> Vec<tokio_postgres::Row> {
         let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)

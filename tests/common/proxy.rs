@@ -28,6 +28,8 @@ struct Shared {
     dead_below: AtomicU64,
     refusing: AtomicBool,
     refused: AtomicU64,
+    /// Reads from clients, counted as they arrive (before any stall holds them).
+    received: AtomicU64,
     /// Set to close the connection that next hears from the server, unanswered.
     cut_at_reply: AtomicBool,
     /// Set to lose the server's answers on the connection that next sends `COMMIT`.
@@ -80,6 +82,7 @@ impl PgProxy {
             dead_below: AtomicU64::new(0),
             refusing: AtomicBool::new(false),
             refused: AtomicU64::new(0),
+            received: AtomicU64::new(0),
             cut_at_reply: AtomicBool::new(false),
             lose_commit_reply: AtomicBool::new(false),
             breaking_listen: AtomicBool::new(false),
@@ -194,6 +197,11 @@ impl PgProxy {
         self.shared.refusing.store(on, Ordering::SeqCst);
     }
 
+    /// Reads from clients so far, a stalled one included.
+    pub fn received(&self) -> u64 {
+        self.shared.received.load(Ordering::SeqCst)
+    }
+
     /// Connections closed at once because they came while refusing.
     pub fn refused(&self) -> u64 {
         self.shared.refused.load(Ordering::SeqCst)
@@ -224,6 +232,7 @@ async fn pump_frontend(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        s.received.fetch_add(1, Ordering::SeqCst);
         wait_while_stalled(&s, id).await;
         if s.breaking_listen.load(Ordering::SeqCst) {
             // Same length, so the message's framing holds.

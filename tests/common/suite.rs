@@ -618,8 +618,9 @@ macro_rules! layer_suite {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_waiting_duplicate_answers_503_at_close_and_never_runs() {
-                let (layer, _store, _g) = layer().await;
-                let layer = layer.wait_for_running(Duration::from_secs(600));
+                let (_layer, store, _g) = layer().await;
+                let (store, counts) = AlteredCompletions::counting(store);
+                let layer = IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(600));
                 let shutdown = layer.shutdown_handle();
                 let (router, counter) = app(layer);
                 // The first fails, and so releases its key, once the waiter waits.
@@ -629,7 +630,8 @@ macro_rules! layer_suite {
                     let router = router.clone();
                     async move { send(&router, post("k", "{}")).await }
                 });
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // The close comes once the duplicate waits.
+                eventually(|| counts.registrations() == 1).await;
                 let drained = tokio::spawn({
                     let shutdown = shutdown.clone();
                     async move { shutdown.drain().await }
@@ -925,7 +927,7 @@ macro_rules! layer_suite {
                     );
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                let (counted, purges) = AlteredCompletions::counting_purges(store.clone());
+                let (counted, purges) = AlteredCompletions::counting(store.clone());
                 // Its first tick comes at once and the next in an hour: that one tick
                 // must take all five expired records, two at a time.
                 let purger =
