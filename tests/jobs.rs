@@ -32,10 +32,14 @@ async fn deliveries_run_once(runner: JobRunner) {
             Ok::<_, std::io::Error>(Bytes::from(format!("run {n}")))
         }
     };
+    // All fifty deliveries released at once, to race for the key.
+    let start = Arc::new(tokio::sync::Barrier::new(50));
     let tasks: Vec<_> = (0..50)
         .map(|_| {
             let (runner, scope, runs) = (runner.clone(), scope.clone(), runs.clone());
+            let start = start.clone();
             tokio::spawn(async move {
+                start.wait().await;
                 runner
                     .run(&scope, "msg-1", b"payload", work(runs))
                     .await

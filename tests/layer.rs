@@ -690,3 +690,95 @@ mod extractors {
         assert_eq!(r.problem(), "key-missing");
     }
 }
+
+/// The settings that change which requests are guarded and what is compared and
+/// replayed, each with a value other than its default.
+mod settings {
+    use axum::{
+        body::Body,
+        http::{HeaderName, Method},
+    };
+    use tower_idempotency::{IdempotencyLayer, Outcome, store::MemoryStore};
+
+    use crate::common::{app, post, post_with_headers, req, send};
+
+    fn layer() -> IdempotencyLayer {
+        IdempotencyLayer::new(MemoryStore::new())
+    }
+
+    #[tokio::test]
+    async fn methods_sets_which_requests_are_guarded() {
+        let (router, counter) = app(layer().methods([Method::PATCH]));
+        let patch = || {
+            req("PATCH")
+                .header("idempotency-key", "k")
+                .body(Body::from("{}"))
+                .unwrap()
+        };
+        assert_eq!(
+            send(&router, patch()).await.outcome,
+            Some(Outcome::Executed)
+        );
+        assert_eq!(
+            send(&router, patch()).await.outcome,
+            Some(Outcome::Replayed)
+        );
+        // POST is no longer guarded: it runs every time, its key ignored.
+        for _ in 0..2 {
+            let r = send(&router, post("k2", "{}")).await;
+            assert_eq!(r.outcome, Some(Outcome::PassedThrough));
+        }
+        assert_eq!(counter.runs(), 3);
+    }
+
+    #[tokio::test]
+    async fn header_name_sets_which_field_carries_the_key() {
+        let name = HeaderName::from_static("x-request-id");
+        let (router, counter) = app(layer().header_name(name));
+        let keyed = || post_with_headers("ignored", &[("x-request-id", "k")]);
+        // `post_with_headers` also sends `Idempotency-Key`; only `X-Request-Id` counts:
+        // the first request under another Idempotency-Key value still replays.
+        assert_eq!(
+            send(&router, keyed()).await.outcome,
+            Some(Outcome::Executed)
+        );
+        let other = post_with_headers("other", &[("x-request-id", "k")]);
+        assert_eq!(send(&router, other).await.outcome, Some(Outcome::Replayed));
+        // Idempotency-Key alone is not a key here.
+        let r = send(&router, post("k", "{}")).await;
+        assert_eq!(r.outcome, Some(Outcome::PassedThrough));
+        assert_eq!(counter.runs(), 2);
+    }
+
+    #[tokio::test]
+    async fn unreplayed_headers_sets_what_a_replay_leaves_out() {
+        let (router, _) = app(layer().unreplayed_headers([HeaderName::from_static("x-run")]));
+        let first = send(&router, post("k", "{}")).await;
+        assert_eq!(first.header("x-run"), Some("1"));
+        let replay = send(&router, post("k", "{}")).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.header("x-run"), None);
+        // The list replaces the default: Set-Cookie is replayed now.
+        assert_eq!(replay.header("set-cookie"), Some("session=1"));
+    }
+
+    #[tokio::test]
+    async fn fingerprint_headers_sets_what_a_retry_must_repeat() {
+        let tenant = HeaderName::from_static("x-tenant");
+        let (router, counter) = app(layer().fingerprint_headers([tenant]));
+        let with = |t: &str| post_with_headers("k", &[("x-tenant", t)]);
+        assert_eq!(send(&router, with("a")).await.status, 201);
+        let other = send(&router, with("b")).await;
+        assert_eq!(other.status, 422);
+        assert_eq!(other.problem(), "key-reused");
+        // Content-Type is no longer compared: another one still replays.
+        let retype = req("POST")
+            .header("idempotency-key", "k")
+            .header("x-tenant", "a")
+            .header("content-type", "text/plain")
+            .body(Body::from("{}"))
+            .unwrap();
+        assert_eq!(send(&router, retype).await.outcome, Some(Outcome::Replayed));
+        assert_eq!(counter.runs(), 1);
+    }
+}

@@ -294,17 +294,37 @@ async fn migrations_run_concurrently_where_transactions_default_to_serializable(
     migrations_run_concurrently_at(&common::serializable_url()).await;
 }
 
-/// Eight stores, each with its pool on `url`, migrate one fresh schema at once.
+/// Eight stores, each with its pool on `url`, migrate one fresh schema at once: all
+/// eight are held at the migration lock, then let go together.
 async fn migrations_run_concurrently_at(url: &str) {
     let schema = TestSchema::new();
-    let stores: Vec<PostgresStore> = (0..8).map(|_| schema.unmigrated_store_at(url)).collect();
-    let results = futures_join_all(
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let url = format!("{url}{separator}application_name={}", schema.name);
+    let stores: Vec<PostgresStore> = (0..8).map(|_| schema.unmigrated_store_at(&url)).collect();
+    // The migrations' advisory lock ("tidempot"), held until all eight wait for it.
+    let gate = begin("SELECT pg_advisory_xact_lock(8388346167744819060)").await;
+    let migrating = tokio::spawn(futures_join_all(
         stores
-            .iter()
-            .cloned()
+            .clone()
+            .into_iter()
             .map(|s| async move { s.migrate().await }),
-    )
-    .await;
+    ));
+    let waiting = format!(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+         WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = '{}'",
+        schema.name
+    );
+    let mut waiters = 0;
+    for _ in 0..500 {
+        waiters = schema.query(&waiting).await[0].get::<_, i64>(0);
+        if waiters == 8 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(waiters, 8, "not every migration reached the lock");
+    gate.batch_execute("COMMIT").await.expect("commit");
+    let results = migrating.await.expect("join");
     for r in results {
         r.expect("concurrent migrate");
     }
@@ -400,6 +420,34 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     // Waiting cost a claim, the registration of the waiter (so that the completion
     // notifies), and a claim after the wake-up: no polling.
     assert_eq!(after.statements - before.statements, 3, "{after:?}");
+}
+
+/// A store without a notification connection (a TLS pool, or a `Pool` passed to the
+/// layer as it is) still lets a duplicate wait for the running request and replay it:
+/// it looks again on a timer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_waits_and_replays_by_polling_without_a_listen_connection() {
+    let schema = TestSchema::new();
+    let a = schema.store().await;
+    let b = PostgresStore::new(
+        tower_idempotency::store::pool_for_url(&common::database_url(), 4).unwrap(),
+    )
+    .with_schema_name(&schema.name)
+    .unwrap();
+    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
+    let (router_b, counter_b) =
+        app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
+    let slow = post_with_headers("k", &[("x-delay-ms", "1500")]);
+    let first = common::in_flight(&router_a, slow, &counter_a).await;
+    let before = b.metrics();
+    let waited = send(&router_b, post("k", "{}")).await;
+    let first = first.await.unwrap();
+    assert_eq!(waited.outcome, Some(Outcome::Replayed));
+    assert_eq!(waited.body, first.body);
+    assert_eq!((counter_a.runs(), counter_b.runs()), (1, 0));
+    let after = b.metrics();
+    assert!(after.timer_wakeups > before.timer_wakeups, "{after:?}");
+    assert_eq!(after.notified_wakeups, before.notified_wakeups, "{after:?}");
 }
 
 #[tokio::test]
