@@ -492,6 +492,7 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     let layer = IdempotencyLayer::new(store.clone());
     let shutdown = layer.shutdown_handle();
     let (router, counter) = app(layer);
+    assert_eq!(send(&router, post("done", "{}")).await.status, 201);
     let slow = post_with_headers("running", &[("x-delay-ms", "400")]);
     let running = in_flight(&router, slow, &counter).await;
 
@@ -504,6 +505,10 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     assert_eq!(refused.status, 503);
     assert_eq!(refused.problem(), "shutting-down");
     assert!(refused.header("retry-after").is_some());
+    // Replays too: the retry goes to a live instance, which replays it there.
+    let replay = send(&router, post("done", "{}")).await;
+    assert_eq!(replay.status, 503);
+    assert_eq!(replay.problem(), "shutting-down");
     // Requests that pass through are not the layer's to refuse.
     assert_eq!(
         send(&router, req("POST").body(Body::from("{}")).unwrap())

@@ -356,6 +356,80 @@ async fn transactional_work_commits_its_writes_with_the_result_or_not_at_all() {
     );
 }
 
+/// A transactional run dropped by its caller rolls its work back when the work ends,
+/// writes included, and a redelivery runs it anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_run_dropped_by_its_caller_rolls_back_and_runs_again() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = format!("\"{}\".balances", schema.name);
+    store
+        .pool()
+        .get()
+        .await
+        .unwrap()
+        .batch_execute(&format!("CREATE TABLE {table} (account text, delta int)"))
+        .await
+        .unwrap();
+    let runner = JobRunner::transactional(store);
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let credit = |delta: i32, gate: Option<Arc<tokio::sync::Notify>>| {
+        let (table, runs) = (table.clone(), runs.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            client
+                .execute(
+                    &format!("INSERT INTO {table} VALUES ('acct-1', {delta})"),
+                    &[],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            drop(client);
+            runs.fetch_add(1, Ordering::SeqCst);
+            if let Some(gate) = gate {
+                gate.notified().await;
+            }
+            Ok::<_, String>(Bytes::from(format!("credited {delta}")))
+        }
+    };
+    tokio::select! {
+        _ = runner.run(&scope, "msg-7", b"+1", credit(1, Some(gate.clone()))) => {
+            panic!("the work finished before its gate opened")
+        }
+        () = common::eventually(|| runs.load(Ordering::SeqCst) == 1) => {}
+    }
+    // The run is dropped; its work ends, and its transaction rolls back.
+    gate.notify_one();
+    let mut redelivered = None;
+    for _ in 0..500 {
+        let outcome = runner
+            .run(&scope, "msg-7", b"+1", credit(2, None))
+            .await
+            .unwrap();
+        if matches!(outcome, JobOutcome::Running { .. }) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        } else {
+            redelivered = Some(outcome);
+            break;
+        }
+    }
+    assert_eq!(
+        redelivered,
+        Some(JobOutcome::Ran(Bytes::from("credited 2")))
+    );
+    let rows = format!("SELECT string_agg(delta::text, ',') FROM {table}");
+    assert_eq!(
+        schema.query(&rows).await[0]
+            .get::<_, Option<String>>(0)
+            .as_deref(),
+        Some("2"),
+        "only the redelivery's write"
+    );
+}
+
 /// A work whose `COMMIT` lost its answer with its connection committed all the same: the
 /// runner checks, and reports it ran, so the consumer acknowledges the message instead
 /// of running it again under another key.

@@ -422,6 +422,45 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     assert_eq!(after.statements - before.statements, 3, "{after:?}");
 }
 
+/// Purgers on several replicas at once share the work: each expired row is deleted
+/// once, and none of them fails or waits on another (`SKIP LOCKED`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn purgers_on_several_replicas_delete_each_row_once() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    schema
+        .query(&format!(
+            "INSERT INTO \"{}\".idempotency_keys (scope, key, fingerprint, state, token, expires_at, completed_at, status, headers, body)
+             SELECT '', 'k' || i, '\\x00', 'completed', i, now() - interval '1 minute', now(), 201, '\\x', '\\x'
+             FROM generate_series(1, 2000) AS i",
+            schema.name
+        ))
+        .await;
+    let mut replicas = vec![store];
+    for _ in 0..3 {
+        replicas.push(schema.store().await);
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(replicas.len()));
+    let purgers = replicas.into_iter().map(|store| {
+        let start = start.clone();
+        async move {
+            start.wait().await;
+            let mut deleted = 0;
+            loop {
+                let n = store.purge_expired(50).await.expect("purge");
+                deleted += n;
+                if n < 50 {
+                    return deleted;
+                }
+            }
+        }
+    });
+    let deleted: u64 = futures_join_all(purgers).await.into_iter().sum();
+    assert_eq!(deleted, 2000);
+    let left = format!("SELECT count(*) FROM \"{}\".idempotency_keys", schema.name);
+    assert_eq!(schema.query(&left).await[0].get::<_, i64>(0), 0);
+}
+
 /// A store without a notification connection (a TLS pool, or a `Pool` passed to the
 /// layer as it is) still lets a duplicate wait for the running request and replay it:
 /// it looks again on a timer.
