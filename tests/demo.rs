@@ -8,6 +8,8 @@
 
 #![cfg(all(feature = "postgres", feature = "axum"))]
 
+mod common;
+
 use std::{
     io::{BufRead, BufReader},
     net::SocketAddr,
@@ -41,12 +43,7 @@ const SLOW_PAYMENT: &str = r#"{"amount":1250,"currency":"EUR","delay_ms":300}"#;
 const POLL_ATTEMPTS: u32 = 300;
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
-}
+use common::database_url;
 
 /// `target/<profile>/examples/payments`, next to this test's `target/<profile>/deps/`.
 fn demo_binary() -> PathBuf {
@@ -111,7 +108,7 @@ impl Schema {
 
 impl Drop for Schema {
     fn drop(&mut self) {
-        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        let sql = common::drop_schema_sql(&self.name);
         let url = self.url.clone();
         // A thread of its own with its own runtime: the test's runtime may be the one
         // unwinding, and a runtime cannot be blocked on from inside another.

@@ -788,3 +788,34 @@ async fn terminated_shared_claim_connections_are_replaced() {
         store.pool().status()
     );
 }
+
+/// A test that fails with a transaction open in its schema (on a connection of its own
+/// runtime, which nothing polls while the schema is dropped) leaves no schema behind.
+#[test]
+fn a_test_schema_is_dropped_with_a_transaction_left_open_in_it() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let schema = TestSchema::new();
+    let name = schema.name.clone();
+    let _open = runtime.block_on(async {
+        schema.store().await;
+        begin(&format!(
+            "LOCK TABLE \"{name}\".idempotency_keys IN ACCESS EXCLUSIVE MODE"
+        ))
+        .await
+    });
+    // Dropped while the runtime that holds the transaction's connection is idle.
+    drop(schema);
+    let left = runtime.block_on(async {
+        let (client, conn) =
+            tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let sql = format!("SELECT count(*) FROM pg_namespace WHERE nspname = '{name}'");
+        client.query_one(&sql, &[]).await.unwrap().get::<_, i64>(0)
+    });
+    assert_eq!(left, 0, "schema {name} was left behind");
+}

@@ -88,6 +88,21 @@ pub fn unique_name(prefix: &str) -> String {
     )
 }
 
+/// Drops schema `name` with everything in it. After a failed test, a connection of the
+/// test's own runtime (not polled while the drop blocks it) may still hold a lock in the
+/// schema, inside a transaction it will never end: its backend is ended first. Bounded
+/// all the same.
+pub fn drop_schema_sql(name: &str) -> String {
+    format!(
+        "SET lock_timeout = '10s';
+         SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+           JOIN pg_class c ON c.oid = l.relation
+           JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = '{name}' AND l.pid <> pg_backend_pid();
+         DROP SCHEMA IF EXISTS \"{name}\" CASCADE"
+    )
+}
+
 /// A schema of its own for one test, dropped (with everything in it) when the test
 /// ends, whether it passed or panicked.
 pub struct TestSchema {
@@ -151,12 +166,7 @@ impl TestSchema {
 
 impl Drop for TestSchema {
     fn drop(&mut self) {
-        // Bounded: after a failed test, a connection of the test's own runtime (not
-        // polled while this blocks) may still hold a lock in the schema.
-        let sql = format!(
-            "SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS \"{}\" CASCADE",
-            self.name
-        );
+        let sql = drop_schema_sql(&self.name);
         // Runs on a thread of its own: Drop may run inside an async test.
         let done = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
