@@ -898,6 +898,66 @@ async fn a_waiting_duplicate_on_another_process_is_woken_by_a_notification() {
     );
 }
 
+/// A duplicate waiting on process B for a payment running on process A, when A is
+/// killed mid-payment: nothing notifies B, so it looks again when A's lease lapses,
+/// takes the key over and completes the payment, charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_takes_over_from_a_killed_process() {
+    const KEY: &str = "wait-crash-payment-1";
+    const PAYMENT: &str = r#"{"amount":1700,"currency":"EUR","delay_ms":5000}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut a = Demo::start_with(Some(&schema), &["--lease-ms", "1000"]);
+    let mut b = Demo::start_with(Some(&schema), &["--lease-ms", "1000", "--wait-ms", "30000"]);
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+
+    let (c, addr) = (client.clone(), a.addr);
+    let on_a = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    assert!(
+        wait_for_stat(&client, a.addr, "charges", 1).await,
+        "A never charged"
+    );
+    let before = store_stats(&client, b.addr).await["statements"]
+        .as_u64()
+        .expect("statements");
+    let (c, addr) = (client.clone(), b.addr);
+    let on_b = tokio::spawn(async move { post_payment(&c, addr, Some(KEY), PAYMENT).await });
+    // B waits once it has claimed (finding A's claim) and registered as a waiter.
+    let mut waiting = false;
+    for _ in 0..POLL_ATTEMPTS {
+        let now = store_stats(&client, b.addr).await["statements"].as_u64();
+        if now.is_some_and(|n| n >= before + 2) {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(waiting, "B never waited");
+    a.kill9();
+    assert!(
+        on_a.await.expect("join").is_err(),
+        "the killed process answered"
+    );
+
+    let on_b = on_b.await.expect("join");
+    assert_eq!(on_b.status, StatusCode::CREATED, "{on_b:?}");
+    assert!(
+        !on_b.replayed(),
+        "B took over and ran the payment: {on_b:?}"
+    );
+    assert_eq!(
+        stats(&client, b.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+    );
+    assert_eq!(
+        key_row(&schema, KEY).await.map(|r| r.0).as_deref(),
+        Some("completed")
+    );
+}
+
 /// Waiting is bounded: a duplicate that waits longer than `--wait-ms` for a first
 /// request still running gets 409 in-progress, and the first request is not disturbed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
