@@ -725,9 +725,9 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
     let store = schema.store_at(&common::database_url(), 2).await;
     let table = setup(&schema, &store).await;
     // A claim waits up to 4.2 s for its turn. The first duplicate holds it for the
-    // lock timeout (3 s), the second from then on (to 6 s): the new key, 0.6 s behind
-    // them, gives up at 4.8 s, and the second duplicate has 1.2 s to spare; the first
-    // request runs until 7 s, past the second duplicate's lock timeout.
+    // lock timeout (3 s), the second from then on (to 6 s): the new key, behind them,
+    // gives up 4.2 s after it came, and the second duplicate has 1.2 s to spare; the
+    // first request runs until 8 s, past the second duplicate's lock timeout.
     let layer = IdempotencyLayer::transactional(store.clone())
         .lock_timeout(Duration::from_secs(3))
         .store_timeout(Duration::from_millis(1200));
@@ -736,7 +736,7 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
     // to be made.
     let (one, two) = (store.pool().get().await, store.pool().get().await);
     drop((one.unwrap(), two.unwrap()));
-    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "7000")]), &counter).await;
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "8000")]), &counter).await;
     // Two duplicates take the claims' turn one after the other, each waiting on the
     // first request's row until the lock timeout.
     let duplicates: Vec<_> = (0..2)
@@ -745,7 +745,8 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
             tokio::spawn(async move { send(&router, post_with("k", &[])).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The first duplicate waits on the row (holding the turn), the second for its turn.
+    schema.wait_for_lock_waiters(1).await;
     let other = send(&router, post_with("new", &[])).await;
     assert_eq!(other.status, 503);
     assert_eq!(other.problem(), "store-unavailable");
