@@ -1,7 +1,8 @@
 //! A store in this process's memory.
 
 use std::{
-    collections::HashMap,
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap},
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
@@ -13,8 +14,8 @@ use crate::{Fingerprint, Scope, StoredResponse};
 ///
 /// Claims are atomic within the process. Nothing survives a restart and nothing is
 /// shared between replicas: use [`PostgresStore`](super::PostgresStore) for that.
-/// Expired records are swept as new keys arrive, so memory is bounded by the keys of one
-/// TTL window.
+/// Expired records are swept as claims arrive, a few at a time, so memory is bounded by
+/// the keys of one TTL window and no claim pays for a sweep of them all.
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
@@ -37,10 +38,70 @@ impl Default for MemoryStore {
     }
 }
 
+/// A record's key: its scope and its key.
+type Id = (Scope, Arc<str>);
+
 #[derive(Default)]
 struct Inner {
-    records: HashMap<(Scope, Arc<str>), Record>,
-    last_sweep: Option<Instant>,
+    records: HashMap<Id, Record>,
+    /// When each record may next be free, earliest first, with the token of the claim
+    /// that made it. A record's own entry is the one at its `due_at` with its token;
+    /// others are stale (the record went, was claimed afresh or taken over, or its time
+    /// moved earlier and got an entry of its own). When its entry comes due, a record
+    /// is removed if it is free, or its entry put back for its new, later time.
+    due: BinaryHeap<Reverse<(Instant, i64, Id)>>,
+}
+
+/// How many due entries a claim looks at, at most, before it runs.
+const SWEPT_PER_CLAIM: usize = 64;
+
+impl Inner {
+    fn insert(&mut self, id: Id, mut record: Record) {
+        record.due_at = record.free_at();
+        self.due
+            .push(Reverse((record.due_at, record.token, id.clone())));
+        self.records.insert(id, record);
+    }
+
+    /// After `id`'s record changed: an entry of its own if it may be free sooner than
+    /// its entry says (a completion with a TTL shorter than the lease). A later time
+    /// needs none: the entry it has is put back when it comes due.
+    fn reschedule(&mut self, id: &Id) {
+        if let Some(r) = self.records.get_mut(id) {
+            let at = r.free_at();
+            if at < r.due_at {
+                r.due_at = at;
+                self.due.push(Reverse((at, r.token, id.clone())));
+            }
+        }
+    }
+
+    /// Removes records that are free at `now`, looking at up to `looked` due entries and
+    /// removing up to `removed`; returns how many it removed.
+    fn sweep(&mut self, now: Instant, looked: usize, removed: usize) -> usize {
+        let mut gone = 0;
+        for _ in 0..looked {
+            if gone == removed || self.due.peek().is_none_or(|Reverse((at, ..))| *at > now) {
+                break;
+            }
+            let Some(Reverse((at, token, id))) = self.due.pop() else {
+                break;
+            };
+            match self.records.get_mut(&id) {
+                Some(r) if r.token == token && r.due_at == at && r.is_free(now) => {
+                    self.records.remove(&id);
+                    gone += 1;
+                }
+                Some(r) if r.token == token && r.due_at == at => {
+                    r.due_at = r.free_at();
+                    self.due.push(Reverse((r.due_at, token, id)));
+                }
+                // Stale: the record has another entry of its own, or is gone.
+                _ => {}
+            }
+        }
+        gone
+    }
 }
 
 struct Record {
@@ -48,6 +109,8 @@ struct Record {
     token: i64,
     expires_at: Instant,
     state: State,
+    /// The time of this record's own entry in `Inner::due`.
+    due_at: Instant,
 }
 
 enum State {
@@ -58,11 +121,15 @@ enum State {
 impl Record {
     /// Past its TTL and not held by a live lease: it may be purged or claimed afresh.
     fn is_free(&self, now: Instant) -> bool {
-        self.expires_at <= now
-            && match self.state {
-                State::Completed(_) => true,
-                State::Running { locked_until } => locked_until <= now,
-            }
+        self.free_at() <= now
+    }
+
+    /// When it becomes free: at its expiry, or when its lease lapses if that is later.
+    fn free_at(&self) -> Instant {
+        match self.state {
+            State::Completed(_) => self.expires_at,
+            State::Running { locked_until } => self.expires_at.max(locked_until),
+        }
     }
 }
 
@@ -114,14 +181,7 @@ impl MemoryStore {
     fn claim_now(&self, req: &ClaimRequest<'_>) -> Claim {
         let now = Instant::now();
         let mut inner = self.lock();
-        // Sweep expired records at most once a second: a full pass costs O(records).
-        if inner
-            .last_sweep
-            .is_none_or(|last| now.duration_since(last) >= Duration::from_secs(1))
-        {
-            inner.last_sweep = Some(now);
-            inner.records.retain(|_, r| !r.is_free(now));
-        }
+        inner.sweep(now, SWEPT_PER_CLAIM, usize::MAX);
         let id = (req.scope.clone(), Arc::<str>::from(req.key));
         let new_record = |token| Record {
             fingerprint: req.fingerprint,
@@ -130,6 +190,7 @@ impl MemoryStore {
             state: State::Running {
                 locked_until: later(now, req.lease),
             },
+            due_at: now,
         };
         let lease = |token| Lease {
             scope: req.scope.clone(),
@@ -138,7 +199,7 @@ impl MemoryStore {
         };
         let Some(record) = inner.records.get_mut(&id) else {
             let token = super::fresh_token();
-            inner.records.insert(id.clone(), new_record(token));
+            inner.insert(id.clone(), new_record(token));
             return Claim::Acquired(lease(token));
         };
         let expired = record.is_free(now);
@@ -160,7 +221,7 @@ impl MemoryStore {
             }
         }
         let token = record.token + 1;
-        *record = new_record(token);
+        inner.insert(id.clone(), new_record(token));
         Claim::Acquired(lease(token))
     }
 
@@ -206,6 +267,7 @@ impl Store for MemoryStore {
                     r.state = State::Completed(response.clone());
                     r.expires_at = later(Instant::now(), ttl);
                 }
+                inner.reschedule(&id);
             });
             if done {
                 self.announce(lease);
@@ -241,25 +303,15 @@ impl Store for MemoryStore {
                     // A live holder's record outlives its TTL.
                     r.expires_at = r.expires_at.max(until);
                 }
+                inner.reschedule(&id);
             }))
         })
     }
 
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
-            let now = Instant::now();
             let mut inner = self.lock();
-            let expired: Vec<_> = inner
-                .records
-                .iter()
-                .filter(|(_, r)| r.is_free(now))
-                .map(|(id, _)| id.clone())
-                .take(batch)
-                .collect();
-            for id in &expired {
-                inner.records.remove(id);
-            }
-            Ok(expired.len() as u64)
+            Ok(inner.sweep(Instant::now(), usize::MAX, batch) as u64)
         })
     }
 
@@ -278,5 +330,115 @@ impl Store for MemoryStore {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request<'a>(
+        scope: &'a Scope,
+        key: &'a str,
+        lease: Duration,
+        ttl: Duration,
+    ) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint([0; 32]),
+            lease,
+            ttl,
+        }
+    }
+
+    fn acquire(store: &MemoryStore, req: &ClaimRequest<'_>) -> Lease {
+        match store.claim_now(req) {
+            Claim::Acquired(lease) => lease,
+            _ => panic!("not acquired"),
+        }
+    }
+
+    #[test]
+    fn each_claim_sweeps_a_few_expired_records_and_purges_take_the_rest() {
+        let store = MemoryStore::new();
+        let scope = Scope::anonymous();
+        let short = Duration::from_millis(500);
+        for i in 0..1000 {
+            acquire(&store, &request(&scope, &format!("k{i}"), short, short));
+        }
+        assert_eq!(store.len(), 1000);
+        std::thread::sleep(Duration::from_millis(600));
+        // One claim: its own record in, at most SWEPT_PER_CLAIM expired ones out.
+        acquire(
+            &store,
+            &request(
+                &scope,
+                "new",
+                Duration::from_secs(60),
+                Duration::from_secs(60),
+            ),
+        );
+        assert_eq!(store.len(), 1000 + 1 - SWEPT_PER_CLAIM);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert_eq!(rt.block_on(store.purge(100)).unwrap(), 100);
+        assert_eq!(store.purge_expired(), 1000 - SWEPT_PER_CLAIM - 100);
+        assert_eq!(store.len(), 1, "the live claim stays");
+    }
+
+    #[test]
+    fn renewed_and_completed_records_are_not_swept_at_their_first_time() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let store = MemoryStore::new();
+        let scope = Scope::anonymous();
+        let short = Duration::from_millis(500);
+        let renewed = acquire(&store, &request(&scope, "renewed", short, short));
+        let completed = acquire(&store, &request(&scope, "completed", short, short));
+        assert!(
+            rt.block_on(store.renew(&renewed, Duration::from_secs(60)))
+                .unwrap()
+        );
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::new(),
+        };
+        assert!(
+            rt.block_on(store.complete(&completed, &response, Duration::from_secs(60)))
+                .unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(600));
+        // Their first due time has passed: each claim looks, and puts them back.
+        for i in 0..3 {
+            acquire(&store, &request(&scope, &format!("k{i}"), short, short));
+        }
+        assert_eq!(rt.block_on(store.purge(100)).unwrap(), 0);
+        assert!(matches!(
+            store.claim_now(&request(&scope, "renewed", short, short)),
+            Claim::Running { .. }
+        ));
+        assert!(matches!(
+            store.claim_now(&request(&scope, "completed", short, short)),
+            Claim::Completed { .. }
+        ));
+        // A released key claimed afresh is swept by its new claim's time, not the old.
+        let rt_lease = acquire(&store, &request(&scope, "again", short, short));
+        assert!(rt.block_on(store.release(&rt_lease)).unwrap());
+        let long = Duration::from_secs(60);
+        acquire(&store, &request(&scope, "again", long, long));
+        std::thread::sleep(Duration::from_millis(600));
+        assert_eq!(
+            rt.block_on(store.purge(100)).unwrap(),
+            3,
+            "the k0..k2 claims only"
+        );
+        assert!(matches!(
+            store.claim_now(&request(&scope, "again", long, long)),
+            Claim::Running { .. }
+        ));
     }
 }
