@@ -180,12 +180,17 @@ impl std::ops::Deref for SharedClient<'_> {
 /// claim on it lets it go.
 struct Connection {
     client: ClientWrapper,
-    open: Arc<AtomicUsize>,
+    _counted: Counted,
 }
 
-impl Drop for Connection {
+/// One of `Shared::open`, taken before the connection is sought and given back when
+/// dropped: when the connection closes, or when it never came (an error, or a claim
+/// cancelled while it waited for the pool).
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
     fn drop(&mut self) {
-        self.open.fetch_sub(1, Ordering::Relaxed);
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -204,17 +209,10 @@ async fn connect(
     {
         return Ok(None);
     }
-    // Counted from here: dropped on any failure, the connection uncounts itself.
-    let client = match super::pooled(pool).await {
-        Ok(conn) => Object::take(conn),
-        Err(e) => {
-            open.fetch_sub(1, Ordering::Relaxed);
-            return Err(e);
-        }
-    };
+    let counted = Counted(open.clone());
     let connection = Connection {
-        client,
-        open: open.clone(),
+        client: Object::take(super::pooled(pool).await?),
+        _counted: counted,
     };
     let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
     connection
@@ -384,6 +382,19 @@ mod tests {
         assert_eq!(shared.open.load(Ordering::Relaxed), 1);
         let third = shared.get(&pool).await.expect("connects").expect("room");
         assert!(!Arc::ptr_eq(&third.client, &second.client), "a new one");
+    }
+
+    #[tokio::test]
+    async fn a_claim_cancelled_while_its_connection_opens_gives_its_count_back() {
+        let (pool, shared) = (pool(), Shared::new(1));
+        // Polled once (counted, then waiting for the pool's new connection), dropped.
+        let pending = {
+            let mut get = std::pin::pin!(shared.get(&pool));
+            std::future::poll_fn(|cx| std::task::Poll::Ready(get.as_mut().poll(cx).is_pending()))
+                .await
+        };
+        assert!(pending, "the claim did not wait for its connection");
+        assert_eq!(shared.open.load(Ordering::Relaxed), 0);
     }
 
     #[tokio::test]
