@@ -56,19 +56,19 @@ struct Inner {
 const SWEPT_PER_CLAIM: usize = 64;
 
 impl Inner {
-    fn insert(&mut self, id: Id, mut record: Record) {
-        record.due_at = record.free_at();
+    fn insert(&mut self, id: Id, mut record: Record, now: Instant) {
+        record.due_at = record.next_look(now);
         self.due
             .push(Reverse((record.due_at, record.token, id.clone())));
         self.records.insert(id, record);
     }
 
-    /// After `id`'s record changed: an entry of its own if it may be free sooner than
-    /// its entry says (a completion with a TTL shorter than the lease). A later time
-    /// needs none: the entry it has is put back when it comes due.
-    fn reschedule(&mut self, id: &Id) {
+    /// After `id`'s record changed: an entry of its own if it should be looked at sooner
+    /// than its entry says (a completion with a TTL shorter than the lease). A later
+    /// time needs none: the entry it has is put back when it comes due.
+    fn reschedule(&mut self, id: &Id, now: Instant) {
         if let Some(r) = self.records.get_mut(id) {
-            let at = r.free_at();
+            let at = r.next_look(now);
             if at < r.due_at {
                 r.due_at = at;
                 self.due.push(Reverse((at, r.token, id.clone())));
@@ -93,7 +93,7 @@ impl Inner {
                     gone += 1;
                 }
                 Some(r) if r.token == token && r.due_at == at => {
-                    r.due_at = r.free_at();
+                    r.due_at = r.next_look(now);
                     self.due.push(Reverse((r.due_at, token, id)));
                 }
                 // Stale: the record has another entry of its own, or is gone.
@@ -129,6 +129,15 @@ impl Record {
         match self.state {
             State::Completed(_) => self.expires_at,
             State::Running { locked_until } => self.expires_at.max(locked_until),
+        }
+    }
+
+    /// When the sweep is to look at it next: when its live lease lapses (it may have
+    /// been released by then, and its entry is not kept for a TTL), else when it is free.
+    fn next_look(&self, now: Instant) -> Instant {
+        match self.state {
+            State::Running { locked_until } if locked_until > now => locked_until,
+            _ => self.free_at(),
         }
     }
 }
@@ -199,7 +208,7 @@ impl MemoryStore {
         };
         let Some(record) = inner.records.get_mut(&id) else {
             let token = super::fresh_token();
-            inner.insert(id.clone(), new_record(token));
+            inner.insert(id.clone(), new_record(token), now);
             return Claim::Acquired(lease(token));
         };
         let expired = record.is_free(now);
@@ -221,7 +230,7 @@ impl MemoryStore {
             }
         }
         let token = record.token + 1;
-        inner.insert(id.clone(), new_record(token));
+        inner.insert(id.clone(), new_record(token), now);
         Claim::Acquired(lease(token))
     }
 
@@ -267,7 +276,7 @@ impl Store for MemoryStore {
                     r.state = State::Completed(response.clone());
                     r.expires_at = later(Instant::now(), ttl);
                 }
-                inner.reschedule(&id);
+                inner.reschedule(&id, Instant::now());
             });
             if done {
                 self.announce(lease);
@@ -303,7 +312,7 @@ impl Store for MemoryStore {
                     // A live holder's record outlives its TTL.
                     r.expires_at = r.expires_at.max(until);
                 }
-                inner.reschedule(&id);
+                inner.reschedule(&id, Instant::now());
             }))
         })
     }
@@ -311,7 +320,10 @@ impl Store for MemoryStore {
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
             let mut inner = self.lock();
-            Ok(inner.sweep(Instant::now(), usize::MAX, batch) as u64)
+            // Bounded work under the lock, stale entries included; what is left is for
+            // the next call.
+            let looked = batch.saturating_mul(4).max(SWEPT_PER_CLAIM);
+            Ok(inner.sweep(Instant::now(), looked, batch) as u64)
         })
     }
 
@@ -386,6 +398,25 @@ mod tests {
         assert_eq!(rt.block_on(store.purge(100)).unwrap(), 100);
         assert_eq!(store.purge_expired(), 1000 - SWEPT_PER_CLAIM - 100);
         assert_eq!(store.len(), 1, "the live claim stays");
+    }
+
+    #[test]
+    fn released_claims_leave_nothing_behind_past_their_lease() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let store = MemoryStore::new();
+        let scope = Scope::anonymous();
+        let (lease, ttl) = (Duration::from_millis(500), Duration::from_secs(3600));
+        for i in 0..100 {
+            let held = acquire(&store, &request(&scope, &format!("k{i}"), lease, ttl));
+            assert!(rt.block_on(store.release(&held)).unwrap());
+        }
+        assert_eq!(store.len(), 0);
+        std::thread::sleep(Duration::from_millis(600));
+        assert_eq!(rt.block_on(store.purge(100)).unwrap(), 0);
+        // Their entries were due at their lease's end, not their TTL's: gone.
+        assert_eq!(store.lock().due.len(), 0);
     }
 
     #[test]
