@@ -288,7 +288,7 @@ pub(crate) async fn open(
     // past the bound is this process's overload, not a running duplicate: 503, like a
     // pool with no connection to give.
     let Ok(_permit) =
-        tokio::time::timeout(store_timeout + claim_wait, store.tx_claim_permit()).await
+        tokio::time::timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await
     else {
         tracing::error!("too many transactional claims waiting; nothing was run");
         return Opened::Unavailable;

@@ -715,6 +715,44 @@ async fn a_transaction_handler_behind_a_lease_mode_layer_is_500_and_stores_nothi
     assert_eq!(count(&schema, &keys).await, 0);
 }
 
+/// A duplicate whose client hangs up while its claim waits on a lock does not leave
+/// its server backend waiting on, for as long as `wait_for_running` allows: the
+/// server does not notice a closed connection then, and is told to cancel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abandoned_claim_stops_waiting_on_the_server() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store).wait_for_running(Duration::from_secs(600));
+    let (router, _) = app(layer, &table);
+    // Every claim waits while the test holds the keys table.
+    let lock = format!(
+        "BEGIN; LOCK TABLE \"{}\".idempotency_keys IN ACCESS EXCLUSIVE MODE",
+        schema.name
+    );
+    let (holder, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    holder.batch_execute(&lock).await.unwrap();
+    let client = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    schema.wait_for_lock_waiters(1).await;
+    client.abort();
+    let mut waiting = 1;
+    for _ in 0..500 {
+        waiting = schema.lock_waiters().await;
+        if waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(waiting, 0, "the abandoned claim still waits on the server");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+}
+
 /// Transactional claims waiting for a connection are this process's overload, not a
 /// running duplicate: a new key that cannot get its turn in time is told 503, not the
 /// 409 "in progress" of a key nobody has used.

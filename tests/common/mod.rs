@@ -138,15 +138,20 @@ impl TestSchema {
             .expect("schema name")
     }
 
-    /// Returns once `n` statements on this schema's objects wait on a lock (polled,
-    /// at most ~10 s: a bounded wait, not a timing claim).
-    pub async fn wait_for_lock_waiters(&self, n: i64) {
+    /// How many statements on this schema's objects wait on a lock now.
+    pub async fn lock_waiters(&self) -> i64 {
         let waiting = format!(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{}%'",
             self.name
         );
+        self.query(&waiting).await[0].get(0)
+    }
+
+    /// Returns once `n` statements on this schema's objects wait on a lock (polled,
+    /// at most ~10 s: a bounded wait, not a timing claim).
+    pub async fn wait_for_lock_waiters(&self, n: i64) {
         for _ in 0..500 {
-            if self.query(&waiting).await[0].get::<_, i64>(0) >= n {
+            if self.lock_waiters().await >= n {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

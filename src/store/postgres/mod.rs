@@ -58,11 +58,11 @@ async fn pooled(pool: &Pool) -> Result<Client, StoreError> {
 }
 
 /// A pooled connection that goes back to the pool only once its work is done
-/// ([`done`](Self::done)). Dropped before that, it is closed instead: its caller gave
-/// up in the middle of a statement (a timeout, a client gone), and a connection whose
-/// answer never came may be dead without a word, its next user waiting behind that
-/// answer for as long as TCP takes to give up; or a transaction was left open on it,
-/// which closing rolls back.
+/// ([`done`](Self::done)). Dropped before that, it is closed instead, and what it may
+/// still be running on the server cancelled: its caller gave up in the middle of a
+/// statement (a timeout, a client gone), and a connection whose answer never came may
+/// be dead without a word, its next user waiting behind that answer for as long as TCP
+/// takes to give up; or a transaction was left open on it, which closing rolls back.
 pub(crate) struct Checkout(Option<Client>);
 
 impl Checkout {
@@ -86,6 +86,15 @@ impl std::ops::Deref for Checkout {
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(conn) = self.0.take() {
+            // The server does not notice a closed connection while a statement waits
+            // (on a lock, say): it is told to cancel it, or it would wait on, holding
+            // a backend, for as long as the statement's own bound allows.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let cancel = conn.cancel_token();
+                runtime.spawn(async move {
+                    let _ = cancel.cancel_query(NoTls).await;
+                });
+            }
             drop(deadpool_postgres::Object::take(conn));
         }
     }
