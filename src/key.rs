@@ -256,6 +256,16 @@ impl fmt::Display for IdempotencyKey {
     }
 }
 
+/// Left in a request's extensions by the layer that guards it (with its
+/// [`IdempotencyKey`]): a layer inside that one lets the request through.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Guarded;
+
+/// Left in a request's extensions by a layer that would have guarded it, had it carried
+/// a key: the extractors tell a client without a key from a route no layer guards.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Unkeyed;
+
 #[cfg(feature = "axum")]
 mod extract {
     use axum_core::{
@@ -267,11 +277,11 @@ mod extract {
     use super::IdempotencyKey;
     use crate::rejection::Problem;
 
-    /// Rejection of the [`IdempotencyKey`] extractor: the request had no key (`400
-    /// key-missing`), or it has an `Idempotency-Key` field that no
-    /// [`IdempotencyLayer`](crate::IdempotencyLayer) guarded (`500 handler-failed`: the
-    /// layer is not in front of the route, or does not guard its method; the client is
-    /// not to blame).
+    /// Rejection of the [`IdempotencyKey`] extractor: the layer in front of the route saw
+    /// no key in the request (`400 key-missing`), or no
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer) guarded the request (`500
+    /// handler-failed`: the layer is not in front of the route, or does not guard its
+    /// method; the client is not to blame).
     #[derive(Debug, Clone, Copy)]
     pub struct MissingIdempotencyKey {
         unguarded: bool,
@@ -304,7 +314,7 @@ mod extract {
                 .get::<IdempotencyKey>()
                 .cloned()
                 .ok_or(MissingIdempotencyKey {
-                    unguarded: parts.headers.contains_key(crate::IDEMPOTENCY_KEY),
+                    unguarded: parts.extensions.get::<super::Unkeyed>().is_none(),
                 })
         }
     }

@@ -201,13 +201,17 @@ where
         // guarded again, it would find its own claim running and answer 409, which the
         // outer layer would store.
         if !config.methods.contains(req.method())
-            || req.extensions().get::<IdempotencyKey>().is_some()
+            || req.extensions().get::<crate::key::Guarded>().is_some()
         {
             return pass_through(self.inner.call(req));
         }
+        let mut req = req;
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
-            Ok(None) if !config.require_key => return pass_through(self.inner.call(req)),
+            Ok(None) if !config.require_key => {
+                req.extensions_mut().insert(crate::key::Unkeyed);
+                return pass_through(self.inner.call(req));
+            }
             Ok(None) => {
                 return answered(reject(Problem::KeyMissing, &KeyError::Missing.to_string()));
             }
@@ -401,6 +405,7 @@ where
     parts
         .extensions
         .insert(IdempotencyKey::new(scope, Arc::<str>::from(key)));
+    parts.extensions.insert(crate::key::Guarded);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.

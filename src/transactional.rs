@@ -183,23 +183,24 @@ mod extract {
     use super::TransactionHandle;
     use crate::rejection::Problem;
 
-    /// Rejection of the [`TransactionHandle`] extractor: the request had no key (`400
-    /// key-missing`), or a layer in lease mode guarded it (`500 handler-failed`: the
-    /// route needs [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional),
-    /// and the client is not to blame, nor is the answer stored).
+    /// Rejection of the [`TransactionHandle`] extractor: the layer in front of the route
+    /// saw no key in the request (`400 key-missing`), or the request was guarded in
+    /// lease mode, or not at all (`500 handler-failed`: the route needs
+    /// [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional) in
+    /// front of it, and the client is not to blame, nor is the answer stored).
     #[derive(Debug, Clone, Copy)]
     pub struct MissingTransaction {
-        guarded: bool,
+        miswired: bool,
     }
 
     impl IntoResponse for MissingTransaction {
         fn into_response(self) -> Response {
-            let res = if self.guarded {
+            let res = if self.miswired {
                 tracing::error!(
-                    "a handler that takes a TransactionHandle is behind an IdempotencyLayer in lease mode; use IdempotencyLayer::transactional"
+                    "a handler that takes a TransactionHandle got a request that no IdempotencyLayer::transactional guarded; is one in front of the route, for its method?"
                 );
                 Problem::HandlerFailed.response(
-                    "this handler runs in an idempotency transaction, and the layer in front of it opens none; nothing was processed",
+                    "this handler runs in an idempotency transaction, and none was opened for the request; nothing was processed",
                 )
             } else {
                 Problem::KeyMissing.response(
@@ -220,7 +221,9 @@ mod extract {
                 .get::<TransactionHandle>()
                 .cloned()
                 .ok_or(MissingTransaction {
-                    guarded: parts.extensions.get::<crate::IdempotencyKey>().is_some(),
+                    // A layer saw no key, and so opened no transaction: the client's
+                    // doing. Anything else is the app's wiring.
+                    miswired: parts.extensions.get::<crate::key::Unkeyed>().is_none(),
                 })
         }
     }
@@ -564,6 +567,7 @@ where
         request.scope.clone(),
         Arc::<str>::from(request.key),
     ));
+    parts.extensions.insert(crate::key::Guarded);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.

@@ -660,34 +660,62 @@ mod draining {
 }
 
 /// What the extractors answer when the layer did not guard the request: a client
-/// without a key is told so; a keyed request the layer did not guard is the server's
-/// fault (500, released), not a 400 the client is blamed for, stored and replayed.
+/// without a key is told so; a request no layer guarded is the server's fault (500,
+/// released), not a 400 the client is blamed for, stored and replayed.
 mod extractors {
-    use axum::{Router, routing::put};
+    use axum::{
+        Router,
+        body::Body,
+        http::HeaderName,
+        routing::{post, put},
+    };
     use tower_idempotency::{IdempotencyKey, IdempotencyLayer, store::MemoryStore};
 
     use crate::common::{req, send};
 
+    fn keyed(method: &str, header: &str) -> axum::http::Request<Body> {
+        req(method)
+            .header(header, "k")
+            .body(Body::from("{}"))
+            .expect("request")
+    }
+
     #[tokio::test]
-    async fn a_keyed_request_the_layer_did_not_guard_is_500_not_400() {
-        // PUT is not among the guarded methods (POST, PATCH).
+    async fn a_request_the_layer_did_not_guard_is_500_not_400() {
+        // PUT is not among the guarded methods (POST, PATCH): with a key or without.
         let router = Router::new()
             .route(
                 "/payments",
                 put(|key: IdempotencyKey| async move { key.to_string() }),
             )
             .layer(IdempotencyLayer::new(MemoryStore::new()));
-        let keyed = req("PUT")
-            .header("idempotency-key", "k")
-            .body(axum::body::Body::from("{}"))
-            .unwrap();
-        let r = send(&router, keyed).await;
-        assert_eq!(r.status, 500);
-        assert_eq!(r.problem(), "handler-failed");
-        let keyless = req("PUT").body(axum::body::Body::from("{}")).unwrap();
-        let r = send(&router, keyless).await;
+        for request in [
+            keyed("PUT", "idempotency-key"),
+            req("PUT").body(Body::from("{}")).unwrap(),
+        ] {
+            let r = send(&router, request).await;
+            assert_eq!(r.status, 500);
+            assert_eq!(r.problem(), "handler-failed");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_the_layer_saw_without_its_key_is_400() {
+        // The layer reads the key from X-Request-Id: an Idempotency-Key is no key here.
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .header_name(HeaderName::from_static("x-request-id"));
+        let router = Router::new()
+            .route(
+                "/payments",
+                post(|key: IdempotencyKey| async move { key.to_string() }),
+            )
+            .layer(layer);
+        let r = send(&router, keyed("POST", "idempotency-key")).await;
         assert_eq!(r.status, 400);
         assert_eq!(r.problem(), "key-missing");
+        let r = send(&router, keyed("POST", "x-request-id")).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body, "k");
     }
 }
 

@@ -713,6 +713,16 @@ async fn a_transaction_handler_behind_a_lease_mode_layer_is_500_and_stores_nothi
     assert_eq!(counter.runs(), 0);
     let keys = format!("SELECT count(*) FROM \"{}\".idempotency_keys", schema.name);
     assert_eq!(count(&schema, &keys).await, 0);
+    // A route no layer guards at all, keyed or not: the wiring, not the client.
+    let (unguarded, _) = app_on(
+        post(create),
+        IdempotencyLayer::new(tower_idempotency::store::MemoryStore::new())
+            .methods([axum::http::Method::PATCH]),
+        &table,
+    );
+    let r = send(&unguarded, post_with("k", &[])).await;
+    assert_eq!(r.status, 500);
+    assert_eq!(r.problem(), "handler-failed");
 }
 
 /// A duplicate whose client hangs up while its claim waits on a lock does not leave
