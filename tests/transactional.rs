@@ -632,7 +632,13 @@ async fn a_duplicate_waits_for_running_past_the_lock_timeout_and_replays() {
     };
     let (router, counter) = app_on(post(handler), layer, &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "1000")]), &counter).await;
-    let dup = send(&router, post_with("k", &[])).await;
+    let dup = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    // It waits on the first request's row, past the 100 ms lock timeout.
+    schema.wait_for_lock_waiters(1).await;
+    let dup = dup.await.unwrap();
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
     assert_eq!(first.body, "1 100ms");
