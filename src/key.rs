@@ -201,10 +201,28 @@ fn parse_sf_string(value: &[u8], offset: usize) -> Result<String, KeyError> {
 /// assert_eq!(key.derive("psp"), key.derive("psp"));
 /// assert_ne!(key.derive("psp"), key.derive("broker"));
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone)]
 pub struct IdempotencyKey {
     key: Arc<str>,
     scope: Scope,
+    /// Put in the request by a layer that guards it: a layer inside that one lets the
+    /// request through. Not part of the key's identity.
+    guarded: bool,
+}
+
+impl PartialEq for IdempotencyKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key && self.scope == other.scope
+    }
+}
+
+impl Eq for IdempotencyKey {}
+
+impl std::hash::Hash for IdempotencyKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key.hash(state);
+        self.scope.hash(state);
+    }
 }
 
 impl IdempotencyKey {
@@ -213,7 +231,22 @@ impl IdempotencyKey {
         Self {
             key: key.into(),
             scope,
+            guarded: false,
         }
+    }
+
+    /// The key of a request a layer guards, for its extensions.
+    pub(crate) fn guarding(scope: Scope, key: Arc<str>) -> Self {
+        Self {
+            key,
+            scope,
+            guarded: true,
+        }
+    }
+
+    /// Whether a layer put it in the request it guards.
+    pub(crate) fn is_guarded(&self) -> bool {
+        self.guarded
     }
 
     /// The key as the client sent it (the sf-string's value).
@@ -255,11 +288,6 @@ impl fmt::Display for IdempotencyKey {
         f.write_str(&self.key)
     }
 }
-
-/// Left in a request's extensions by the layer that guards it (with its
-/// [`IdempotencyKey`]): a layer inside that one lets the request through.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Guarded;
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried
 /// a key: the extractors tell a client without a key from a route no layer guards.

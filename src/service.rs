@@ -201,7 +201,10 @@ where
         // guarded again, it would find its own claim running and answer 409, which the
         // outer layer would store.
         if !config.methods.contains(req.method())
-            || req.extensions().get::<crate::key::Guarded>().is_some()
+            || req
+                .extensions()
+                .get::<IdempotencyKey>()
+                .is_some_and(IdempotencyKey::is_guarded)
         {
             return pass_through(self.inner.call(req));
         }
@@ -404,8 +407,7 @@ where
 
     parts
         .extensions
-        .insert(IdempotencyKey::new(scope, Arc::<str>::from(key)));
-    parts.extensions.insert(crate::key::Guarded);
+        .insert(IdempotencyKey::guarding(scope, Arc::<str>::from(key)));
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
@@ -686,16 +688,23 @@ where
     let mut body = Box::pin(body);
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut len = 0;
-    let (limit, ends_by) = (
-        config.response_body_limit,
-        tokio::time::Instant::now() + config.response_body_timeout,
-    );
+    let limit = config.response_body_limit;
+    let ends_by = tokio::time::Instant::now() + config.response_body_timeout;
+    // A timer only for a body that has to wait: most bodies are ready at once.
+    let mut deadline: Option<Pin<Box<tokio::time::Sleep>>> = None;
     loop {
-        let frame = match tokio::time::timeout_at(ends_by, body.frame()).await {
-            Ok(Some(Ok(frame))) => frame,
-            Ok(Some(Err(e))) => return Produced::BodyFailed(e.into()),
-            Ok(None) => break,
-            Err(_) => {
+        let next = std::future::poll_fn(|cx| {
+            if let Poll::Ready(frame) = body.as_mut().poll_frame(cx) {
+                return Poll::Ready(Some(frame));
+            }
+            let timer = deadline.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(ends_by)));
+            timer.as_mut().poll(cx).map(|()| None)
+        });
+        let frame = match next.await {
+            Some(Some(Ok(frame))) => frame,
+            Some(Some(Err(e))) => return Produced::BodyFailed(e.into()),
+            Some(None) => break,
+            None => {
                 let read = concat(chunks, len);
                 return Produced::Unbuffered(parts, read, body, Unbuffered::TooSlow);
             }

@@ -136,6 +136,7 @@ macro_rules! layer_suite {
             #[tokio::test]
             async fn a_layer_inside_another_passes_the_guarded_request_through() {
                 let (layer, store, _g) = layer().await;
+                let store_of_inner = store.clone();
                 // A key required on one route, under a layer for the whole router.
                 let (inner, counter) = app(IdempotencyLayer::new(store).require_key(true));
                 let router = inner.layer(layer);
@@ -150,6 +151,18 @@ macro_rules! layer_suite {
                 let keyless = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
                 assert_eq!(keyless.status, 400);
                 assert_eq!(keyless.problem(), "key-missing");
+                assert_eq!(counter.runs(), 1);
+                // A key some other middleware put in the request is no layer's claim.
+                let (alone, counter) = app(IdempotencyLayer::new(store_of_inner));
+                let mut planted = post("k2", "{}");
+                planted
+                    .extensions_mut()
+                    .insert(tower_idempotency::IdempotencyKey::new(
+                        Scope::anonymous(),
+                        "k2",
+                    ));
+                let r = send(&alone, planted).await;
+                assert_eq!(r.outcome, Some(Outcome::Executed));
                 assert_eq!(counter.runs(), 1);
             }
 
