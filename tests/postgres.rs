@@ -819,3 +819,41 @@ fn a_test_schema_is_dropped_with_a_transaction_left_open_in_it() {
     });
     assert_eq!(left, 0, "schema {name} was left behind");
 }
+
+/// A pending migration that must lock the table gives up at its lock timeout and
+/// applies nothing, rather than wait behind a long transaction on the table with every
+/// claim queued behind its lock request; run again later, it applies.
+#[tokio::test]
+async fn a_migration_that_cannot_lock_the_table_gives_up_and_applies_nothing() {
+    use tower_idempotency::store::StoreErrorKind;
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let versions = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys_migrations WHERE version = 2",
+        schema.name
+    );
+    // Migration 2, an ALTER TABLE, pending again.
+    schema
+        .query(&format!(
+            "DELETE FROM \"{}\".idempotency_keys_migrations WHERE version = 2",
+            schema.name
+        ))
+        .await;
+    let reader = begin(&format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys",
+        schema.name
+    ))
+    .await;
+    let migrated = tokio::time::timeout(Duration::from_secs(60), store.migrate())
+        .await
+        .expect("the migration gave up by itself");
+    let error = migrated.expect_err("the table was locked");
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    assert_eq!(schema.query(&versions).await[0].get::<_, i64>(0), 0);
+    reader.batch_execute("ROLLBACK").await.unwrap();
+    store
+        .migrate()
+        .await
+        .expect("applies once the table is quiet");
+    assert_eq!(schema.query(&versions).await[0].get::<_, i64>(0), 1);
+}

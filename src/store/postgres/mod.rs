@@ -39,6 +39,9 @@ const MIGRATIONS: &[(i32, &str)] = &[
 /// An advisory lock id shared by every process migrating this crate's tables.
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
 
+/// How long a migration waits to lock the table (see `migrate`).
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How long a statement waits for a connection from a pool that sets no wait timeout.
 const POOL_WAIT: Duration = Duration::from_secs(5);
 
@@ -680,6 +683,11 @@ impl PostgresStore {
     /// Safe to run from several processes at once: migrations are serialised by a
     /// transaction-scoped advisory lock, in a read committed transaction whatever the
     /// database's default isolation, and recorded in `<table>_migrations`.
+    ///
+    /// A migration that must lock the table waits at most 5 s for it (`lock_timeout`),
+    /// then fails with a [`Timeout`](crate::store::StoreErrorKind::Timeout) and applies
+    /// nothing: waiting on, behind a long transaction on the table, it would hold up
+    /// every claim queued behind its lock request. Run it again when the table is quiet.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut client = pooled(&self.pool).await?;
         // Read committed whatever the database's default: a replica that waited on the
@@ -695,6 +703,14 @@ impl PostgresStore {
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
             .await
             .map_err(classify)?;
+        // Set once the advisory lock is held: replicas wait for each other's migrations
+        // as long as they take, but none waits long on the table itself.
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {}",
+            MIGRATION_LOCK_TIMEOUT.as_millis()
+        ))
+        .await
+        .map_err(classify)?;
         tx.batch_execute(&format!(
             "CREATE SCHEMA IF NOT EXISTS \"{}\";
              CREATE TABLE IF NOT EXISTS {} (
