@@ -7,7 +7,8 @@
 //! The service is a function from `Request<Full<Bytes>>` to `Response<Full<Bytes>>`,
 //! wrapped with `tower::ServiceBuilder`. The layer needs a request body it can rebuild
 //! from bytes (`ReqBody: From<Bytes>`), so each hyper request's body is read (up to a
-//! limit) into a `Full<Bytes>` before the service is called.
+//! limit) into a `Full<Bytes>` before the service is called; a larger one gets the
+//! layer's `413 body-too-large` problem document.
 //!
 //! The store is in memory, unless `DATABASE_URL` is set: then it is PostgreSQL (the
 //! table `public.idempotency_keys`, created on start), shared by every process that
@@ -25,12 +26,13 @@ use std::{
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full, Limited, combinators::BoxBody};
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
 use hyper_util::rt::TokioIo;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_idempotency::{
     BoxError, IdempotencyKey, IdempotencyLayer,
+    rejection::Problem,
     store::{MemoryStore, Store},
 };
 
@@ -84,7 +86,15 @@ async fn main() -> Result<(), Box<dyn Error>> {
     println!("  curl -i http://{addr}/jobs");
 
     loop {
-        let (stream, _) = listener.accept().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            // Out of file descriptors, say: the server goes on once some are free.
+            Err(e) => {
+                eprintln!("accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let service = service.clone();
         tokio::spawn(async move {
             // hyper calls this for each request on the connection.
@@ -100,17 +110,31 @@ async fn main() -> Result<(), Box<dyn Error>> {
 }
 
 /// Adapts a hyper request to the Tower service: reads hyper's `Incoming` body into a
-/// `Full<Bytes>` (up to [`BODY_LIMIT`]; past it hyper closes the connection), then
-/// calls `service` with the request.
-async fn read_and_call<S>(service: S, req: Request<Incoming>) -> Result<S::Response, BoxError>
+/// `Full<Bytes>` (up to [`BODY_LIMIT`]: past it, `413 body-too-large`), then calls
+/// `service` with the request.
+async fn read_and_call<S, B>(
+    service: S,
+    req: Request<Incoming>,
+) -> Result<Response<BoxBody<Bytes, BoxError>>, BoxError>
 where
-    S: Service<Request<Full<Bytes>>, Error = Infallible>,
+    S: Service<Request<Full<Bytes>>, Response = Response<B>, Error = Infallible>,
+    B: http_body::Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
 {
     let (parts, body) = req.into_parts();
-    let body = Limited::new(body, BODY_LIMIT).collect().await?.to_bytes();
-    Ok(service
+    let body = match Limited::new(body, BODY_LIMIT).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            let detail = format!("the request body is over the limit of {BODY_LIMIT} bytes");
+            let res = Problem::BodyTooLarge.response(&detail);
+            return Ok(res.map(|b| Full::new(b).map_err(|e| match e {}).boxed()));
+        }
+        Err(e) => return Err(e),
+    };
+    let res = service
         .oneshot(Request::from_parts(parts, Full::new(body)))
-        .await?)
+        .await?;
+    Ok(res.map(|b| b.map_err(Into::into).boxed()))
 }
 
 /// The store: PostgreSQL when `DATABASE_URL` is set, otherwise in memory.
