@@ -201,13 +201,23 @@ fn parse_sf_string(value: &[u8], offset: usize) -> Result<String, KeyError> {
 /// assert_eq!(key.derive("psp"), key.derive("psp"));
 /// assert_ne!(key.derive("psp"), key.derive("broker"));
 /// ```
-#[derive(Clone)]
 pub struct IdempotencyKey {
     key: Arc<str>,
     scope: Scope,
-    /// Put in the request by a layer that guards it: a layer inside that one lets the
-    /// request through. Not part of the key's identity.
+    /// Set only on the key a layer puts in the request it guards: a layer inside that
+    /// one lets the request through. Not part of the key's identity, and not cloned:
+    /// a copy passed to another request (a call to an inner service) is guarded anew.
     guarded: bool,
+}
+
+impl Clone for IdempotencyKey {
+    fn clone(&self) -> Self {
+        Self {
+            key: self.key.clone(),
+            scope: self.scope.clone(),
+            guarded: false,
+        }
+    }
 }
 
 impl PartialEq for IdempotencyKey {
@@ -319,7 +329,7 @@ mod extract {
         fn into_response(self) -> Response {
             let res = if self.unguarded {
                 tracing::error!(
-                    "a handler that takes an IdempotencyKey got a keyed request no IdempotencyLayer guarded; is the layer in front of the route, for its method?"
+                    "a handler that takes an IdempotencyKey got a request no IdempotencyLayer guarded; is the layer in front of the route, for its method?"
                 );
                 Problem::HandlerFailed.response(
                     "this handler needs its request guarded by the idempotency layer, and none guarded it; nothing was processed",
@@ -371,6 +381,17 @@ mod tests {
     fn ok(field: &[u8]) -> String {
         parse_key(field)
             .unwrap_or_else(|e| panic!("{:?} rejected: {e}", String::from_utf8_lossy(field)))
+    }
+
+    #[test]
+    fn a_copy_of_a_guarded_key_is_the_same_key_and_not_guarded() {
+        let guarded = IdempotencyKey::guarding(Scope::new("s"), Arc::from("k"));
+        assert!(guarded.is_guarded());
+        let copy = guarded.clone();
+        // Passed to another request, the copy is for the layers there to guard.
+        assert!(!copy.is_guarded());
+        assert_eq!(copy, guarded);
+        assert_eq!(copy, IdempotencyKey::new(Scope::new("s"), "k"));
     }
 
     #[test]

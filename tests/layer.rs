@@ -697,6 +697,14 @@ mod extractors {
             assert_eq!(r.status, 500);
             assert_eq!(r.problem(), "handler-failed");
         }
+        // A route behind no layer at all, keyless.
+        let bare = Router::new().route(
+            "/payments",
+            post(|key: IdempotencyKey| async move { key.to_string() }),
+        );
+        let r = send(&bare, req("POST").body(Body::from("{}")).unwrap()).await;
+        assert_eq!(r.status, 500);
+        assert_eq!(r.problem(), "handler-failed");
     }
 
     #[tokio::test]

@@ -44,11 +44,12 @@ type Id = (Scope, Arc<str>);
 #[derive(Default)]
 struct Inner {
     records: HashMap<Id, Record>,
-    /// When each record may next be free, earliest first, with the token of the claim
-    /// that made it. A record's own entry is the one at its `due_at` with its token;
-    /// others are stale (the record went, was claimed afresh or taken over, or its time
-    /// moved earlier and got an entry of its own). When its entry comes due, a record
-    /// is removed if it is free, or its entry put back for its new, later time.
+    /// When the sweep is next to look at each record, earliest first, with the token
+    /// of the claim that made it. A record's own entry is the one at its `due_at` with
+    /// its token; others are stale (the record went, was claimed afresh or taken over,
+    /// or its time moved earlier and got an entry of its own), and are dropped when
+    /// they come due, or all at once when they outnumber the records. When its entry
+    /// comes due, a record is removed if it is free, or its entry put back for later.
     due: BinaryHeap<Reverse<(Instant, i64, Id)>>,
 }
 
@@ -73,6 +74,18 @@ impl Inner {
                 r.due_at = at;
                 self.due.push(Reverse((at, r.token, id.clone())));
             }
+        }
+    }
+
+    /// Drops the stale entries once they outnumber the records (released claims under
+    /// a long lease, say), so that the heap stays within a few times the records held.
+    fn compact(&mut self) {
+        if self.due.len() > 2 * self.records.len() + SWEPT_PER_CLAIM {
+            self.due = self
+                .records
+                .iter()
+                .map(|(id, r)| Reverse((r.due_at, r.token, id.clone())))
+                .collect();
         }
     }
 
@@ -191,6 +204,7 @@ impl MemoryStore {
         let now = Instant::now();
         let mut inner = self.lock();
         inner.sweep(now, SWEPT_PER_CLAIM, usize::MAX);
+        inner.compact();
         let id = (req.scope.clone(), Arc::<str>::from(req.key));
         let new_record = |token| Record {
             fingerprint: req.fingerprint,
@@ -417,6 +431,26 @@ mod tests {
         assert_eq!(rt.block_on(store.purge(100)).unwrap(), 0);
         // Their entries were due at their lease's end, not their TTL's: gone.
         assert_eq!(store.lock().due.len(), 0);
+    }
+
+    #[test]
+    fn released_claims_under_a_long_lease_do_not_pile_up() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let store = MemoryStore::new();
+        let scope = Scope::anonymous();
+        let long = Duration::from_secs(3600);
+        for i in 0..1000 {
+            let held = acquire(&store, &request(&scope, &format!("k{i}"), long, long));
+            assert!(rt.block_on(store.release(&held)).unwrap());
+        }
+        let inner = store.lock();
+        assert!(
+            inner.due.len() <= 2 * inner.records.len() + SWEPT_PER_CLAIM + 1,
+            "{}",
+            inner.due.len()
+        );
     }
 
     #[test]

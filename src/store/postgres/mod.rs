@@ -91,11 +91,14 @@ impl Drop for Checkout {
         if let Some(conn) = self.0.take() {
             // The server does not notice a closed connection while a statement waits
             // (on a lock, say): it is told to cancel it, or it would wait on, holding
-            // a backend, for as long as the statement's own bound allows.
+            // a backend, for as long as the statement's own bound allows. Over plain
+            // TCP (docs/security.md says what that means for TLS pools).
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let cancel = conn.cancel_token();
                 runtime.spawn(async move {
-                    let _ = cancel.cancel_query(NoTls).await;
+                    if let Err(e) = cancel.cancel_query(NoTls).await {
+                        tracing::debug!(error = %e, "could not cancel an abandoned statement");
+                    }
                 });
             }
             drop(deadpool_postgres::Object::take(conn));
