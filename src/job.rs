@@ -314,7 +314,7 @@ impl JobRunner {
     ) -> Result<JobOutcome, JobError<E>> {
         let renewing = crate::service::Renewing::Work;
         let joined =
-            crate::service::renew_while(&*self.store, &lease, self.lease, renewing, task).await;
+            crate::service::renew_while(&self.store, &lease, self.lease, renewing, task).await;
         match joined {
             Ok(Ok(result)) => {
                 // As the layer stores a response: renewed while the first attempt runs,

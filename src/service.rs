@@ -755,14 +755,7 @@ where
 {
     // Polled inline, not spawned: no second task to hand the result over.
     let handler = run_inner(inner, req, &config);
-    let produced = renew_while(
-        &*config.store,
-        &lease,
-        config.lease,
-        Renewing::Work,
-        handler,
-    )
-    .await;
+    let produced = renew_while(&config.store, &lease, config.lease, Renewing::Work, handler).await;
     match produced {
         Produced::ServiceFailed(e) => {
             release(&config, &lease).await;
@@ -817,7 +810,7 @@ pub(crate) enum Renewing {
 /// The handler is polled all along, a renewal in flight included: a slow or stalled
 /// store delays the renewal, never the handler.
 pub(crate) async fn renew_while<F: Future>(
-    store: &dyn crate::store::Store,
+    store: &Arc<dyn crate::store::Store>,
     lease: &Lease,
     duration: Duration,
     renewing: Renewing,
@@ -827,11 +820,17 @@ pub(crate) async fn renew_while<F: Future>(
     let period = duration / 3;
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut renewal: Option<BoxFuture<'_, Result<Result<bool, crate::store::StoreError>, _>>> =
-        None;
+    let mut renewal: Option<Renewal> = None;
     let mut lost = false;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(output) = handler.as_mut().poll(cx) {
+            // A renewal on its way finishes on its own: dropped, it would close (and
+            // cancel on) a connection that is fine.
+            if let (Some(running), Ok(runtime)) =
+                (renewal.take(), tokio::runtime::Handle::try_current())
+            {
+                drop(runtime.spawn(running));
+            }
             return Poll::Ready(output);
         }
         loop {
@@ -862,14 +861,18 @@ pub(crate) async fn renew_while<F: Future>(
             if lost || ticker.poll_tick(cx).is_pending() {
                 return Poll::Pending;
             }
-            renewal = Some(Box::pin(tokio::time::timeout(
-                period,
-                store.renew(lease, duration),
-            )));
+            let (store, lease) = (store.clone(), lease.clone());
+            renewal = Some(Box::pin(async move {
+                tokio::time::timeout(period, store.renew(&lease, duration)).await
+            }));
         }
     })
     .await
 }
+
+/// A lease renewal on its way, bounded by the renewal period.
+type Renewal =
+    BoxFuture<'static, Result<Result<bool, crate::store::StoreError>, tokio::time::error::Elapsed>>;
 
 /// What storing a result needs: the store, and the lease, timeout and TTL to store it
 /// with (the layer's, or a `JobRunner`'s).
@@ -917,7 +920,7 @@ impl Storing {
         // A slow store must not let the lease lapse under a result about to be stored:
         // a retry would take the key over and run the handler again.
         let first = self.try_complete(lease, &stored, 1);
-        if renew_while(&*self.store, lease, self.lease, Renewing::Completion, first).await {
+        if renew_while(&self.store, lease, self.lease, Renewing::Completion, first).await {
             return;
         }
         let (this, lease) = (self.clone(), lease.clone());

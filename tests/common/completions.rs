@@ -29,6 +29,8 @@ pub enum Completion {
     AnsweredLate(Duration),
     /// Completions reach the store at once; claims after this long.
     SlowClaim(Duration),
+    /// Renewals reach the store after this long; the rest at once.
+    SlowRenew(Duration),
     /// Everything reaches the store as it is (for a store that only counts).
     Unaltered,
 }
@@ -47,6 +49,7 @@ pub struct Counts {
     calls: AtomicUsize,
     deleted: AtomicU64,
     registrations: AtomicUsize,
+    renewals: AtomicUsize,
 }
 
 #[allow(dead_code)] // not every test binary reads every count
@@ -54,6 +57,11 @@ impl Counts {
     /// Waiters registered (the store answered).
     pub fn registrations(&self) -> usize {
         self.registrations.load(Ordering::SeqCst)
+    }
+
+    /// Renewals the store answered.
+    pub fn renewals(&self) -> usize {
+        self.renewals.load(Ordering::SeqCst)
     }
 
     /// Purges that returned.
@@ -89,13 +97,22 @@ impl AlteredCompletions {
         (store, releases)
     }
 
-    /// `inner` unaltered, and what went through it: purges, registrations.
+    /// `inner` unaltered, and what went through it: purges, registrations, renewals.
     #[allow(dead_code)] // not every test binary counts
     pub fn counting(inner: Arc<dyn Store>) -> (Arc<dyn Store>, Arc<Counts>) {
+        Self::counting_with(inner, Completion::Unaltered)
+    }
+
+    /// [`around`](Self::around), and what went through it.
+    #[allow(dead_code)] // not every test binary counts
+    pub fn counting_with(
+        inner: Arc<dyn Store>,
+        completion: Completion,
+    ) -> (Arc<dyn Store>, Arc<Counts>) {
         let counts = Arc::new(Counts::default());
         let store = Arc::new(Self {
             inner,
-            completion: Completion::Unaltered,
+            completion,
             attempts: AtomicUsize::new(0),
             releases: Arc::default(),
             counts: counts.clone(),
@@ -144,6 +161,7 @@ impl Store for AlteredCompletions {
             Completion::FailingFirst(_)
             | Completion::SlowRelease(_)
             | Completion::SlowClaim(_)
+            | Completion::SlowRenew(_)
             | Completion::Unaltered => self.inner.complete(lease, response, ttl),
             Completion::AnsweredLate(delay) => Box::pin(async move {
                 let landed = self.inner.complete(lease, response, ttl).await;
@@ -198,6 +216,15 @@ impl Store for AlteredCompletions {
         lease: &'a Lease,
         duration: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.renew(lease, duration)
+        let delay = match self.completion {
+            Completion::SlowRenew(delay) => delay,
+            _ => Duration::ZERO,
+        };
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            let renewed = self.inner.renew(lease, duration).await;
+            self.counts.renewals.fetch_add(1, Ordering::SeqCst);
+            renewed
+        })
     }
 }

@@ -661,6 +661,25 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_renewal_on_its_way_when_the_handler_ends_is_not_cut_short() {
+                let (_layer, store, _g) = layer().await;
+                // Renewed every second, each renewal taking 0.8 s: the handler, 1.3 s
+                // long, ends while its first renewal is on its way.
+                let (store, counts) = AlteredCompletions::counting_with(
+                    store,
+                    Completion::SlowRenew(Duration::from_millis(800)),
+                );
+                let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(3));
+                let (router, counter) = app(layer);
+                let r = send(&router, post_with_headers("k", &[("x-delay-ms", "1300")])).await;
+                assert_eq!(r.status, 201);
+                assert_eq!(counts.renewals(), 0, "the renewal was not on its way");
+                // It still reaches the store (dropped, it would close its connection).
+                eventually(|| counts.renewals() == 1).await;
+                assert_eq!(counter.runs(), 1);
+            }
+
             #[tokio::test]
             async fn a_slow_completion_keeps_its_lease() {
                 let (_layer, store, _g) = layer().await;
