@@ -201,38 +201,10 @@ fn parse_sf_string(value: &[u8], offset: usize) -> Result<String, KeyError> {
 /// assert_eq!(key.derive("psp"), key.derive("psp"));
 /// assert_ne!(key.derive("psp"), key.derive("broker"));
 /// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey {
     key: Arc<str>,
     scope: Scope,
-    /// Set only on the key a layer puts in the request it guards: a layer inside that
-    /// one lets the request through. Not part of the key's identity, and not cloned:
-    /// a copy passed to another request (a call to an inner service) is guarded anew.
-    guarded: bool,
-}
-
-impl Clone for IdempotencyKey {
-    fn clone(&self) -> Self {
-        Self {
-            key: self.key.clone(),
-            scope: self.scope.clone(),
-            guarded: false,
-        }
-    }
-}
-
-impl PartialEq for IdempotencyKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.key == other.key && self.scope == other.scope
-    }
-}
-
-impl Eq for IdempotencyKey {}
-
-impl std::hash::Hash for IdempotencyKey {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.key.hash(state);
-        self.scope.hash(state);
-    }
 }
 
 impl IdempotencyKey {
@@ -241,22 +213,7 @@ impl IdempotencyKey {
         Self {
             key: key.into(),
             scope,
-            guarded: false,
         }
-    }
-
-    /// The key of a request a layer guards, for its extensions.
-    pub(crate) fn guarding(scope: Scope, key: Arc<str>) -> Self {
-        Self {
-            key,
-            scope,
-            guarded: true,
-        }
-    }
-
-    /// Whether a layer put it in the request it guards.
-    pub(crate) fn is_guarded(&self) -> bool {
-        self.guarded
     }
 
     /// The key as the client sent it (the sf-string's value).
@@ -298,6 +255,13 @@ impl fmt::Display for IdempotencyKey {
         f.write_str(&self.key)
     }
 }
+
+/// Left in a request's extensions by the layer that guards it, beside its
+/// [`IdempotencyKey`]: a layer inside that one lets the request through, and so it does
+/// a copy of the request (a retry or a mirror in between clones its extensions). A copy
+/// of the key alone, passed to another request, does not carry it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Guarded;
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried
 /// a key: the extractors tell a client without a key from a route no layer guards.
@@ -381,17 +345,6 @@ mod tests {
     fn ok(field: &[u8]) -> String {
         parse_key(field)
             .unwrap_or_else(|e| panic!("{:?} rejected: {e}", String::from_utf8_lossy(field)))
-    }
-
-    #[test]
-    fn a_copy_of_a_guarded_key_is_the_same_key_and_not_guarded() {
-        let guarded = IdempotencyKey::guarding(Scope::new("s"), Arc::from("k"));
-        assert!(guarded.is_guarded());
-        let copy = guarded.clone();
-        // Passed to another request, the copy is for the layers there to guard.
-        assert!(!copy.is_guarded());
-        assert_eq!(copy, guarded);
-        assert_eq!(copy, IdempotencyKey::new(Scope::new("s"), "k"));
     }
 
     #[test]

@@ -201,10 +201,7 @@ where
         // guarded again, it would find its own claim running and answer 409, which the
         // outer layer would store.
         if !config.methods.contains(req.method())
-            || req
-                .extensions()
-                .get::<IdempotencyKey>()
-                .is_some_and(IdempotencyKey::is_guarded)
+            || req.extensions().get::<crate::key::Guarded>().is_some()
         {
             return pass_through(self.inner.call(req));
         }
@@ -407,7 +404,8 @@ where
 
     parts
         .extensions
-        .insert(IdempotencyKey::guarding(scope, Arc::<str>::from(key)));
+        .insert(IdempotencyKey::new(scope, Arc::<str>::from(key)));
+    parts.extensions.insert(crate::key::Guarded);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.

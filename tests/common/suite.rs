@@ -152,6 +152,21 @@ macro_rules! layer_suite {
                 assert_eq!(keyless.status, 400);
                 assert_eq!(keyless.problem(), "key-missing");
                 assert_eq!(counter.runs(), 1);
+                // Nor does a copy of the request between the two (a retry, a mirror)
+                // meet its own claim.
+                let copying = |req: axum::extract::Request| async move {
+                    let (parts, body) = req.into_parts();
+                    axum::extract::Request::from_parts(parts.clone(), body)
+                };
+                let (inner, counter) = app(IdempotencyLayer::new(store_of_inner.clone()));
+                let router = inner
+                    .layer(axum::middleware::map_request(copying))
+                    .layer(IdempotencyLayer::new(store_of_inner.clone()));
+                let first = send(&router, post("k3", "{}")).await;
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let again = send(&router, post("k3", "{}")).await;
+                assert_eq!(again.outcome, Some(Outcome::Replayed));
+                assert_eq!(counter.runs(), 1);
                 // A key some other middleware put in the request is no layer's claim.
                 let (alone, counter) = app(IdempotencyLayer::new(store_of_inner));
                 let mut planted = post("k2", "{}");
