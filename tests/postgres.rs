@@ -849,6 +849,10 @@ async fn a_migration_that_cannot_lock_the_table_gives_up_and_applies_nothing() {
         .expect("the migration gave up by itself");
     let error = migrated.expect_err("the table was locked");
     assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    assert!(
+        error.to_string().contains("migration 2 could not lock"),
+        "{error}"
+    );
     assert_eq!(schema.query(&versions).await[0].get::<_, i64>(0), 0);
     reader.batch_execute("ROLLBACK").await.unwrap();
     store

@@ -39,8 +39,23 @@ const MIGRATIONS: &[(i32, &str)] = &[
 /// An advisory lock id shared by every process migrating this crate's tables.
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_6f74; // "tidempot"
 
-/// How long a migration waits to lock the table (see `migrate`).
-const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a migration waits to lock the table, and how many times it tries (see
+/// `migrate`).
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+const MIGRATION_ATTEMPTS: u32 = 3;
+
+/// Why an attempt to migrate failed.
+enum Migration {
+    /// This migration could not lock the table within `MIGRATION_LOCK_TIMEOUT`.
+    TableBusy(i32),
+    Failed(StoreError),
+}
+
+impl From<StoreError> for Migration {
+    fn from(e: StoreError) -> Self {
+        Self::Failed(e)
+    }
+}
 
 /// How long a statement waits for a connection from a pool that sets no wait timeout.
 const POOL_WAIT: Duration = Duration::from_secs(5);
@@ -687,11 +702,39 @@ impl PostgresStore {
     /// transaction-scoped advisory lock, in a read committed transaction whatever the
     /// database's default isolation, and recorded in `<table>_migrations`.
     ///
-    /// A migration that must lock the table waits at most 5 s for it (`lock_timeout`),
-    /// then fails with a [`Timeout`](crate::store::StoreErrorKind::Timeout) and applies
-    /// nothing: waiting on, behind a long transaction on the table, it would hold up
-    /// every claim queued behind its lock request. Run it again when the table is quiet.
+    /// A migration that must lock the table waits at most 1 s for it (`lock_timeout`),
+    /// well within the claims' store timeout, and is tried three times, a second or two
+    /// apart; then it fails with a [`Timeout`](crate::store::StoreErrorKind::Timeout)
+    /// that says so, and applies nothing. Waiting on behind a long transaction on the
+    /// table, it would hold up every claim queued behind its lock request. Run it again
+    /// when the table is quiet.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut attempt = 1;
+        loop {
+            match self.migrate_once().await {
+                Err(Migration::TableBusy(_)) if attempt < MIGRATION_ATTEMPTS => {
+                    attempt += 1;
+                    let wait = 1000 + super::random_u64() % 1000;
+                    tokio::time::sleep(Duration::from_millis(wait)).await;
+                }
+                Err(Migration::TableBusy(version)) => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        format!(
+                            "migration {version} could not lock {} within {} ms, {MIGRATION_ATTEMPTS} times: a long transaction holds the table; nothing was applied, run migrate() again when the table is quiet",
+                            self.sql.qualified,
+                            MIGRATION_LOCK_TIMEOUT.as_millis()
+                        ),
+                    ));
+                }
+                Err(Migration::Failed(e)) => return Err(e),
+                Ok(()) => return Ok(()),
+            }
+        }
+    }
+
+    /// One attempt of [`migrate`](Self::migrate), in one transaction.
+    async fn migrate_once(&self) -> Result<(), Migration> {
         let mut client = pooled(&self.pool).await?;
         // Read committed whatever the database's default: a replica that waited on the
         // lock must see the versions the one before it applied. Under repeatable read or
@@ -741,7 +784,13 @@ impl PostgresStore {
                 .replace("{{table}}", &self.sql.qualified)
                 .replace("{{expires_index}}", &self.sql.expires_index)
                 .replace("{{claim_function}}", &self.sql.claim_function);
-            tx.batch_execute(&sql).await.map_err(classify)?;
+            tx.batch_execute(&sql).await.map_err(|e| {
+                if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                    Migration::TableBusy(*version)
+                } else {
+                    Migration::Failed(classify(e))
+                }
+            })?;
             tx.execute(
                 &format!(
                     "INSERT INTO {} (version) VALUES ($1)",
@@ -752,7 +801,7 @@ impl PostgresStore {
             .await
             .map_err(classify)?;
         }
-        tx.commit().await.map_err(classify)
+        Ok(tx.commit().await.map_err(classify)?)
     }
 
     /// Deletes up to `batch` expired records; returns how many. Run it in a loop (or on
