@@ -20,7 +20,7 @@ use std::{
 use bytes::Bytes;
 use tower_idempotency::{
     Scope,
-    job::{JobContext, JobOutcome, JobRunner},
+    job::{JobContext, JobError, JobOutcome, JobRunner},
     store::{MemoryStore, PostgresStore},
 };
 
@@ -115,14 +115,19 @@ async fn main() -> Result<(), Error> {
                 skipped += 1;
                 println!("{id}: duplicate delivery, already applied");
             }
-            Ok((id, JobOutcome::Running { .. })) => {
+            Ok((id, JobOutcome::Running { retry_after })) => {
+                // Not done yet: do not ack. The worker applying it may still fail and
+                // release it; a broker redelivers this copy after `retry_after`.
                 busy += 1;
-                println!("{id}: duplicate delivery while another worker applies it");
+                println!("{id}: duplicate delivery while another worker applies it; nack, redeliver in {retry_after:?}");
             }
-            Err(e) => println!("delivery failed, will be redelivered: {e}"),
+            // The producer sent another payload under this id: no redelivery can apply
+            // it. A real consumer dead-letters it.
+            Err(JobError::Mismatch) => println!("delivery with another payload under a used id: dead-letter it"),
+            Err(e) => println!("delivery failed, nack it to be redelivered: {e}"),
         }
     }
-    println!("applied {applied}, skipped {skipped} duplicates, {busy} in progress elsewhere");
+    println!("applied {applied}, skipped {skipped} duplicates, {busy} nacked while in progress elsewhere");
     // Before exiting: wait for any result still being stored in the background, so that
     // no key is left claimed until its lease lapses.
     runner.shutdown_handle().drain().await;

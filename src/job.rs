@@ -78,16 +78,22 @@ pub enum JobOutcome {
     Ran(Bytes),
     /// The work had already run; this is its stored result.
     AlreadyDone(Bytes),
-    /// Another worker is running it now; try again later. (In transactional mode: the
-    /// other worker's transaction held the key past the runner's `lock_timeout`.)
+    /// Another worker is running it now: do not acknowledge the message; deliver it
+    /// again later (that worker may still fail and release the key). In transactional
+    /// mode: the other worker's transaction held the key past the runner's
+    /// `lock_timeout`.
     Running {
-        /// Time left on that worker's lease.
+        /// Time left on that worker's lease (transactional mode: 1 s).
         retry_after: Duration,
     },
 }
 
-/// Why a [`JobRunner::run`] failed. In every case the work either did not run or its
-/// claim was released (transactional mode: rolled back), so a later delivery runs it.
+/// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
+/// redelivery can fix, the work either did not run, or its claim was released
+/// (transactional mode: rolled back), or it may have committed ([`NotCommitted`]
+/// when the check could not tell): a later delivery runs it, or finds it done.
+///
+/// [`NotCommitted`]: Self::NotCommitted
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum JobError<E> {
@@ -98,7 +104,8 @@ pub enum JobError<E> {
     Panicked,
     /// The key was already used with a different input.
     Mismatch,
-    /// The store could not be reached; the work did not run.
+    /// The store failed (unreachable, slow, or in a state the runner cannot use: its
+    /// [`kind`](StoreError::kind) says which); the work did not run.
     Store(StoreError),
     /// The runner's [`shutdown_handle`](JobRunner::shutdown_handle) is closed: nothing
     /// was claimed, and the work did not run. Leave the message for another consumer.
@@ -218,7 +225,10 @@ impl JobRunner {
     /// cancel work that has started. In lease mode it runs to the end, with its lease
     /// renewed, and its result is stored (or its key released), so a redelivery gets
     /// [`JobOutcome::AlreadyDone`]; in transactional mode its transaction is rolled back
-    /// when the work ends, and a redelivery runs it anew.
+    /// when the work ends, and a redelivery runs it anew, so a work that always outlasts
+    /// its caller's timeout never completes there. Nothing bounds the work itself: a
+    /// work that hangs is renewed, and holds its key, for as long as it hangs; bound
+    /// the calls it makes.
     ///
     /// The run, and what it leaves running, is in a `job` tracing span with the key.
     pub async fn run<F, Fut, E>(
@@ -403,26 +413,44 @@ impl JobRunner {
             key,
             transaction: Some(handle),
         };
-        let joined = match started(work, ctx) {
+        let store_timeout = self.store_timeout;
+        let (joined, conn) = match started(work, ctx) {
             Some(work) => {
                 // Counted while it runs, even if the run is dropped and rolls back: a
-                // drain waits for work that may still call other systems.
+                // drain waits for work that may still call other systems. The task
+                // takes the transaction back from the work's handle itself: if the run
+                // was dropped meanwhile, the connection is dropped with the task's
+                // output, which rolls back, whatever copies of the handle live on.
                 let counted = in_flight.clone();
+                let taken = slot.clone();
                 let work = async move {
                     let _counted = counted;
-                    work.await
+                    let result = work.await;
+                    (result, TransactionHandle::take(&taken, store_timeout).await)
                 };
-                tokio::spawn(work.in_current_span()).await
+                match tokio::spawn(work.in_current_span()).await {
+                    Ok((result, conn)) => (Ok(result), conn),
+                    Err(panicked) => (
+                        Err(panicked),
+                        TransactionHandle::take(&slot, store_timeout).await,
+                    ),
+                }
             }
             None => {
-                if let Some(conn) = TransactionHandle::take(&slot, self.store_timeout).await {
+                if let Some(conn) = TransactionHandle::take(&slot, store_timeout).await {
                     rollback(conn).await;
                 }
                 return Err(JobError::Panicked);
             }
         };
-        let Some(conn) = TransactionHandle::take(&slot, self.store_timeout).await else {
-            return Err(JobError::NotCommitted);
+        let Some(conn) = conn else {
+            // The work still held the transaction's client: nothing can be committed.
+            // What became of the work says more than that.
+            return Err(match joined {
+                Ok(Err(e)) => JobError::Failed(e),
+                Err(_) => JobError::Panicked,
+                Ok(Ok(_)) => JobError::NotCommitted,
+            });
         };
         match joined {
             Ok(Ok(result)) => {

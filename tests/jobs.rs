@@ -430,6 +430,79 @@ async fn transactional_a_run_dropped_by_its_caller_rolls_back_and_runs_again() {
     );
 }
 
+/// A transactional run dropped by its caller, whose work left a copy of its
+/// transaction handle in a task that lives on: the transaction still rolls back when the
+/// work ends, and a redelivery runs, instead of finding the key held for as long as the
+/// copy lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_dropped_run_whose_work_kept_its_handle_still_rolls_back() {
+    let schema = TestSchema::new();
+    let runner = JobRunner::transactional(schema.store().await)
+        .lock_timeout(std::time::Duration::from_millis(200));
+    let scope = Scope::new("consumer");
+    let started = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let work = {
+        let (started, gate) = (started.clone(), gate.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            let kept = ctx.transaction.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+                drop(kept);
+            });
+            started.fetch_add(1, Ordering::SeqCst);
+            gate.notified().await;
+            Ok::<_, String>(Bytes::from("first"))
+        }
+    };
+    tokio::select! {
+        _ = runner.run(&scope, "msg-8", b"p", work) => panic!("the work finished before its gate opened"),
+        () = common::eventually(|| started.load(Ordering::SeqCst) == 1) => {}
+    }
+    gate.notify_one();
+    let mut redelivered = None;
+    for _ in 0..100 {
+        let outcome = runner
+            .run(&scope, "msg-8", b"p", |_| async {
+                Ok::<_, String>(Bytes::from("second"))
+            })
+            .await
+            .unwrap();
+        if matches!(outcome, JobOutcome::Running { .. }) {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        } else {
+            redelivered = Some(outcome);
+            break;
+        }
+    }
+    assert_eq!(redelivered, Some(JobOutcome::Ran(Bytes::from("second"))));
+}
+
+/// A work that fails while something it spawned still holds the transaction's client is
+/// reported as failed, not as "not committed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_failed_work_that_kept_its_client_is_reported_failed() {
+    let schema = TestSchema::new();
+    let runner = JobRunner::transactional(schema.store().await)
+        .store_timeout(std::time::Duration::from_millis(300));
+    let scope = Scope::new("consumer");
+    let outcome = runner
+        .run(&scope, "msg-9", b"p", |ctx| async move {
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                drop(client);
+            });
+            Err::<Bytes, _>("the ledger refused".to_owned())
+        })
+        .await;
+    assert!(
+        matches!(&outcome, Err(JobError::Failed(e)) if e == "the ledger refused"),
+        "{outcome:?}"
+    );
+}
+
 /// A work whose `COMMIT` lost its answer with its connection committed all the same: the
 /// runner checks, and reports it ran, so the consumer acknowledges the message instead
 /// of running it again under another key.
