@@ -11,14 +11,17 @@
 //! - a crash, a dropped connection, a handler error or panic, or a response the storage
 //!   policy does not keep rolls everything back, so a retry starts clean;
 //! - a concurrent duplicate's claim waits on the uncommitted row (bounded by
-//!   [`lock_timeout`](crate::IdempotencyLayer::lock_timeout)), then sees the committed
+//!   [`lock_timeout`](crate::IdempotencyLayer::lock_timeout), or by
+//!   [`wait_for_running`](crate::IdempotencyLayer::wait_for_running) if that is
+//!   longer), then sees the committed
 //!   response and replays it, or gets 409 at the bound; one that gets the row after
 //!   [`ShutdownHandle::close`](crate::ShutdownHandle::close) rolls back and answers
 //!   `503 shutting-down`;
 //! - a statement of the handler that fails aborts the transaction: a client error (4xx)
 //!   the handler then answers goes to its client unstored, with nothing committed and
-//!   the key free; any other answer becomes `503 not-committed`. Run a statement that
-//!   may fail under a `SAVEPOINT`, and roll back to it, to keep the transaction usable.
+//!   the key free, and so does an answer the storage policy releases (5xx, 408, 429 by
+//!   default); any other answer becomes `503 not-committed`. Run a statement that may
+//!   fail under a `SAVEPOINT`, and roll back to it, to keep the transaction usable.
 //!
 //! ```no_run
 //! use axum::{Router, http::StatusCode, routing::post};

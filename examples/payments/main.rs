@@ -17,7 +17,8 @@
 //!   notifications received, waiters woken by a notification or by the fallback timer.
 //!
 //! `--mode transactional` (PostgreSQL only) records the payment inside the request's
-//! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms for the
+//! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms (in
+//! transactional mode, at least the 5 s lock timeout) for the
 //! first request instead of answering 409.
 
 mod backend;
