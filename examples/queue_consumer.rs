@@ -119,15 +119,21 @@ async fn main() -> Result<(), Error> {
                 // Not done yet: do not ack. The worker applying it may still fail and
                 // release it; a broker redelivers this copy after `retry_after`.
                 busy += 1;
-                println!("{id}: duplicate delivery while another worker applies it; nack, redeliver in {retry_after:?}");
+                println!(
+                    "{id}: duplicate delivery while another worker applies it; nack, redeliver in {retry_after:?}"
+                );
             }
             // The producer sent another payload under this id: no redelivery can apply
             // it. A real consumer dead-letters it.
-            Err(JobError::Mismatch) => println!("delivery with another payload under a used id: dead-letter it"),
+            Err(JobError::Mismatch) => {
+                println!("delivery with another payload under a used id: dead-letter it")
+            }
             Err(e) => println!("delivery failed, nack it to be redelivered: {e}"),
         }
     }
-    println!("applied {applied}, skipped {skipped} duplicates, {busy} nacked while in progress elsewhere");
+    println!(
+        "applied {applied}, skipped {skipped} duplicates, {busy} nacked while in progress elsewhere"
+    );
     // Before exiting: wait for any result still being stored in the background, so that
     // no key is left claimed until its lease lapses.
     runner.shutdown_handle().drain().await;
