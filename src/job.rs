@@ -90,8 +90,9 @@ pub enum JobOutcome {
 
 /// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
 /// redelivery can fix, the work either did not run, or its claim was released
-/// (transactional mode: rolled back), or it may have committed ([`NotCommitted`]
-/// when the check could not tell): a later delivery runs it, or finds it done.
+/// (transactional mode: rolled back, once anything the work spawned has let go of its
+/// client), or it may have committed ([`NotCommitted`] when the check could not tell):
+/// a later delivery runs it, or finds it done.
 ///
 /// [`NotCommitted`]: Self::NotCommitted
 #[derive(Debug)]
@@ -421,19 +422,18 @@ impl JobRunner {
                 // takes the transaction back from the work's handle itself: if the run
                 // was dropped meanwhile, the connection is dropped with the task's
                 // output, which rolls back, whatever copies of the handle live on.
+                // A panic is caught there too, so that it is taken back then as well.
                 let counted = in_flight.clone();
                 let taken = slot.clone();
                 let work = async move {
                     let _counted = counted;
-                    let result = work.await;
+                    let result = crate::catch_panic::CatchPanic::new(work).await.ok();
                     (result, TransactionHandle::take(&taken, store_timeout).await)
                 };
                 match tokio::spawn(work.in_current_span()).await {
-                    Ok((result, conn)) => (Ok(result), conn),
-                    Err(panicked) => (
-                        Err(panicked),
-                        TransactionHandle::take(&slot, store_timeout).await,
-                    ),
+                    Ok((result, conn)) => (result.ok_or(()), conn),
+                    // The task itself was cancelled (the runtime shutting down).
+                    Err(_) => (Err(()), TransactionHandle::take(&slot, store_timeout).await),
                 }
             }
             None => {

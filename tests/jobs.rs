@@ -436,6 +436,16 @@ async fn transactional_a_run_dropped_by_its_caller_rolls_back_and_runs_again() {
 /// copy lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transactional_a_dropped_run_whose_work_kept_its_handle_still_rolls_back() {
+    a_dropped_run_whose_work_kept_its_handle(false).await;
+}
+
+/// The same, with a work that panics once its run was dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_dropped_run_whose_work_kept_its_handle_and_panicked_rolls_back() {
+    a_dropped_run_whose_work_kept_its_handle(true).await;
+}
+
+async fn a_dropped_run_whose_work_kept_its_handle(panics: bool) {
     let schema = TestSchema::new();
     let runner = JobRunner::transactional(schema.store().await)
         .lock_timeout(std::time::Duration::from_millis(200));
@@ -452,6 +462,9 @@ async fn transactional_a_dropped_run_whose_work_kept_its_handle_still_rolls_back
             });
             started.fetch_add(1, Ordering::SeqCst);
             gate.notified().await;
+            if panics {
+                panic!("the work panicked on purpose");
+            }
             Ok::<_, String>(Bytes::from("first"))
         }
     };
