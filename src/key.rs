@@ -257,11 +257,12 @@ impl fmt::Display for IdempotencyKey {
 }
 
 /// Left in a request's extensions by the layer that guards it, beside its
-/// [`IdempotencyKey`]: a layer inside that one lets the request through, and so it does
-/// a copy of the request (a retry or a mirror in between clones its extensions). A copy
-/// of the key alone, passed to another request, does not carry it.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Guarded;
+/// [`IdempotencyKey`], with the key it claimed: a layer inside that one lets the request
+/// through if it carries that same key, and so it does a copy of the request (a retry or
+/// a mirror in between clones its extensions). A copy of the key alone, or of the
+/// extensions into a request with another key (a call to an inner service), is guarded.
+#[derive(Clone, Debug)]
+pub(crate) struct Guarded(pub(crate) Arc<str>);
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried
 /// a key: the extractors tell a client without a key from a route no layer guards.

@@ -196,13 +196,8 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let config = &self.config;
-        // A request passed through calls the ready instance where it is: no clone. So is
-        // one an outer layer guards already (it carries the key that layer claimed):
-        // guarded again, it would find its own claim running and answer 409, which the
-        // outer layer would store.
-        if !config.methods.contains(req.method())
-            || req.extensions().get::<crate::key::Guarded>().is_some()
-        {
+        // A request passed through calls the ready instance where it is: no clone.
+        if !config.methods.contains(req.method()) {
             return pass_through(self.inner.call(req));
         }
         let mut req = req;
@@ -217,6 +212,16 @@ where
             }
             Err(e) => return answered(reject(Problem::KeyMalformed, &e.to_string())),
         };
+        // So is one an outer layer guards already under this key (a copy of it too):
+        // guarded again, it would find its own claim running and answer 409, which the
+        // outer layer would store.
+        if req
+            .extensions()
+            .get::<crate::key::Guarded>()
+            .is_some_and(|guarded| *guarded.0 == *key)
+        {
+            return pass_through(self.inner.call(req));
+        }
         // A guarded request's future owns an instance of its own (it may finish in a task
         // of its own), and a fresh clone stays for the next call. The ready one is let
         // go, and readiness asked for again later (see `Idempotency`): in `run_inner`,
@@ -402,10 +407,11 @@ where
         Err(answer) => return Ok(answer),
     };
 
+    let key = Arc::<str>::from(key);
     parts
         .extensions
-        .insert(IdempotencyKey::new(scope, Arc::<str>::from(key)));
-    parts.extensions.insert(crate::key::Guarded);
+        .insert(IdempotencyKey::new(scope, key.clone()));
+    parts.extensions.insert(crate::key::Guarded(key));
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.

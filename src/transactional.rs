@@ -566,11 +566,11 @@ where
 
     let (handle, slot) = TransactionHandle::holding(conn);
     parts.extensions.insert(handle);
-    parts.extensions.insert(IdempotencyKey::new(
-        request.scope.clone(),
-        Arc::<str>::from(request.key),
-    ));
-    parts.extensions.insert(crate::key::Guarded);
+    let key = Arc::<str>::from(request.key);
+    parts
+        .extensions
+        .insert(IdempotencyKey::new(request.scope.clone(), key.clone()));
+    parts.extensions.insert(crate::key::Guarded(key));
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.

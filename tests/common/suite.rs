@@ -167,6 +167,22 @@ macro_rules! layer_suite {
                 let again = send(&router, post("k3", "{}")).await;
                 assert_eq!(again.outcome, Some(Outcome::Replayed));
                 assert_eq!(counter.runs(), 1);
+                // A request that carries the guarded one's extensions under another key
+                // (a call to an inner service, say) is guarded under its own.
+                let rekeying = |mut req: axum::extract::Request| async move {
+                    req.headers_mut().insert(
+                        "idempotency-key",
+                        axum::http::HeaderValue::from_static("k4-inner"),
+                    );
+                    req
+                };
+                let (inner, counter) = app(IdempotencyLayer::new(store_of_inner.clone()));
+                let router = inner
+                    .layer(axum::middleware::map_request(rekeying))
+                    .layer(IdempotencyLayer::new(store_of_inner.clone()));
+                let first = send(&router, post("k4", "{}")).await;
+                assert_eq!(first.json()["key"], "k4-inner");
+                assert_eq!(counter.runs(), 1);
                 // A key some other middleware put in the request is no layer's claim.
                 let (alone, counter) = app(IdempotencyLayer::new(store_of_inner));
                 let mut planted = post("k2", "{}");

@@ -712,7 +712,12 @@ impl PostgresStore {
         let mut attempt = 1;
         loop {
             match self.migrate_once().await {
-                Err(Migration::TableBusy(_)) if attempt < MIGRATION_ATTEMPTS => {
+                Err(Migration::TableBusy(version)) if attempt < MIGRATION_ATTEMPTS => {
+                    tracing::warn!(
+                        version,
+                        table = %self.sql.qualified,
+                        "a migration could not lock the table; trying again"
+                    );
                     attempt += 1;
                     let wait = 1000 + super::random_u64() % 1000;
                     tokio::time::sleep(Duration::from_millis(wait)).await;
@@ -749,14 +754,6 @@ impl PostgresStore {
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
             .await
             .map_err(classify)?;
-        // Set once the advisory lock is held: replicas wait for each other's migrations
-        // as long as they take, but none waits long on the table itself.
-        tx.batch_execute(&format!(
-            "SET LOCAL lock_timeout = {}",
-            MIGRATION_LOCK_TIMEOUT.as_millis()
-        ))
-        .await
-        .map_err(classify)?;
         tx.batch_execute(&format!(
             "CREATE SCHEMA IF NOT EXISTS \"{}\";
              CREATE TABLE IF NOT EXISTS {} (
@@ -776,6 +773,15 @@ impl PostgresStore {
             .iter()
             .map(|r| r.get(0))
             .collect();
+        // Set once the advisory lock is held, for the migrations alone: replicas wait
+        // for each other's migrations as long as they take, but none waits long on the
+        // table itself.
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {}",
+            MIGRATION_LOCK_TIMEOUT.as_millis()
+        ))
+        .await
+        .map_err(classify)?;
         for (version, sql) in MIGRATIONS {
             if applied.contains(version) {
                 continue;
