@@ -27,7 +27,8 @@ pin_project! {
     enum Kind<B> {
         Full { bytes: Option<Bytes> },
         Inner { #[pin] body: B },
-        // A response over the storage limit: what was buffered, then the rest.
+        // A response that could not be stored (over the limit, or too slow): what was
+        // buffered, then the rest.
         Prefixed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
     }
 }

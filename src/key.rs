@@ -257,12 +257,18 @@ impl fmt::Display for IdempotencyKey {
 }
 
 /// Left in a request's extensions by the layer that guards it, beside its
-/// [`IdempotencyKey`], with the key it claimed: a layer inside that one lets the request
-/// through if it carries that same key, and so it does a copy of the request (a retry or
-/// a mirror in between clones its extensions). A copy of the key alone, or of the
-/// extensions into a request with another key (a call to an inner service), is guarded.
+/// [`IdempotencyKey`], with the key it claimed and its mode: a layer of the same mode
+/// inside that one lets the request through if it carries that same key, and so it does
+/// a copy of the request (a retry or a mirror in between clones its extensions). A copy
+/// of the key alone, or of the extensions into a request with another key (a call to an
+/// inner service), is guarded; so is the request by a layer of the other mode (a
+/// transactional route inside a router-wide lease-mode layer), which opens the
+/// transaction its handler needs.
 #[derive(Clone, Debug)]
-pub(crate) struct Guarded(pub(crate) Arc<str>);
+pub(crate) struct Guarded {
+    pub(crate) key: Arc<str>,
+    pub(crate) transactional: bool,
+}
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried
 /// a key: the extractors tell a client without a key from a route no layer guards.

@@ -92,6 +92,16 @@ pub(crate) struct Config {
     pub(crate) lock_timeout: Duration,
 }
 
+impl Config {
+    /// Whether requests are guarded in transactional mode.
+    pub(crate) fn is_transactional(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self.transactional.is_some();
+        #[cfg(not(feature = "postgres"))]
+        return false;
+    }
+}
+
 impl IdempotencyLayer {
     /// A layer over `store` with the defaults: POST and PATCH guarded, key optional,
     /// 30 s lease (renewed while the handler runs), 24 h TTL, 1 MiB request and stored

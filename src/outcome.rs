@@ -18,7 +18,8 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Outcome {
-    /// Not a guarded request (method not guarded, or no key and none required).
+    /// Not a guarded request (method not guarded, or no key and none required), or one
+    /// an outer layer of the same mode guards already under the same key.
     PassedThrough,
     /// The key was claimed and the inner service ran; or the request failed on its way
     /// to running it (a panic of the scope or fingerprint function, say), answered

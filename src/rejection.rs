@@ -21,7 +21,8 @@ pub enum Problem {
     KeyMissing,
     /// 400: the `Idempotency-Key` header is malformed or repeated.
     KeyMalformed,
-    /// 413: the request body is over the configured limit.
+    /// 413: the request body is over the configured limit, or a limit set in front of the
+    /// layer.
     BodyTooLarge,
     /// 400: the request body could not be read.
     BodyUnreadable,
@@ -37,13 +38,15 @@ pub enum Problem {
     ShuttingDown,
     /// 500: the request failed while being processed (the handler panicked, its
     /// response body failed, it kept its transaction's connection); nothing is held
-    /// under the key: released, rolled back, or never claimed.
+    /// under the key: released, rolled back, or never claimed. Also the extractors'
+    /// answer to a request no layer guarded as the handler needs (the app's wiring).
     HandlerFailed,
     /// 503: transactional mode could not commit; the request had no effect (or, when the
     /// connection died during `COMMIT` and a check could not tell, the detail says the
     /// outcome is unknown; a retry with the same key replays it if it committed).
     NotCommitted,
-    /// 500: the request ran, but its response was too large to store, so it cannot be replayed.
+    /// 500: the request ran, but its response was too large to store, or its body did not
+    /// end within `response_body_timeout`, so it cannot be replayed.
     ResponseNotStored,
 }
 

@@ -215,10 +215,11 @@ where
         // So is one an outer layer guards already under this key (a copy of it too):
         // guarded again, it would find its own claim running and answer 409, which the
         // outer layer would store.
+        let transactional = config.is_transactional();
         if req
             .extensions()
             .get::<crate::key::Guarded>()
-            .is_some_and(|guarded| *guarded.0 == *key)
+            .is_some_and(|g| *g.key == *key && g.transactional == transactional)
         {
             return pass_through(self.inner.call(req));
         }
@@ -411,7 +412,10 @@ where
     parts
         .extensions
         .insert(IdempotencyKey::new(scope, key.clone()));
-    parts.extensions.insert(crate::key::Guarded(key));
+    parts.extensions.insert(crate::key::Guarded {
+        key,
+        transactional: false,
+    });
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
@@ -449,7 +453,6 @@ pub(crate) fn to_store(
     }
 }
 
-/// What retries of a request whose response was over the storage limit get.
 /// Why a response could not be read whole, to be stored.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Unbuffered {
@@ -660,7 +663,7 @@ pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     with_outcome(res, Outcome::Replayed)
 }
 
-/// What the inner service produced, read up to the storage limit.
+/// What the inner service produced, read up to the storage limit and the body deadline.
 pub(crate) enum Produced<B, E> {
     Buffered(http::response::Parts, Bytes),
     /// The head, the body read so far, and the rest of it.

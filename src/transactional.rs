@@ -498,6 +498,11 @@ pub(crate) async fn commit(
                 committed = ?committed.as_ref().map_err(ToString::to_string),
                 "the transaction was not committed"
             );
+            // The server answered the COMMIT (a serialization failure, say): the
+            // transaction is over and the connection fit for the pool.
+            if committed.is_ok() || committed.as_ref().is_err_and(|e| e.as_db_error().is_some()) {
+                conn.done();
+            }
             Committed::No
         }
     }
@@ -541,7 +546,14 @@ where
         config.lock_timeout,
         config.store_timeout,
     );
-    let (conn, lease) = match opened.await {
+    // A close ends the wait on another request's row: dropped, the claim is cancelled
+    // and rolled back, and nothing was run.
+    let opened = tokio::select! {
+        biased;
+        opened = opened => opened,
+        () = config.shutdown.closed() => return Ok(shutting_down()),
+    };
+    let (conn, lease) = match opened {
         // A duplicate that waited on the first request's row may get it after
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
@@ -570,7 +582,10 @@ where
     parts
         .extensions
         .insert(IdempotencyKey::new(request.scope.clone(), key.clone()));
-    parts.extensions.insert(crate::key::Guarded(key));
+    parts.extensions.insert(crate::key::Guarded {
+        key,
+        transactional: true,
+    });
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.

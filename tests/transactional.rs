@@ -769,6 +769,66 @@ async fn an_abandoned_claim_stops_waiting_on_the_server() {
     holder.batch_execute("ROLLBACK").await.unwrap();
 }
 
+/// A transactional route inside a router-wide layer in lease mode (on another store):
+/// the inner layer guards the request in its own mode, and opens the transaction its
+/// handler needs, instead of letting it through as it does a request guarded in its
+/// own mode.
+#[tokio::test]
+async fn a_transactional_route_inside_a_lease_mode_layer_runs_in_its_transaction() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let (inner, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let router = inner.layer(IdempotencyLayer::new(
+        tower_idempotency::store::MemoryStore::new(),
+    ));
+    let first = send(&router, post_with("k", &[])).await;
+    assert_eq!(
+        first.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(
+        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        1
+    );
+}
+
+/// A close ends a duplicate's wait on the first request's row at once, however long
+/// `wait_for_running` would let it wait: 503, nothing run, its lock wait cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_close_ends_a_duplicate_s_wait_on_the_row() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).wait_for_running(Duration::from_secs(600));
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "5000")]), &counter).await;
+    let duplicate = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    schema.wait_for_lock_waiters(1).await;
+    shutdown.close();
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, 503);
+    assert_eq!(duplicate.problem(), "shutting-down");
+    assert!(
+        !first.is_finished(),
+        "the wait ended with the first request, not the close"
+    );
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(counter.runs(), 1);
+    common::idle(&store).await;
+}
+
 /// Transactional claims waiting for a connection are this process's overload, not a
 /// running duplicate: a new key that cannot get its turn in time is told 503, not the
 /// 409 "in progress" of a key nobody has used.
