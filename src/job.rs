@@ -89,7 +89,8 @@ pub enum JobOutcome {
 }
 
 /// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
-/// redelivery can fix, the work either did not run, or its claim was released
+/// redelivery can fix, and [`TakenOver`](Self::TakenOver), where the work ran, the work
+/// either did not run, or its claim was released
 /// (transactional mode: rolled back, once anything the work spawned has let go of its
 /// client), or it may have committed ([`NotCommitted`] when the check could not tell):
 /// a later delivery runs it, or finds it done.
@@ -116,6 +117,12 @@ pub enum JobError<E> {
     /// could not be checked. Either way, run it again with the same key: it returns
     /// [`JobOutcome::AlreadyDone`] if it did commit.
     NotCommitted,
+    /// Lease mode: the work ran and returned this result, but meanwhile its lease was
+    /// taken over (the store was out of reach for longer than a lease, and a redelivery
+    /// claimed the key). That delivery may have run the work too, and its result, not
+    /// this one, is what the key holds. Acknowledge the message, and raise an alarm:
+    /// the work may have run twice.
+    TakenOver(Bytes),
 }
 
 impl<E: fmt::Display> fmt::Display for JobError<E> {
@@ -127,6 +134,9 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             Self::Store(e) => write!(f, "{e}"),
             Self::ShuttingDown => f.write_str("the job runner is shutting down; nothing was run"),
             Self::NotCommitted => f.write_str("the job's transaction was not committed"),
+            Self::TakenOver(_) => f.write_str(
+                "the job ran, but its key was taken over meanwhile; another run may have run it too",
+            ),
         }
     }
 }
@@ -337,8 +347,12 @@ impl JobRunner {
                     store_timeout: self.store_timeout,
                     ttl: self.ttl,
                 };
-                storing.store(&lease, stored(&result), in_flight).await;
-                Ok(JobOutcome::Ran(result))
+                match storing.store(&lease, stored(&result), in_flight).await {
+                    crate::service::Completed::Fenced => Err(JobError::TakenOver(result)),
+                    crate::service::Completed::Stored | crate::service::Completed::Pending => {
+                        Ok(JobOutcome::Ran(result))
+                    }
+                }
             }
             Ok(Err(e)) => {
                 self.release(&lease).await;

@@ -918,17 +918,22 @@ impl Storing {
     /// background, with backoff, for one more lease, holding `keep` meanwhile:
     /// completion is token-checked, so a late attempt can never overwrite a successor's
     /// result.
+    ///
+    /// `Fenced` when the first attempt found the lease taken over: another run holds
+    /// the key, and this result is not stored.
     pub(crate) async fn store(
         &self,
         lease: &Lease,
         stored: StoredResponse,
         keep: impl Send + 'static,
-    ) {
+    ) -> Completed {
         // A slow store must not let the lease lapse under a result about to be stored:
         // a retry would take the key over and run the handler again.
         let first = self.try_complete(lease, &stored, 1);
-        if renew_while(&self.store, lease, self.lease, Renewing::Completion, first).await {
-            return;
+        match renew_while(&self.store, lease, self.lease, Renewing::Completion, first).await {
+            Attempt::Stored => return Completed::Stored,
+            Attempt::Fenced => return Completed::Fenced,
+            Attempt::Failed => {}
         }
         let (this, lease) = (self.clone(), lease.clone());
         tokio::spawn(
@@ -954,7 +959,7 @@ impl Storing {
                         );
                         return;
                     }
-                    if this.try_complete(&lease, &stored, attempt).await {
+                    if this.try_complete(&lease, &stored, attempt).await != Attempt::Failed {
                         return;
                     }
                     attempt += 1;
@@ -966,35 +971,56 @@ impl Storing {
             }
             .in_current_span(),
         );
+        Completed::Pending
     }
 
-    /// One completion attempt; `true` when there is nothing left to do (stored, or
-    /// fenced).
-    async fn try_complete(&self, lease: &Lease, stored: &StoredResponse, attempt: u32) -> bool {
+    /// One completion attempt.
+    async fn try_complete(&self, lease: &Lease, stored: &StoredResponse, attempt: u32) -> Attempt {
         match tokio::time::timeout(
             self.store_timeout,
             self.store.complete(lease, stored, self.ttl),
         )
         .await
         {
-            Ok(Ok(true)) => true,
+            Ok(Ok(true)) => Attempt::Stored,
             Ok(Ok(false)) => {
                 tracing::warn!(
                     token = lease.token,
                     "the lease was taken over by another run; this result went to its own caller and was not stored"
                 );
-                true
+                Attempt::Fenced
             }
             Ok(Err(e)) => {
                 tracing::warn!(token = lease.token, attempt, error = %e, "storing the result failed");
-                false
+                Attempt::Failed
             }
             Err(_) => {
                 tracing::warn!(token = lease.token, attempt, "storing the result timed out");
-                false
+                Attempt::Failed
             }
         }
     }
+}
+
+/// What one attempt to store a result did.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    Stored,
+    /// The lease was taken over: nothing to store, ever.
+    Fenced,
+    /// The store failed or was slow: worth another attempt.
+    Failed,
+}
+
+/// What became of a result given to [`Storing::store`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Completed {
+    Stored,
+    /// The lease had been taken over: another run holds the key; this result is not
+    /// stored.
+    Fenced,
+    /// Still being stored, in the background.
+    Pending,
 }
 
 async fn release(config: &Config, lease: &Lease) {

@@ -356,6 +356,64 @@ async fn transactional_work_commits_its_writes_with_the_result_or_not_at_all() {
     );
 }
 
+/// A run whose lease could not be renewed (the store out of reach) and was taken over
+/// by a redelivery meanwhile says so when its work ends: the work may have run twice,
+/// and the key holds the other run's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_whose_lease_was_taken_over_says_so() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let failing = AlteredCompletions::around(store.clone(), Completion::RenewalsFail);
+    let lease = std::time::Duration::from_millis(100);
+    let first_runner = JobRunner::new(failing).lease_duration(lease);
+    let second_runner = JobRunner::new(store).lease_duration(lease);
+    let scope = Scope::new("consumer");
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(AtomicUsize::new(0));
+    let first = tokio::spawn({
+        let (scope, gate, started) = (scope.clone(), gate.clone(), started.clone());
+        async move {
+            first_runner
+                .run(&scope, "msg-10", b"p", |_| async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    gate.notified().await;
+                    Ok::<_, String>(Bytes::from("first"))
+                })
+                .await
+        }
+    });
+    common::eventually(|| started.load(Ordering::SeqCst) == 1).await;
+    // Redelivered once the first run's lease has lapsed, unrenewed.
+    let mut second = None;
+    for _ in 0..500 {
+        let outcome = second_runner
+            .run(&scope, "msg-10", b"p", |_| async {
+                Ok::<_, String>(Bytes::from("second"))
+            })
+            .await
+            .unwrap();
+        if matches!(outcome, JobOutcome::Running { .. }) {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        } else {
+            second = Some(outcome);
+            break;
+        }
+    }
+    assert_eq!(second, Some(JobOutcome::Ran(Bytes::from("second"))));
+    gate.notify_one();
+    let first = first.await.unwrap();
+    assert!(
+        matches!(&first, Err(JobError::TakenOver(r)) if r == "first"),
+        "{first:?}"
+    );
+    let again = second_runner
+        .run(&scope, "msg-10", b"p", |_| async {
+            Ok::<_, String>(Bytes::from("third"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, JobOutcome::AlreadyDone(Bytes::from("second")));
+}
+
 /// A transactional run dropped by its caller rolls its work back when the work ends,
 /// writes included, and a redelivery runs it anew.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

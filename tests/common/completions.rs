@@ -31,6 +31,8 @@ pub enum Completion {
     SlowClaim(Duration),
     /// Renewals reach the store after this long; the rest at once.
     SlowRenew(Duration),
+    /// Renewals fail as an unreachable store's would; the rest reach the store.
+    RenewalsFail,
     /// Everything reaches the store as it is (for a store that only counts).
     Unaltered,
 }
@@ -162,6 +164,7 @@ impl Store for AlteredCompletions {
             | Completion::SlowRelease(_)
             | Completion::SlowClaim(_)
             | Completion::SlowRenew(_)
+            | Completion::RenewalsFail
             | Completion::Unaltered => self.inner.complete(lease, response, ttl),
             Completion::AnsweredLate(delay) => Box::pin(async move {
                 let landed = self.inner.complete(lease, response, ttl).await;
@@ -218,6 +221,7 @@ impl Store for AlteredCompletions {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         let delay = match self.completion {
             Completion::SlowRenew(delay) => delay,
+            Completion::RenewalsFail => return Box::pin(std::future::ready(Err(refused()))),
             _ => Duration::ZERO,
         };
         Box::pin(async move {
