@@ -128,6 +128,10 @@ async fn main() -> Result<(), Error> {
             Err(JobError::Mismatch) => {
                 println!("delivery with another payload under a used id: dead-letter it")
             }
+            // It ran, but its key was taken over meanwhile: ack it, and raise an alarm.
+            Err(JobError::TakenOver(_)) => {
+                println!("applied, but another worker took the key over: it may have run twice")
+            }
             Err(e) => println!("delivery failed, nack it to be redelivered: {e}"),
         }
     }
