@@ -22,6 +22,33 @@ use tower_idempotency::{
     store::{MemoryStore, Store},
 };
 
+/// Delivers `key` again while another run holds it (at most ~10 s, a bounded wait),
+/// with a fresh `work` each time; the first outcome that is not `Running`.
+async fn redeliver_past_running<W, Fut, E>(
+    runner: &JobRunner,
+    scope: &Scope,
+    key: &str,
+    input: &[u8],
+    work: impl Fn() -> W,
+) -> Option<JobOutcome>
+where
+    W: FnOnce(tower_idempotency::job::JobContext) -> Fut,
+    Fut: std::future::Future<Output = Result<Bytes, E>> + Send + 'static,
+    E: Send + 'static + std::fmt::Debug,
+{
+    for _ in 0..500 {
+        let outcome = runner
+            .run(scope, key, input, work())
+            .await
+            .expect("a redelivery");
+        if !matches!(outcome, JobOutcome::Running { .. }) {
+            return Some(outcome);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    None
+}
+
 async fn deliveries_run_once(runner: JobRunner) {
     let scope = Scope::new("consumer");
     let runs = Arc::new(AtomicUsize::new(0));
@@ -136,21 +163,10 @@ async fn a_run_dropped_by_its_caller_still_stores_its_result(runner: JobRunner) 
     }
     // The run is dropped; its work goes on and finishes.
     gate.notify_one();
-    let mut redelivered = None;
-    for _ in 0..500 {
-        let outcome = runner
-            .run(&scope, "msg-3", b"p", |_| async {
-                Ok::<_, std::io::Error>(Bytes::from("a second run"))
-            })
-            .await
-            .unwrap();
-        if matches!(outcome, JobOutcome::Running { .. }) {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        } else {
-            redelivered = Some(outcome);
-            break;
-        }
-    }
+    let redelivered = redeliver_past_running(&runner, &scope, "msg-3", b"p", || {
+        |_| async { Ok::<_, std::io::Error>(Bytes::from("a second run")) }
+    })
+    .await;
     assert_eq!(
         redelivered,
         Some(JobOutcome::AlreadyDone(Bytes::from("done"))),
@@ -383,21 +399,10 @@ async fn a_run_whose_lease_was_taken_over_says_so() {
     });
     common::eventually(|| started.load(Ordering::SeqCst) == 1).await;
     // Redelivered once the first run's lease has lapsed, unrenewed.
-    let mut second = None;
-    for _ in 0..500 {
-        let outcome = second_runner
-            .run(&scope, "msg-10", b"p", |_| async {
-                Ok::<_, String>(Bytes::from("second"))
-            })
-            .await
-            .unwrap();
-        if matches!(outcome, JobOutcome::Running { .. }) {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        } else {
-            second = Some(outcome);
-            break;
-        }
-    }
+    let second = redeliver_past_running(&second_runner, &scope, "msg-10", b"p", || {
+        |_| async { Ok::<_, String>(Bytes::from("second")) }
+    })
+    .await;
     assert_eq!(second, Some(JobOutcome::Ran(Bytes::from("second"))));
     gate.notify_one();
     let first = first.await.unwrap();
@@ -461,19 +466,8 @@ async fn transactional_a_run_dropped_by_its_caller_rolls_back_and_runs_again() {
     }
     // The run is dropped; its work ends, and its transaction rolls back.
     gate.notify_one();
-    let mut redelivered = None;
-    for _ in 0..500 {
-        let outcome = runner
-            .run(&scope, "msg-7", b"+1", credit(2, None))
-            .await
-            .unwrap();
-        if matches!(outcome, JobOutcome::Running { .. }) {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        } else {
-            redelivered = Some(outcome);
-            break;
-        }
-    }
+    let redelivered =
+        redeliver_past_running(&runner, &scope, "msg-7", b"+1", || credit(2, None)).await;
     assert_eq!(
         redelivered,
         Some(JobOutcome::Ran(Bytes::from("credited 2")))
@@ -531,21 +525,10 @@ async fn a_dropped_run_whose_work_kept_its_handle(panics: bool) {
         () = common::eventually(|| started.load(Ordering::SeqCst) == 1) => {}
     }
     gate.notify_one();
-    let mut redelivered = None;
-    for _ in 0..100 {
-        let outcome = runner
-            .run(&scope, "msg-8", b"p", |_| async {
-                Ok::<_, String>(Bytes::from("second"))
-            })
-            .await
-            .unwrap();
-        if matches!(outcome, JobOutcome::Running { .. }) {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        } else {
-            redelivered = Some(outcome);
-            break;
-        }
-    }
+    let redelivered = redeliver_past_running(&runner, &scope, "msg-8", b"p", || {
+        |_| async { Ok::<_, String>(Bytes::from("second")) }
+    })
+    .await;
     assert_eq!(redelivered, Some(JobOutcome::Ran(Bytes::from("second"))));
 }
 
