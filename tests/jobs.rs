@@ -314,20 +314,25 @@ async fn transactional_deliveries_run_once() {
     deliveries_run_once(JobRunner::transactional(schema.store().await)).await;
 }
 
-#[tokio::test]
-async fn transactional_work_commits_its_writes_with_the_result_or_not_at_all() {
-    let schema = TestSchema::new();
+/// A transactional runner in `schema`, and a `balances` table there for its work.
+async fn with_balances(schema: &TestSchema) -> (JobRunner, String) {
     let store = schema.store().await;
     let table = format!("\"{}\".balances", schema.name);
     store
         .pool()
         .get()
         .await
-        .unwrap()
+        .expect("a connection")
         .batch_execute(&format!("CREATE TABLE {table} (account text, delta int)"))
         .await
-        .unwrap();
-    let runner = JobRunner::transactional(store);
+        .expect("the balances table");
+    (JobRunner::transactional(store), table)
+}
+
+#[tokio::test]
+async fn transactional_work_commits_its_writes_with_the_result_or_not_at_all() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
     let scope = Scope::new("consumer");
     let credit = |fail: bool| {
         let table = table.clone();
@@ -424,17 +429,7 @@ async fn a_run_whose_lease_was_taken_over_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transactional_a_run_dropped_by_its_caller_rolls_back_and_runs_again() {
     let schema = TestSchema::new();
-    let store = schema.store().await;
-    let table = format!("\"{}\".balances", schema.name);
-    store
-        .pool()
-        .get()
-        .await
-        .unwrap()
-        .batch_execute(&format!("CREATE TABLE {table} (account text, delta int)"))
-        .await
-        .unwrap();
-    let runner = JobRunner::transactional(store);
+    let (runner, table) = with_balances(&schema).await;
     let scope = Scope::new("consumer");
     let runs = Arc::new(AtomicUsize::new(0));
     let gate = Arc::new(tokio::sync::Notify::new());
