@@ -389,25 +389,38 @@ async fn purge_deletes_expired_records_in_batches() {
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);
 }
 
+/// A request on replica `a` that runs `delay_ms`, and its duplicate on `b`, which waits
+/// for it and replays its response, running nothing; `b`'s counters before and after.
+async fn a_duplicate_waits_on_another_replica(
+    a: PostgresStore,
+    b: PostgresStore,
+    delay_ms: &str,
+) -> (
+    tower_idempotency::store::StoreMetrics,
+    tower_idempotency::store::StoreMetrics,
+) {
+    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
+    let (router_b, counter_b) =
+        app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
+    let slow = post_with_headers("k", &[("x-delay-ms", delay_ms)]);
+    let first = common::in_flight(&router_a, slow, &counter_a).await;
+    let before = b.metrics();
+    let waited = send(&router_b, post("k", "{}")).await;
+    let first = first.await.expect("the first request");
+    assert_eq!(waited.outcome, Some(Outcome::Replayed));
+    assert_eq!(waited.body, first.body);
+    assert_eq!((counter_a.runs(), counter_b.runs()), (1, 0));
+    (before, b.metrics())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     let schema = TestSchema::new();
     let (a, b) = (schema.store().await, schema.store().await);
     b.listen().await.expect("LISTEN connection");
-    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
-    let (router_b, counter_b) =
-        app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
     // Long enough for the duplicate to claim and register before the first completes,
     // on a loaded machine too; the 30 s lease keeps the fallback timer out of it.
-    let slow = post_with_headers("k", &[("x-delay-ms", "3000")]);
-    let first = common::in_flight(&router_a, slow, &counter_a).await;
-    let before = b.metrics();
-    let waited = send(&router_b, post("k", "{}")).await;
-    let first = first.await.unwrap();
-    assert_eq!(waited.outcome, Some(Outcome::Replayed));
-    assert_eq!(waited.body, first.body);
-    assert_eq!((counter_a.runs(), counter_b.runs()), (1, 0));
-    let after = b.metrics();
+    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
     assert!(after.notifications > before.notifications, "{after:?}");
     assert!(
         after.notified_wakeups > before.notified_wakeups,
@@ -473,18 +486,7 @@ async fn a_duplicate_waits_and_replays_by_polling_without_a_listen_connection() 
     )
     .with_schema_name(&schema.name)
     .unwrap();
-    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
-    let (router_b, counter_b) =
-        app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
-    let slow = post_with_headers("k", &[("x-delay-ms", "1500")]);
-    let first = common::in_flight(&router_a, slow, &counter_a).await;
-    let before = b.metrics();
-    let waited = send(&router_b, post("k", "{}")).await;
-    let first = first.await.unwrap();
-    assert_eq!(waited.outcome, Some(Outcome::Replayed));
-    assert_eq!(waited.body, first.body);
-    assert_eq!((counter_a.runs(), counter_b.runs()), (1, 0));
-    let after = b.metrics();
+    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "1500").await;
     assert!(after.timer_wakeups > before.timer_wakeups, "{after:?}");
     assert_eq!(after.notified_wakeups, before.notified_wakeups, "{after:?}");
 }
