@@ -487,8 +487,15 @@ async fn a_duplicate_waits_and_replays_by_polling_without_a_listen_connection() 
     .with_schema_name(&schema.name)
     .unwrap();
     let (before, after) = a_duplicate_waits_on_another_replica(a, b, "1500").await;
-    assert!(after.timer_wakeups > before.timer_wakeups, "{after:?}");
+    let wakeups = after.timer_wakeups - before.timer_wakeups;
+    assert!(wakeups > 0, "{after:?}");
     assert_eq!(after.notified_wakeups, before.notified_wakeups, "{after:?}");
+    // A claim per look, and no registration: nothing could hear its notification.
+    assert_eq!(
+        after.statements - before.statements,
+        wakeups + 1,
+        "{after:?}"
+    );
 }
 
 #[tokio::test]
