@@ -870,3 +870,48 @@ async fn a_migration_that_cannot_lock_the_table_gives_up_and_applies_nothing() {
         .expect("applies once the table is quiet");
     assert_eq!(schema.query(&versions).await[0].get::<_, i64>(0), 1);
 }
+
+/// A completed key that expired and is claimed afresh starts with nobody waiting on
+/// it: its completion does not notify the waiters of the key's earlier life.
+#[tokio::test]
+async fn a_key_taken_over_after_it_completed_has_no_waiters() {
+    use tower_idempotency::{
+        Fingerprint, Scope, StoredResponse,
+        store::{Claim, ClaimRequest, Store},
+    };
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let scope = Scope::anonymous();
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint([1; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_millis(10),
+    };
+    let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
+        panic!("not acquired")
+    };
+    assert!(store.register_waiter(&scope, "k").await.unwrap());
+    let response = StoredResponse {
+        status: axum::http::StatusCode::CREATED,
+        headers: axum::http::HeaderMap::new(),
+        body: axum::body::Bytes::new(),
+    };
+    assert!(
+        store
+            .complete(&lease, &response, Duration::from_millis(10))
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(matches!(
+        store.claim(&request).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    let waiters = format!(
+        "SELECT waiters FROM \"{}\".idempotency_keys WHERE key = 'k'",
+        schema.name
+    );
+    assert!(!schema.query(&waiters).await[0].get::<_, bool>(0));
+}

@@ -267,10 +267,13 @@ impl Sql {
                         CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
                  FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
             ),
+            // A record taken over after it completed starts with nobody waiting on it
+            // (the old value of `state` is read): a lapsed running one keeps its waiters.
             takeover: format!(
                 "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
                         locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
-                        completed_at = NULL, status = NULL, headers = NULL, body = NULL
+                        completed_at = NULL, status = NULL, headers = NULL, body = NULL,
+                        waiters = (state = 'running' AND waiters)
                  WHERE scope = $1 AND key = $2 AND token = $3
                    AND (state = 'completed' OR locked_until <= now())
                    AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))
