@@ -818,14 +818,9 @@ impl PostgresStore {
     /// skipped, so several purgers never wait on each other; a row is deleted only if
     /// it is still expired then. Runs again after a serialization failure.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
-        let client = self.client().await?;
-        let params: [&(dyn ToSql + Sync); 1] = [&batch];
         // Under repeatable read or serializable, locking a row changed since the
         // statement's snapshot (a takeover of an expired key) fails: look again.
-        let purged =
-            again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.purge, &params)).await;
-        client.done();
-        purged
+        self.execute_pooled(&self.sql.purge, &[&batch]).await
     }
 
     /// A permit to hold a connection for a transactional claim (see `tx_claims`).
@@ -843,6 +838,19 @@ impl PostgresStore {
     /// would otherwise queue for a connection without end, ahead of new requests.
     pub(crate) async fn client(&self) -> Result<Checkout, StoreError> {
         pooled(&self.pool).await.map(|conn| Checkout(Some(conn)))
+    }
+
+    /// Runs `sql` on a pooled connection, again after a lost race, then gives the
+    /// connection back (given up on midway, it is closed instead: `Checkout`).
+    async fn execute_pooled(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let done = again_if_it_lost_a_race(|| self.execute_on(&client, sql, params)).await;
+        client.done();
+        done
     }
 
     pub(crate) async fn query_on(
@@ -1281,6 +1289,7 @@ impl Store for PostgresStore {
                 &self.listener.channel(),
                 &id,
             ];
+            // A query: the notification comes back as a row.
             let released =
                 again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params))
                     .await;
@@ -1295,17 +1304,13 @@ impl Store for PostgresStore {
         duration: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let client = self.client().await?;
             let params: [&(dyn ToSql + Sync); 4] = [
                 &lease.scope.as_str(),
                 &&*lease.key,
                 &lease.token,
                 &ms(duration),
             ];
-            let renewed =
-                again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params))
-                    .await;
-            client.done();
+            let renewed = self.execute_pooled(&self.sql.renew, &params).await;
             renewed.map(|n| n == 1)
         })
     }
@@ -1326,11 +1331,8 @@ impl Store for PostgresStore {
             if self.listen_config.is_none() {
                 return Ok(true);
             }
-            let client = self.client().await?;
             let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
-            let registered =
-                again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.wait, &params)).await;
-            client.done();
+            let registered = self.execute_pooled(&self.sql.wait, &params).await;
             registered.map(|n| n == 1)
         })
     }
