@@ -120,6 +120,11 @@ async fn count(schema: &TestSchema, sql: &str) -> i64 {
     schema.query(sql).await[0].get(0)
 }
 
+/// How many rows the handlers wrote to `table`.
+async fn rows_in(schema: &TestSchema, table: &str) -> i64 {
+    count(schema, &format!("SELECT count(*) FROM {table}")).await
+}
+
 /// How many records of `key` the store's table holds.
 async fn records_of(schema: &TestSchema, key: &str) -> i64 {
     let sql = format!(
@@ -273,10 +278,7 @@ async fn concurrent_duplicates_write_one_row(url: &str) {
             .count(),
         1
     );
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 #[tokio::test]
@@ -288,7 +290,7 @@ async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
     let failed = send(&router, post_with("k", &[("x-status", "500")])).await;
     assert_eq!(failed.status, 500);
     assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        rows_in(&schema, &table).await,
         0,
         "the write was rolled back"
     );
@@ -302,10 +304,7 @@ async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
     assert_eq!(retry.status, 201);
     assert_eq!(retry.outcome, Some(Outcome::Executed));
     assert_eq!(counter.runs(), 2);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// Inserts the payment id the body names into `app.table` (its primary key) in the
@@ -423,10 +422,7 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
     assert_eq!(duplicate.status, 503);
     assert_eq!(duplicate.problem(), "shutting-down");
     assert_eq!(counter.runs(), 1);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        0
-    );
+    assert_eq!(rows_in(&schema, &table).await, 0);
     common::idle(&store).await;
 }
 
@@ -476,10 +472,7 @@ async fn a_panic_rolls_back_and_the_connection_is_not_reused_mid_transaction() {
     let panicked = send(&router, post_with("k", &[("x-panic", "1")])).await;
     assert_eq!(panicked.status, 500);
     assert_eq!(panicked.problem(), "handler-failed");
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        0
-    );
+    assert_eq!(rows_in(&schema, &table).await, 0);
     // The pool's one connection is usable and outside any transaction.
     let client = store.pool().get().await.unwrap();
     // SAVEPOINT fails with 25P01 outside a transaction block.
@@ -506,10 +499,7 @@ async fn a_client_that_hangs_up_does_not_cancel_the_transaction() {
     let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(counter.runs(), 1);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -565,10 +555,7 @@ async fn a_panic_after_the_client_hung_up_still_rolls_back() {
     let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
     assert_eq!(retry.outcome, Some(Outcome::Executed));
     assert_eq!(counter.runs(), 2);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 #[tokio::test]
@@ -579,10 +566,7 @@ async fn a_response_the_policy_does_not_store_rolls_everything_back() {
     let (router, _) = app(IdempotencyLayer::transactional(store), &table);
     let r = send(&router, post_with("k", &[("x-status", "429")])).await;
     assert_eq!(r.status, 429);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        0
-    );
+    assert_eq!(rows_in(&schema, &table).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -695,10 +679,7 @@ async fn a_response_body_that_never_ends_commits_as_not_stored() {
     assert_eq!(retry.problem(), "response-not-stored");
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(counter.runs(), 1);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// A handler that takes a `TransactionHandle` behind a layer in lease mode is the
@@ -793,10 +774,7 @@ async fn a_transactional_route_inside_a_lease_mode_layer_runs_in_its_transaction
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(retry.body, first.body);
     assert_eq!(counter.runs(), 1);
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// A close ends a duplicate's wait on the first request's row at once, however long
@@ -943,10 +921,7 @@ async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
         first.status,
         first.body
     );
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        0
-    );
+    assert_eq!(rows_in(&schema, &table).await, 0);
     let mut statuses = Vec::new();
     let retry = loop {
         let r = send(&router, post_with("k", &[])).await;
@@ -958,10 +933,7 @@ async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
     };
     assert_eq!(retry.status, 201, "{statuses:?}");
     assert_eq!(retry.outcome, Some(Outcome::Executed));
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// Writes through a task that keeps the request's transaction handle long after the
@@ -1034,10 +1006,7 @@ async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
         .await,
         0
     );
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// A `COMMIT` whose answer is lost with its connection may have committed: the layer
@@ -1055,10 +1024,7 @@ async fn a_commit_whose_answer_was_lost_is_checked_before_the_client_is_told() {
     assert_eq!(first.outcome, Some(Outcome::Executed));
     assert_eq!(first.json()["run"], 1);
     assert_eq!(proxy.commits() - commits, 1, "one COMMIT, the request's");
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
     let retry = send(&router, post_with("k", &[])).await;
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(retry.body, first.body);
@@ -1149,7 +1115,7 @@ async fn a_commit_lost_on_its_way_is_found_not_committed_though_a_duplicate_comp
     assert_eq!(duplicate.json()["run"], 2);
     assert_eq!(counter.runs(), 2);
     assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
+        rows_in(&schema, &table).await,
         1,
         "only the duplicate's write is kept"
     );
@@ -1168,10 +1134,7 @@ async fn a_commit_in_doubt_is_found_committed_even_past_its_ttl() {
     let first = first.await.unwrap();
     assert_eq!(first.status, 201, "{:?}", first.body);
     assert_eq!(first.outcome, Some(Outcome::Executed));
-    assert_eq!(
-        count(&schema, &format!("SELECT count(*) FROM {table}")).await,
-        1
-    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// Writes the ledger row and answers `204` with no body, whatever the input: two
