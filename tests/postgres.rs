@@ -435,6 +435,39 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     assert_eq!(after.statements - before.statements, 3, "{after:?}");
 }
 
+/// A listener whose runtime shut down (the store outlived the runtime that first used
+/// it) no longer counts as listening, and is started again by the next use: a duplicate
+/// is still woken by the completion's notification, not by the end of its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_listener_whose_runtime_ended_is_started_again() {
+    let schema = TestSchema::new();
+    let (a, b) = (schema.store().await, schema.store().await);
+    let elsewhere = b.clone();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        runtime
+            .block_on(elsewhere.listen())
+            .expect("LISTEN connection");
+        // The runtime ends here, and the listener task with it.
+    })
+    .join()
+    .expect("the other runtime");
+    assert!(
+        !b.is_listening(),
+        "a listener whose runtime ended still counts as listening"
+    );
+    b.listen().await.expect("LISTEN connection, started again");
+    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
+    assert!(after.notifications > before.notifications, "{after:?}");
+    assert!(
+        after.notified_wakeups > before.notified_wakeups,
+        "{after:?}"
+    );
+}
+
 /// Purgers on several replicas at once share the work: each expired row is deleted
 /// once, and none of them fails or waits on another (`SKIP LOCKED`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

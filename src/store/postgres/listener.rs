@@ -8,7 +8,7 @@
 
 use std::{
     sync::{
-        Arc, Mutex, Weak,
+        Arc, Mutex, PoisonError, Weak,
         atomic::{AtomicU64, Ordering},
     },
     task::Poll,
@@ -106,11 +106,19 @@ impl Listener {
         let Some(config) = self.config.clone() else {
             return;
         };
-        let Ok(mut started) = self.started.lock() else {
+        // Outside a runtime nothing can be spawned: waiters look again on their timer.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if started.is_none() {
-            let task = tokio::spawn(listen(Arc::downgrade(self), config, self.channel.clone()));
+        let mut started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
+        // Started again if it has ended: the runtime that ran it shut down while the
+        // store lives on (a store kept in a static, or handed from one runtime to
+        // another), or it panicked.
+        if started
+            .as_ref()
+            .is_none_or(tokio::task::AbortHandle::is_finished)
+        {
+            let task = runtime.spawn(listen(Arc::downgrade(self), config, self.channel.clone()));
             *started = Some(task.abort_handle());
         }
     }
@@ -154,7 +162,23 @@ impl Listener {
     }
 }
 
+/// Held by the listener task: however it ends (its runtime shut down, a panic, an
+/// abort), the store stops counting as listening, and every waiter looks again and
+/// falls back to its timer, instead of waiting out its bound for a notification that
+/// nobody is left to hear.
+struct Stopped(Weak<Listener>);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        if let Some(me) = self.0.upgrade() {
+            me.connected.send_replace(false);
+            let _ = me.sender.send(Arc::from(EVERYONE));
+        }
+    }
+}
+
 async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: String) {
+    let _stopped = Stopped(me.clone());
     let mut backoff = Duration::from_millis(100);
     loop {
         match config.connect(NoTls).await {
