@@ -724,3 +724,42 @@ async fn a_failed_listen_is_tried_again() {
         "the listener never tried LISTEN again"
     );
 }
+
+/// A `LISTEN` connection that answers every statement yet is sent no notification
+/// (through a transaction-pooling PgBouncer, say) does not count as listening: a
+/// waiter looks again on its timer, and replays as soon as the first request is done,
+/// not when its lease lapses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_connection_that_hears_nothing_does_not_count_as_listening() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema
+        .store()
+        .await
+        .with_notifications(proxy.url().parse().unwrap());
+    proxy.deafen_listen(true);
+    assert!(
+        store.listen().await.is_err(),
+        "it hears nothing, yet it listens"
+    );
+    assert!(!store.is_listening());
+    let layer = IdempotencyLayer::new(store.clone())
+        .lease_duration(Duration::from_secs(60))
+        .wait_for_running(Duration::from_secs(600));
+    let (router, counter) = app(layer);
+    let first = in_flight(
+        &router,
+        post_with_headers("k", &[("x-delay-ms", "2000")]),
+        &counter,
+    )
+    .await;
+    let waited = tokio::time::timeout(Duration::from_secs(30), send(&router, post("k", "{}")))
+        .await
+        .expect("the waiter still waits for a notification that cannot come");
+    assert_eq!(waited.outcome, Some(Outcome::Replayed));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(counter.runs_of("k"), 1);
+    let metrics = store.metrics();
+    assert_eq!(metrics.notifications, 0, "{metrics:?}");
+    assert!(metrics.timer_wakeups > 0, "{metrics:?}");
+}

@@ -1,7 +1,7 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
 //! stall traffic, drop the connections open at a moment silently, lose a `COMMIT` or
-//! its answer, make `LISTEN` fail, or refuse new ones.
+//! its answer, make `LISTEN` fail or listen elsewhere, or refuse new ones.
 
 use std::{
     net::SocketAddr,
@@ -38,6 +38,8 @@ struct Shared {
     drop_commit: AtomicBool,
     /// While set, `LISTEN` reaches the server misspelt, and fails there.
     breaking_listen: AtomicBool,
+    /// While set, `LISTEN` reaches the server on another channel, and succeeds there.
+    deafening_listen: AtomicBool,
     /// Bumped to close every open connection at once.
     cuts: tokio::sync::watch::Sender<u64>,
 }
@@ -86,6 +88,7 @@ impl PgProxy {
             cut_at_reply: AtomicBool::new(false),
             lose_commit_reply: AtomicBool::new(false),
             breaking_listen: AtomicBool::new(false),
+            deafening_listen: AtomicBool::new(false),
             drop_commit: AtomicBool::new(false),
             cuts: tokio::sync::watch::channel(0).0,
         });
@@ -187,6 +190,13 @@ impl PgProxy {
         self.shared.breaking_listen.store(on, Ordering::SeqCst);
     }
 
+    /// While `on`, every `LISTEN` succeeds on another channel than the one it names:
+    /// the connection answers every statement, and hears no notification, as through
+    /// a transaction-pooling PgBouncer.
+    pub fn deafen_listen(&self, on: bool) {
+        self.shared.deafening_listen.store(on, Ordering::SeqCst);
+    }
+
     /// Closes every open connection now.
     pub fn cut(&self) {
         self.shared.cuts.send_modify(|n| *n += 1);
@@ -238,6 +248,14 @@ async fn pump_frontend(
             // Same length, so the message's framing holds.
             if let Some(at) = buf[..n].windows(8).position(|w| w == b"LISTEN \"") {
                 buf[at + 5] = b'X';
+            }
+        }
+        if s.deafening_listen.load(Ordering::SeqCst) {
+            // The channel's first letter, changed: same length, another channel.
+            if let Some(at) = buf[..n].windows(8).position(|w| w == b"LISTEN \"") {
+                if let Some(letter) = buf[..n].get_mut(at + 8) {
+                    *letter = if *letter == b'z' { b'y' } else { b'z' };
+                }
             }
         }
         pending.extend_from_slice(&buf[..n]);

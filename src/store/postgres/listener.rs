@@ -23,14 +23,23 @@ use crate::store::BoxFuture;
 /// How often a waiter looks again while no listener connection is up.
 const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
 
-/// How often the listener checks that its connection still answers. A connection
+/// How often the listener checks that notifications still reach it. A connection
 /// dropped silently (a NAT's or load balancer's idle timeout, a failover) would
 /// otherwise look connected for as long as TCP keepalive takes, two hours by default,
 /// while waiters waited for notifications that never come.
+///
+/// The check is a notification of its own on the channel, which must come back: a
+/// connection that answers statements but is not sent notifications (through a
+/// transaction-pooling PgBouncer, whose server connection holding the `LISTEN` is not
+/// the one it talks to) fails it too, and waiters look again on their timer.
 const HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// How long that check may take before the connection counts as lost.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a listener's own notifications start with. Key ids are hex, so no waiter takes
+/// one for its key; every listener on the channel skips them.
+const ECHO_PREFIX: &str = "echo ";
 
 /// What the listener's connection gave it.
 // Lives for one turn of the loop, on the stack: boxing the message would allocate for
@@ -40,7 +49,8 @@ enum Event {
     Message(Option<Result<AsyncMessage, tokio_postgres::Error>>),
     /// The heartbeat went unanswered.
     Silent,
-    /// `LISTEN` failed (on a standby during a failover, say) or went unanswered.
+    /// `LISTEN` failed (on a standby during a failover, say), went unanswered, or
+    /// its first check did not come back.
     NotListening(String),
 }
 
@@ -184,12 +194,25 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
         match config.connect(NoTls).await {
             Ok((client, mut connection)) => {
                 let listen = format!("LISTEN \"{channel}\"");
-                // Bounded like a heartbeat: an answer lost on the way must not leave the
-                // connection up but deaf, with nothing left to notice.
-                let mut listening = Box::pin(tokio::time::timeout(
-                    HEARTBEAT_TIMEOUT,
-                    client.batch_execute(&listen),
-                ));
+                // Unique to this connection, so that another process's check (or an
+                // earlier connection's) does not pass for this one's.
+                let echo = format!("{ECHO_PREFIX}{:016x}", unique());
+                let check_sql = format!("NOTIFY \"{channel}\", '{echo}'");
+                let echoed = tokio::sync::Notify::new();
+                // A notification of our own, sent and heard back within the bound.
+                let heard_back = || async {
+                    client.batch_execute(&check_sql).await.is_ok() && {
+                        echoed.notified().await;
+                        true
+                    }
+                };
+                // Listening counts from the first check heard back; bounded like a
+                // heartbeat: an answer lost on the way must not leave the connection
+                // up but deaf, with nothing left to notice.
+                let mut listening = Box::pin(tokio::time::timeout(HEARTBEAT_TIMEOUT, async {
+                    client.batch_execute(&listen).await?;
+                    Ok::<bool, tokio_postgres::Error>(heard_back().await)
+                }));
                 let mut subscribed = false;
                 let mut heartbeat =
                     tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
@@ -199,16 +222,17 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                     let event = std::future::poll_fn(|cx| {
                         if !subscribed {
                             if let Poll::Ready(r) = listening.as_mut().poll(cx) {
-                                match r {
-                                    Ok(Ok(())) => {}
-                                    Ok(Err(e)) => {
-                                        return Poll::Ready(Event::NotListening(e.to_string()));
-                                    }
-                                    Err(_) => {
-                                        return Poll::Ready(Event::NotListening(
-                                            "no answer to LISTEN".to_owned(),
-                                        ));
-                                    }
+                                let failed = match r {
+                                    Ok(Ok(true)) => None,
+                                    Ok(Ok(false)) => Some("the check after LISTEN failed".to_owned()),
+                                    Ok(Err(e)) => Some(e.to_string()),
+                                    Err(_) => Some(
+                                        "no answer to LISTEN, or the notification it sent itself did not come back (through a transaction-pooling PgBouncer, say)"
+                                            .to_owned(),
+                                    ),
+                                };
+                                if let Some(error) = failed {
+                                    return Poll::Ready(Event::NotListening(error));
                                 }
                                 subscribed = true;
                                 if let Some(me) = me.upgrade() {
@@ -231,14 +255,10 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                                         Poll::Pending => break,
                                     }
                                 } else if heartbeat.poll_tick(cx).is_ready() {
-                                    let client = &client;
-                                    check = Some(Box::pin(async move {
-                                        let answered = tokio::time::timeout(
-                                            HEARTBEAT_TIMEOUT,
-                                            client.simple_query("SELECT 1"),
-                                        )
-                                        .await;
-                                        matches!(answered, Ok(Ok(_)))
+                                    check = Some(Box::pin(async {
+                                        tokio::time::timeout(HEARTBEAT_TIMEOUT, heard_back())
+                                            .await
+                                            .unwrap_or(false)
                                     }));
                                 } else {
                                     break;
@@ -250,6 +270,13 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                     .await;
                     let Some(me) = me.upgrade() else { return };
                     match event {
+                        Event::Message(Some(Ok(AsyncMessage::Notification(n))))
+                            if n.payload().starts_with(ECHO_PREFIX) =>
+                        {
+                            if n.payload() == echo {
+                                echoed.notify_one();
+                            }
+                        }
                         Event::Message(Some(Ok(AsyncMessage::Notification(n)))) => {
                             me.notifications.fetch_add(1, Ordering::Relaxed);
                             let _ = me.sender.send(Arc::from(n.payload()));
@@ -262,7 +289,7 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                         Event::Message(None) => break,
                         Event::Silent => {
                             tracing::warn!(
-                                "the idempotency listener connection stopped answering; reconnecting"
+                                "the idempotency listener connection stopped answering, or its notifications stopped arriving; reconnecting"
                             );
                             break;
                         }
@@ -285,4 +312,14 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+}
+
+/// A number no other listener connection uses: each process's hasher keys are random,
+/// and a counter tells its connections apart.
+fn unique() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(CONNECTIONS.fetch_add(1, Ordering::Relaxed));
+    h.finish()
 }

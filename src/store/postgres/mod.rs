@@ -584,6 +584,11 @@ impl PostgresStore {
 
     /// Listens for completions on a connection made with `config`, so that requests
     /// waiting for a running key wake as soon as it completes, in any process.
+    ///
+    /// The connection needs a session of its own: a direct one, or session pooling.
+    /// Every 10 s the listener sends a notification of its own and counts as listening
+    /// only while it comes back, so behind a transaction-pooling PgBouncer it never
+    /// does, and waiters poll.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
         let shared = self.shared_connections();
         Self::with_names(self.pool, self.schema, self.table, Some(config), shared)
@@ -660,7 +665,7 @@ impl PostgresStore {
         }
     }
 
-    /// Whether the `LISTEN` connection is up.
+    /// Whether the `LISTEN` connection is up and hears its own notifications.
     pub fn is_listening(&self) -> bool {
         self.listener.is_connected()
     }
