@@ -6,6 +6,10 @@
 //! requests without one share the anonymous scope `""`. Apps with tenants or users set
 //! their own with [`IdempotencyLayer::scope_with`](crate::IdempotencyLayer::scope_with).
 //!
+//! The hash is unsalted: whoever reads the table can test guesses of a credential
+//! against it. Random API keys and tokens are beyond guessing; for passwords (`Basic`
+//! authentication), scope by the authenticated principal instead.
+//!
 //! Mind that a refreshed or rotated token changes the default scope: a retry sent with
 //! a new token is then a new request and runs again. For payments, scope by a stable
 //! principal (account, user, API key id) instead; see docs/security.md.
