@@ -726,7 +726,8 @@ async fn a_failed_listen_is_tried_again() {
 }
 
 /// A `LISTEN` connection that answers every statement yet is sent no notification
-/// (through a transaction-pooling PgBouncer, say) does not count as listening: a
+/// (its `LISTEN` landed elsewhere, as behind a transaction pooler) does not count as
+/// listening: a
 /// waiter looks again on its timer, and replays as soon as the first request is done,
 /// not when its lease lapses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -585,10 +585,13 @@ impl PostgresStore {
     /// Listens for completions on a connection made with `config`, so that requests
     /// waiting for a running key wake as soon as it completes, in any process.
     ///
-    /// The connection needs a session of its own: a direct one, or session pooling.
-    /// Every 10 s the listener sends a notification of its own and counts as listening
-    /// only while it comes back, so behind a transaction-pooling PgBouncer it never
-    /// does, and waiters poll.
+    /// The connection needs a session of its own: a direct one, or session pooling,
+    /// never a transaction-pooling PgBouncer. After `LISTEN`, and every 10 s, the
+    /// listener sends a notification of its own (a small transaction) and counts as
+    /// listening only while it comes back within 5 s; a connection that hears nothing
+    /// is replaced, and waiters poll meanwhile. Through transaction pooling the check
+    /// may still pass, when the pooler hands back the server connection that listens,
+    /// so it does not make such a connection safe to use.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
         let shared = self.shared_connections();
         Self::with_names(self.pool, self.schema, self.table, Some(config), shared)
