@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError};
+use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, waiters::Waiters};
 use crate::{Fingerprint, Scope, StoredResponse};
 
 /// An in-memory [`Store`] for one process: examples, demos and tests of layer logic.
@@ -22,20 +22,11 @@ use crate::{Fingerprint, Scope, StoredResponse};
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new());
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
-    /// Completed and released keys, for requests waiting on them.
-    changes: tokio::sync::broadcast::Sender<Arc<(Scope, Arc<str>)>>,
-}
-
-impl Default for MemoryStore {
-    fn default() -> Self {
-        Self {
-            inner: Arc::default(),
-            changes: tokio::sync::broadcast::channel(1024).0,
-        }
-    }
+    /// Requests waiting on keys, woken when theirs completes or is released.
+    waiters: Arc<Waiters<(Scope, Arc<str>)>>,
 }
 
 /// A record's key: its scope and its key.
@@ -263,10 +254,7 @@ impl MemoryStore {
     }
 
     fn announce(&self, lease: &Lease) {
-        // No receivers is fine: nobody is waiting.
-        let _ = self
-            .changes
-            .send(Arc::new((lease.scope.clone(), lease.key.clone())));
+        self.waiters.wake(&(lease.scope.clone(), lease.key.clone()));
     }
 }
 
@@ -343,20 +331,7 @@ impl Store for MemoryStore {
     }
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
-        let mut rx = self.changes.subscribe();
-        let (scope, key) = (scope.clone(), Arc::<str>::from(key));
-        Box::pin(async move {
-            loop {
-                match rx.recv().await {
-                    Ok(id) if id.0 == scope && id.1 == key => return,
-                    Ok(_) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => return,
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                        std::future::pending::<()>().await;
-                    }
-                }
-            }
-        })
+        Box::pin(self.waiters.wait((scope.clone(), Arc::from(key))))
     }
 }
 

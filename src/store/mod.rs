@@ -41,6 +41,7 @@ use crate::{Fingerprint, Scope, StoredResponse};
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod waiters;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]

@@ -3,8 +3,9 @@
 //! A waiting request marks the row (`waiters`); completion and release of a marked row
 //! fire `pg_notify(channel, key id)` in the same statement, so the notification is
 //! delivered when (and only if) the change commits, to every
-//! process listening. Waiters subscribe *before* the claim that finds a key running, so
-//! no wake-up can fall between the claim and the wait.
+//! process listening, which wakes the requests waiting on that key id alone. Waiters
+//! register *before* the claim that finds a key running, so no wake-up can fall
+//! between the claim and the wait.
 
 use std::{
     sync::{
@@ -15,10 +16,9 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::broadcast;
 use tokio_postgres::{AsyncMessage, NoTls};
 
-use crate::store::BoxFuture;
+use crate::store::{BoxFuture, waiters::Waiters};
 
 /// How often a waiter looks again while no listener connection is up.
 const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
@@ -54,13 +54,10 @@ enum Event {
     NotListening(String),
 }
 
-/// What every waiter is told when the listener reconnects: look again.
-const EVERYONE: &str = "*";
-
 pub(super) struct Listener {
     config: Option<tokio_postgres::Config>,
     channel: String,
-    sender: broadcast::Sender<Arc<str>>,
+    waiters: Arc<Waiters<String>>,
     started: Mutex<Option<tokio::task::AbortHandle>>,
     connected: tokio::sync::watch::Sender<bool>,
     pub(super) notifications: AtomicU64,
@@ -83,7 +80,7 @@ impl Listener {
         Self {
             config,
             channel,
-            sender: broadcast::channel(1024).0,
+            waiters: Arc::default(),
             started: Mutex::new(None),
             connected: tokio::sync::watch::channel(false).0,
             notifications: AtomicU64::new(0),
@@ -133,27 +130,14 @@ impl Listener {
         }
     }
 
-    /// A future that resolves when `id` may have changed. Subscribes now, not when
+    /// A future that resolves when `id` may have changed. Registers now, not when
     /// first polled.
     pub(super) fn changed(self: &Arc<Self>, id: String) -> BoxFuture<'static, ()> {
         self.ensure_started();
-        let mut rx = self.sender.subscribe();
+        let notified = self.waiters.wait(id);
         let me = self.clone();
         let connected = self.is_connected();
         Box::pin(async move {
-            let notified = async move {
-                loop {
-                    match rx.recv().await {
-                        Ok(payload) if *payload == *id || &*payload == EVERYONE => return,
-                        Ok(_) => {}
-                        // Missed some: any of them may have been ours.
-                        Err(broadcast::error::RecvError::Lagged(_)) => return,
-                        Err(broadcast::error::RecvError::Closed) => {
-                            std::future::pending::<()>().await;
-                        }
-                    }
-                }
-            };
             if connected {
                 notified.await;
                 me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
@@ -182,7 +166,7 @@ impl Drop for Stopped {
     fn drop(&mut self) {
         if let Some(me) = self.0.upgrade() {
             me.connected.send_replace(false);
-            let _ = me.sender.send(Arc::from(EVERYONE));
+            me.waiters.wake_all();
         }
     }
 }
@@ -239,7 +223,7 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                                     me.connected.send_replace(true);
                                     backoff = Duration::from_millis(100);
                                     // Anything may have completed while we were away.
-                                    let _ = me.sender.send(Arc::from(EVERYONE));
+                                    me.waiters.wake_all();
                                 }
                             }
                         }
@@ -279,7 +263,7 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                         }
                         Event::Message(Some(Ok(AsyncMessage::Notification(n)))) => {
                             me.notifications.fetch_add(1, Ordering::Relaxed);
-                            let _ = me.sender.send(Arc::from(n.payload()));
+                            me.waiters.wake(n.payload());
                         }
                         Event::Message(Some(Ok(_))) => {}
                         Event::Message(Some(Err(e))) => {
@@ -301,7 +285,7 @@ async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: Str
                 }
                 if let Some(me) = me.upgrade() {
                     me.connected.send_replace(false);
-                    let _ = me.sender.send(Arc::from(EVERYONE));
+                    me.waiters.wake_all();
                 }
             }
             Err(e) => tracing::warn!(error = %e, "the idempotency listener cannot connect"),
