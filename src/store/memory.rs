@@ -361,6 +361,65 @@ mod tests {
         }
     }
 
+    /// Counts the times it is woken.
+    #[derive(Default)]
+    struct Woken(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Woken {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_completion_wakes_the_requests_waiting_on_its_key_alone() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let store = MemoryStore::new();
+        let scope = Scope::anonymous();
+        let long = Duration::from_secs(60);
+        let leases: Vec<_> = (0..100)
+            .map(|i| acquire(&store, &request(&scope, &format!("k{i}"), long, long)))
+            .collect();
+        // A request waiting on each key, as `wait_for_running` does, first polled
+        // while the key runs.
+        let mut waits: Vec<_> = (0..100)
+            .map(|i| {
+                let mut wait = store.changed(&scope, &format!("k{i}"));
+                let woken = Arc::new(Woken::default());
+                let waker = std::task::Waker::from(woken.clone());
+                let mut cx = std::task::Context::from_waker(&waker);
+                assert!(wait.as_mut().poll(&mut cx).is_pending());
+                (wait, woken, waker)
+            })
+            .collect();
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::new(),
+        };
+        assert!(
+            rt.block_on(store.complete(&leases[7], &response, long))
+                .unwrap()
+        );
+        let woken = |waits: &[(_, Arc<Woken>, _)]| -> Vec<usize> {
+            waits
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, w, _))| w.0.load(std::sync::atomic::Ordering::SeqCst) > 0)
+                .map(|(i, _)| i)
+                .collect()
+        };
+        assert_eq!(woken(&waits), [7]);
+        let (wait, _, waker) = &mut waits[7];
+        let mut cx = std::task::Context::from_waker(waker);
+        assert!(wait.as_mut().poll(&mut cx).is_ready());
+        // A release wakes its key's waiters alone too.
+        assert!(rt.block_on(store.release(&leases[3])).unwrap());
+        assert_eq!(woken(&waits), [3, 7]);
+    }
+
     #[test]
     fn each_claim_sweeps_a_few_expired_records_and_purges_take_the_rest() {
         let store = MemoryStore::new();

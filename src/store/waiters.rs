@@ -63,20 +63,31 @@ impl<K: Hash + Eq + Clone + Send + Sync + 'static> Waiters<K> {
     }
 
     /// Wakes every request waiting on `key`.
+    ///
+    /// Woken outside the lock, so that no waker runs while it is held: a request that
+    /// registers between the two is woken too, for nothing, and one whose key went
+    /// meanwhile is not there to wake.
     pub(crate) fn wake<Q>(&self, key: &Q)
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        if let Some(waiting) = self.keys().get(key) {
-            waiting.notify.notify_waiters();
+        let notify = self.keys().get(key).map(|waiting| waiting.notify.clone());
+        if let Some(notify) = notify {
+            notify.notify_waiters();
         }
     }
 
-    /// Wakes every waiting request, whatever its key.
+    /// Wakes every waiting request, whatever its key (outside the lock, as `wake`).
+    #[cfg(any(test, feature = "postgres"))]
     pub(crate) fn wake_all(&self) {
-        for waiting in self.keys().values() {
-            waiting.notify.notify_waiters();
+        let all: Vec<_> = self
+            .keys()
+            .values()
+            .map(|waiting| waiting.notify.clone())
+            .collect();
+        for notify in all {
+            notify.notify_waiters();
         }
     }
 
