@@ -191,6 +191,11 @@ impl IdempotencyLayer {
     /// renewing it (default 30 s; at least 10 ms). A live handler's lease is renewed
     /// every third of this, so it bounds how long a crashed request blocks its key, not
     /// how long a handler may run.
+    ///
+    /// That holds only while a renewal reaches the store within a third of the lease:
+    /// keep the lease many times the store's round trip (seconds, not milliseconds).
+    /// A lease too short for its renewals lapses under a live handler, and a retry
+    /// then takes the key over and runs the handler a second time.
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
         self.config().lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);
