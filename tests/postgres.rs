@@ -435,6 +435,25 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     assert_eq!(after.statements - before.statements, 3, "{after:?}");
 }
 
+/// Over TLS (`connect_with_tls`, `sslmode=require`), the `LISTEN` connection is
+/// encrypted like the pool's, and wakes a duplicate on another replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_on_another_replica_is_woken_over_tls() {
+    let schema = TestSchema::new();
+    let (a, b) = (schema.store_over_tls().await, schema.store_over_tls().await);
+    b.listen().await.expect("LISTEN over TLS");
+    let (open, encrypted, listening) = schema.tls_connections().await;
+    assert!(open >= 3, "two pools and a listener: {open}");
+    assert_eq!(encrypted, open, "a connection in the clear");
+    assert_eq!(listening, 1, "the LISTEN connection");
+    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
+    assert!(after.notifications > before.notifications, "{after:?}");
+    assert!(
+        after.notified_wakeups > before.notified_wakeups,
+        "{after:?}"
+    );
+}
+
 /// A listener whose runtime shut down (the store outlived the runtime that first used
 /// it) no longer counts as listening, and is started again by the next use: a duplicate
 /// is still woken by the completion's notification, not by the end of its wait.
@@ -507,7 +526,7 @@ async fn purgers_on_several_replicas_delete_each_row_once() {
     assert_eq!(schema.query(&left).await[0].get::<_, i64>(0), 0);
 }
 
-/// A store without a notification connection (a TLS pool, or a `Pool` passed to the
+/// A store without a notification connection (a `Pool` passed to the
 /// layer as it is) still lets a duplicate wait for the running request and replay it:
 /// it looks again on a timer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

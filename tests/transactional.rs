@@ -719,7 +719,22 @@ async fn a_transaction_handler_behind_a_lease_mode_layer_is_500_and_stores_nothi
 async fn an_abandoned_claim_stops_waiting_on_the_server() {
     let schema = TestSchema::new();
     let store = schema.store().await;
-    let table = setup(&schema, &store).await;
+    abandoned_claim_stops_waiting(&schema, store).await;
+}
+
+/// The same over TLS (`sslmode=require`): the cancel request goes over TLS too, as the
+/// driver will not send it in the clear.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abandoned_claim_stops_waiting_on_the_server_over_tls() {
+    let schema = TestSchema::new();
+    let store = schema.store_over_tls().await;
+    abandoned_claim_stops_waiting(&schema, store).await;
+}
+
+/// A duplicate on `store` whose client hangs up while its claim waits on a lock the
+/// test holds: asserts that its statement stops waiting on the server.
+async fn abandoned_claim_stops_waiting(schema: &TestSchema, store: PostgresStore) {
+    let table = setup(schema, &store).await;
     let layer = IdempotencyLayer::transactional(store).wait_for_running(Duration::from_secs(600));
     let (router, _) = app(layer, &table);
     // Every claim waits while the test holds the keys table.

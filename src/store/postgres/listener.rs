@@ -16,8 +16,9 @@ use std::{
     time::Duration,
 };
 
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 
+use super::tls::Connector;
 use crate::store::{BoxFuture, waiters::Waiters};
 
 /// How often a waiter looks again while no listener connection is up.
@@ -56,6 +57,7 @@ enum Event {
 
 pub(super) struct Listener {
     config: Option<tokio_postgres::Config>,
+    connector: Connector,
     channel: String,
     waiters: Arc<Waiters<String>>,
     started: Mutex<Option<tokio::task::AbortHandle>>,
@@ -76,9 +78,14 @@ impl Drop for Listener {
 }
 
 impl Listener {
-    pub(super) fn new(config: Option<tokio_postgres::Config>, channel: String) -> Self {
+    pub(super) fn new(
+        config: Option<tokio_postgres::Config>,
+        channel: String,
+        connector: Connector,
+    ) -> Self {
         Self {
             config,
+            connector,
             channel,
             waiters: Arc::default(),
             started: Mutex::new(None),
@@ -125,7 +132,12 @@ impl Listener {
             .as_ref()
             .is_none_or(tokio::task::AbortHandle::is_finished)
         {
-            let task = runtime.spawn(listen(Arc::downgrade(self), config, self.channel.clone()));
+            let task = runtime.spawn(listen(
+                Arc::downgrade(self),
+                config,
+                self.connector.clone(),
+                self.channel.clone(),
+            ));
             *started = Some(task.abort_handle());
         }
     }
@@ -171,11 +183,16 @@ impl Drop for Stopped {
     }
 }
 
-async fn listen(me: Weak<Listener>, config: tokio_postgres::Config, channel: String) {
+async fn listen(
+    me: Weak<Listener>,
+    config: tokio_postgres::Config,
+    connector: Connector,
+    channel: String,
+) {
     let _stopped = Stopped(me.clone());
     let mut backoff = Duration::from_millis(100);
     loop {
-        match config.connect(NoTls).await {
+        match connector.connect(config.clone()).await {
             Ok((client, mut connection)) => {
                 let listen = format!("LISTEN \"{channel}\"");
                 // Unique to this connection, so that another process's check (or an

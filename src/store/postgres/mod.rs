@@ -2,6 +2,7 @@
 
 mod listener;
 mod shared;
+mod tls;
 
 use std::{
     fmt,
@@ -17,11 +18,17 @@ use deadpool_postgres::{
     Client, ClientWrapper, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime,
 };
 use http::StatusCode;
-use tokio_postgres::{NoTls, Row, error::SqlState, types::ToSql};
+use tokio_postgres::{
+    NoTls, Row, Socket,
+    error::SqlState,
+    tls::{MakeTlsConnect, TlsConnect},
+    types::ToSql,
+};
 
 use listener::Listener;
 use sha2::{Digest, Sha256};
 use shared::Shared;
+use tls::Connector;
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -81,7 +88,7 @@ async fn pooled(pool: &Pool) -> Result<Client, StoreError> {
 /// statement (a timeout, a client gone), and a connection whose answer never came may
 /// be dead without a word, its next user waiting behind that answer for as long as TCP
 /// takes to give up; or a transaction was left open on it, which closing rolls back.
-pub(crate) struct Checkout(Option<Client>);
+pub(crate) struct Checkout(Option<Client>, Connector);
 
 impl Checkout {
     /// The work is done: the connection goes back to the pool.
@@ -106,12 +113,13 @@ impl Drop for Checkout {
         if let Some(conn) = self.0.take() {
             // The server does not notice a closed connection while a statement waits
             // (on a lock, say): it is told to cancel it, or it would wait on, holding
-            // a backend, for as long as the statement's own bound allows. Over plain
-            // TCP (docs/security.md says what that means for TLS pools).
+            // a backend, for as long as the statement's own bound allows. Over the
+            // store's TLS, if it has one (`PostgresStore::with_tls`).
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let cancel = conn.cancel_token();
+                let connector = std::mem::take(&mut self.1);
                 runtime.spawn(async move {
-                    if let Err(e) = cancel.cancel_query(NoTls).await {
+                    if let Err(e) = connector.cancel(cancel).await {
                         tracing::debug!(error = %e, "could not cancel an abandoned statement");
                     }
                 });
@@ -189,6 +197,8 @@ pub struct PostgresStore {
     statements: Arc<AtomicU64>,
     listen_config: Option<tokio_postgres::Config>,
     listener: Arc<Listener>,
+    /// The TLS of the connections made outside the pool (`with_tls`).
+    connector: Connector,
     /// Transactional claims in progress hold a connection each, possibly blocked on
     /// another request's row: at most half the pool may, so that the handlers they wait
     /// for always find connections.
@@ -519,7 +529,14 @@ impl PostgresStore {
     /// or build the store with [`connect`](Self::connect), which does. Without one, a
     /// waiter looks again every 250 ms.
     pub fn new(pool: Pool) -> Self {
-        Self::with_names(pool, "public".into(), "idempotency_keys".into(), None, 0)
+        Self::with_names(
+            pool,
+            "public".into(),
+            "idempotency_keys".into(),
+            None,
+            Connector::default(),
+            0,
+        )
     }
 
     /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for
@@ -528,11 +545,47 @@ impl PostgresStore {
         Ok(Self::new(pool_for_url(url, 16)?).with_notifications(parse_url(url)?))
     }
 
+    /// [`connect`](Self::connect) over TLS: a pool for `url` whose connections use
+    /// `tls`, and the store's own connections (the `LISTEN` connection, the cancel
+    /// requests) too, as [`with_tls`](Self::with_tls) sets. Ask for TLS in the URL
+    /// (`sslmode=require`), or the driver falls back to plain TCP where the server
+    /// offers no TLS.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut roots = rustls::RootCertStore::empty();
+    /// // roots.add(…): the certificate of the CA that signed the database's
+    /// let config = rustls::ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let tls = tokio_postgres_rustls::MakeRustlsConnect::new(config);
+    /// let store = PostgresStore::connect_with_tls(
+    ///     "postgres://app@db.internal/payments?sslmode=require",
+    ///     tls,
+    /// )?;
+    /// # Ok(()) }
+    /// ```
+    pub fn connect_with_tls<T>(url: &str, tls: T) -> Result<Self, ConfigError>
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        let pool = pool_for_url_with_tls(url, 16, tls.clone())?;
+        Ok(Self::new(pool)
+            .with_notifications(parse_url(url)?)
+            .with_tls(tls))
+    }
+
     fn with_names(
         pool: Pool,
         schema: String,
         table: String,
         listen_config: Option<tokio_postgres::Config>,
+        connector: Connector,
         shared: usize,
     ) -> Self {
         let channel = format!("{table}_done");
@@ -542,7 +595,12 @@ impl PostgresStore {
         Self {
             tx_claims,
             sql: Arc::new(Sql::new(&schema, &table)),
-            listener: Arc::new(Listener::new(listen_config.clone(), channel)),
+            listener: Arc::new(Listener::new(
+                listen_config.clone(),
+                channel,
+                connector.clone(),
+            )),
+            connector,
             listen_config,
             pool,
             schema,
@@ -565,6 +623,7 @@ impl PostgresStore {
             name.to_owned(),
             self.table,
             self.listen_config,
+            self.connector,
             shared,
         ))
     }
@@ -578,6 +637,7 @@ impl PostgresStore {
             self.schema,
             name.to_owned(),
             self.listen_config,
+            self.connector,
             shared,
         ))
     }
@@ -594,7 +654,58 @@ impl PostgresStore {
     /// so it does not make such a connection safe to use.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
         let shared = self.shared_connections();
-        Self::with_names(self.pool, self.schema, self.table, Some(config), shared)
+        Self::with_names(
+            self.pool,
+            self.schema,
+            self.table,
+            Some(config),
+            self.connector,
+            shared,
+        )
+    }
+
+    /// Makes the connections the store opens outside its pool with `tls`: the
+    /// `LISTEN` connection ([`with_notifications`](Self::with_notifications)), and the
+    /// cancel requests sent for statements given up on (a client gone while its
+    /// transactional claim waits on a lock, say). Without it they are plain TCP: with
+    /// `sslmode=require` the `LISTEN` connection cannot connect and cancel requests are
+    /// not sent. Give it the connector your pool uses.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let roots = rustls::RootCertStore::empty();
+    /// let url = "postgres://app@db.internal/payments?sslmode=require";
+    /// let config = rustls::ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let tls = tokio_postgres_rustls::MakeRustlsConnect::new(config);
+    /// let config: tokio_postgres::Config = url.parse()?;
+    /// let manager = deadpool_postgres::Manager::new(config.clone(), tls.clone());
+    /// let pool = deadpool_postgres::Pool::builder(manager).max_size(16).build()?;
+    /// let store = PostgresStore::new(pool)
+    ///     .with_notifications(config)
+    ///     .with_tls(tls);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_tls<T>(self, tls: T) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        let shared = self.shared_connections();
+        Self::with_names(
+            self.pool,
+            self.schema,
+            self.table,
+            self.listen_config,
+            Connector::with(tls),
+            shared,
+        )
     }
 
     /// Runs lease mode's claims (and so its replays, 409s and 422s) on `n` connections
@@ -633,7 +744,14 @@ impl PostgresStore {
     /// # Ok::<(), tower_idempotency::store::ConfigError>(())
     /// ```
     pub fn with_shared_claim_connections(self, n: usize) -> Self {
-        Self::with_names(self.pool, self.schema, self.table, self.listen_config, n)
+        Self::with_names(
+            self.pool,
+            self.schema,
+            self.table,
+            self.listen_config,
+            self.connector,
+            n,
+        )
     }
 
     /// Counters of what this store has done, for tests and dashboards.
@@ -845,7 +963,9 @@ impl PostgresStore {
     /// gave up on it is finished in a task of its own, and under overload such tasks
     /// would otherwise queue for a connection without end, ahead of new requests.
     pub(crate) async fn client(&self) -> Result<Checkout, StoreError> {
-        pooled(&self.pool).await.map(|conn| Checkout(Some(conn)))
+        pooled(&self.pool)
+            .await
+            .map(|conn| Checkout(Some(conn), self.connector.clone()))
     }
 
     /// Runs `sql` on a pooled connection, again after a lost race, then gives the
@@ -1206,10 +1326,24 @@ impl PostgresStore {
 /// # Ok::<(), tower_idempotency::store::ConfigError>(())
 /// ```
 pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
+    pool_for_url_with_tls(url, max_size, NoTls)
+}
+
+/// [`pool_for_url`] with connections made with `tls` (ask for it in the URL:
+/// `sslmode=require`). A store over it needs the connector too, for the connections
+/// it makes outside the pool: [`PostgresStore::with_tls`], or build both with
+/// [`PostgresStore::connect_with_tls`].
+pub fn pool_for_url_with_tls<T>(url: &str, max_size: usize, tls: T) -> Result<Pool, ConfigError>
+where
+    T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    T::Stream: Send + Sync + 'static,
+    T::TlsConnect: Send + Sync,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
     let config = parse_url(url)?;
     let manager = Manager::from_config(
         config,
-        NoTls,
+        tls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
