@@ -996,22 +996,21 @@ async fn a_waiting_duplicate_gives_up_at_its_bound_with_409() {
     );
 }
 
-/// A payment the backend cannot complete gets a 500 problem document that names no
-/// internals; the key is released, and the retry completes it with the charge the
-/// provider already made for that key.
-#[tokio::test]
-async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_charges_once() {
-    let schema = Schema::new();
-    let mut demo = Demo::start(Some(&schema));
-    let client = client();
-    demo.wait_ready(&client).await;
+/// Posts `payment` under `key` while the demo cannot record payments: the provider
+/// charges, and the answer is the 500 problem, naming no internals.
+async fn charged_but_not_recorded(
+    schema: &Schema,
+    client: &HttpClient,
+    addr: SocketAddr,
+    key: &str,
+    payment: &str,
+) {
     let payments = format!("\"{}\".demo_payments", schema.name);
     query(&format!(
         "ALTER TABLE {payments} RENAME TO demo_payments_away"
     ))
     .await;
-    let payment = r#"{"amount":700,"currency":"EUR"}"#;
-    let failed = post_payment(&client, demo.addr, Some("fails-once"), payment).await;
+    let failed = post_payment(client, addr, Some(key), payment).await;
     failed.assert_problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         "payments-demo-payment-failed",
@@ -1023,11 +1022,71 @@ async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_char
         schema.name
     ))
     .await;
+}
+
+/// A payment the backend cannot complete gets a 500 problem document that names no
+/// internals; the key is released, and the retry completes it with the charge the
+/// provider already made for that key.
+#[tokio::test]
+async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_charges_once() {
+    let schema = Schema::new();
+    let mut demo = Demo::start(Some(&schema));
+    let client = client();
+    demo.wait_ready(&client).await;
+    let payment = r#"{"amount":700,"currency":"EUR"}"#;
+    charged_but_not_recorded(&schema, &client, demo.addr, "fails-once", payment).await;
     let retried = post_payment(&client, demo.addr, Some("fails-once"), payment).await;
     assert_eq!(retried.status, StatusCode::CREATED, "{retried:?}");
     assert!(!retried.replayed());
     assert_eq!(
         stats(&client, demo.addr).await,
         json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+    );
+}
+
+/// After a payment failed once it was charged (its key released), the same key with
+/// another amount is refused with a 422 that is not stored, and charges nothing: the
+/// provider already charged that key for the first payment. A retry of the first
+/// payment then completes it, with that charge.
+#[tokio::test]
+async fn a_released_key_sent_with_another_amount_is_refused_and_the_first_payment_completes() {
+    let schema = Schema::new();
+    let mut demo = Demo::start(Some(&schema));
+    let client = client();
+    demo.wait_ready(&client).await;
+    let first = r#"{"amount":700,"currency":"EUR"}"#;
+    charged_but_not_recorded(&schema, &client, demo.addr, "changed", first).await;
+    let other = r#"{"amount":900,"currency":"EUR"}"#;
+    for _ in 0..2 {
+        let refused = post_payment(&client, demo.addr, Some("changed"), other).await;
+        refused.assert_problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "payments-demo-key-used-for-another-payment",
+        );
+        assert!(!refused.replayed(), "the refusal was stored");
+        let detail = refused.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(detail.contains("700 EUR"), "{detail}");
+    }
+    assert_eq!(key_row(&schema, "changed").await, None, "the key is held");
+    let completed = post_payment(&client, demo.addr, Some("changed"), first).await;
+    assert_eq!(completed.status, StatusCode::CREATED, "{completed:?}");
+    assert_eq!(completed.json()["amount"], 700);
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 4, "psp_calls": 4, "charges": 1, "payments": 1})
+    );
+    let recorded = query(&format!(
+        "SELECT p.amount, c.amount FROM \"{0}\".demo_payments p
+         JOIN \"{0}\".demo_psp_charges c USING (charge_id)",
+        schema.name
+    ))
+    .await;
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(
+        (recorded[0].get::<_, i64>(0), recorded[0].get::<_, i64>(1)),
+        (700, 700)
     );
 }

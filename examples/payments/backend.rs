@@ -33,8 +33,17 @@ pub(crate) enum Backend {
 pub(crate) struct Memory {
     handler_runs: i64,
     psp_calls: i64,
-    charges: HashMap<String, String>,
+    /// Provider key → (charge id, amount, currency).
+    charges: HashMap<String, (String, i64, String)>,
     payments: HashMap<String, String>,
+}
+
+/// What the provider did with a charge.
+pub(crate) enum Charged {
+    /// Charged now, or before under the same key with the same amount and currency.
+    Charge(String),
+    /// The key was charged before for another payment: nothing charged now.
+    OtherPayment { amount: i64, currency: String },
 }
 
 impl Backend {
@@ -113,21 +122,35 @@ impl Backend {
     }
 
     /// The fake payment provider: one charge per provider key, whatever the retries.
+    /// Like a real one, it refuses a key it has charged under with another amount or
+    /// currency, and charges nothing.
     pub(crate) async fn charge(
         &self,
         psp_key: &str,
         amount: i64,
         currency: &str,
-    ) -> Result<String, Error> {
+    ) -> Result<Charged, Error> {
         self.bump("psp_calls").await?;
         let fresh_id = format!("ch_{:016x}", rand_u64());
+        let settled = |(id, charged, charged_in): (String, i64, String)| {
+            if charged == amount && charged_in == currency {
+                Charged::Charge(id)
+            } else {
+                Charged::OtherPayment {
+                    amount: charged,
+                    currency: charged_in,
+                }
+            }
+        };
         match self {
             Self::Memory(m) => {
                 let mut m = Self::lock(m);
-                Ok(m.charges
+                let charge = m
+                    .charges
                     .entry(psp_key.to_owned())
-                    .or_insert(fresh_id)
-                    .clone())
+                    .or_insert_with(|| (fresh_id, amount, currency.to_owned()))
+                    .clone();
+                Ok(settled(charge))
             }
             Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
@@ -135,10 +158,11 @@ impl Backend {
                     .prepare_cached(&format!(
                         "WITH ins AS (
                              INSERT INTO \"{schema}\".demo_psp_charges (psp_key, charge_id, amount, currency)
-                             VALUES ($1, $2, $3, $4) ON CONFLICT (psp_key) DO NOTHING RETURNING charge_id)
-                         SELECT charge_id FROM ins
+                             VALUES ($1, $2, $3, $4) ON CONFLICT (psp_key) DO NOTHING
+                             RETURNING charge_id, amount, currency)
+                         SELECT charge_id, amount, currency FROM ins
                          UNION ALL
-                         SELECT charge_id FROM \"{schema}\".demo_psp_charges
+                         SELECT charge_id, amount, currency FROM \"{schema}\".demo_psp_charges
                          WHERE psp_key = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
                     ))
                     .await?;
@@ -147,7 +171,7 @@ impl Backend {
                         .query(&stmt, &[&psp_key, &fresh_id, &amount, &currency])
                         .await?;
                     if let Some(row) = rows.first() {
-                        return Ok(row.get(0));
+                        return Ok(settled((row.get(0), row.get(1), row.get(2))));
                     }
                 }
                 Err("the provider could not settle the charge".into())

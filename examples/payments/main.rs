@@ -11,7 +11,9 @@
 //!
 //! - `POST /payments` (Idempotency-Key required), body
 //!   `{"amount": 1250, "currency": "EUR", "delay_ms": 0}` → `201`
-//!   `{"payment_id", "charge_id", "amount", "currency"}`.
+//!   `{"payment_id", "charge_id", "amount", "currency"}`. A key the fake provider
+//!   charged under for another amount or currency (its first payment failed after the
+//!   charge, and was released) gets a 422 that is not stored.
 //! - `GET /stats` → `{"handler_runs", "psp_calls", "charges", "payments"}`.
 //! - `GET /stats/store` → the idempotency store's counters (PostgreSQL): statements,
 //!   notifications received, waiters woken by a notification or by the fallback timer.
@@ -34,10 +36,15 @@ use axum::{
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, store::MemoryStore, transactional::TransactionHandle,
+    IdempotencyKey, IdempotencyLayer, default_storage_policy, store::MemoryStore,
+    transactional::TransactionHandle,
 };
 
-use backend::Backend;
+use backend::{Backend, Charged};
+
+/// A response the layer must not store: its key is released, so that a retry with the
+/// payment's first body can still complete it.
+const NOT_STORED: &str = "payments-demo-not-stored";
 
 struct Args {
     addr: SocketAddr,
@@ -155,6 +162,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     };
     let layer = layer
         .require_key(true)
+        .store_response_if(|status, headers| {
+            default_storage_policy(status, headers) && !headers.contains_key(NOT_STORED)
+        })
         .lease_duration(lease)
         .wait_for_running(Duration::from_millis(args.wait_ms));
     let shutdown = layer.shutdown_handle();
@@ -297,7 +307,12 @@ async fn create_payment(
         .charge(&key.derive("psp"), payment.amount, &payment.currency)
         .await
     {
-        Ok(id) => id,
+        Ok(Charged::Charge(id)) => id,
+        // Reachable only when the key holds no record: its first payment failed after
+        // the charge, and was released for a retry; this one has another body.
+        Ok(Charged::OtherPayment { amount, currency }) => {
+            return key_used_for_another_payment(amount, &currency);
+        }
         Err(e) => return internal(e),
     };
     // The window in which a real service could crash after charging.
@@ -340,6 +355,30 @@ async fn create_payment(
 /// A 500 for a payment the backend could not complete. The cause goes to the log, not
 /// to the client; the key is released (a 5xx is not stored), so a retry with it runs
 /// again, and the provider, given the same derived key, charges once.
+/// A 422 for a key the provider charged under for another payment. Not stored: the
+/// key's first payment (charged, never recorded) can still be completed by a retry
+/// with its own body, and the provider charges nothing twice.
+fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
+    let body = json!({
+        "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-key-used-for-another-payment",
+        "title": "Idempotency-Key used for another payment",
+        "status": 422,
+        "detail": format!(
+            "the payment provider already charged {amount} {currency} under this Idempotency-Key; \
+             retry that payment with its own body to complete it, or send this one with a new key"
+        ),
+    });
+    (
+        StatusCode::UNPROCESSABLE_ENTITY,
+        [
+            (header::CONTENT_TYPE, "application/problem+json"),
+            (header::HeaderName::from_static(NOT_STORED), "true"),
+        ],
+        body.to_string(),
+    )
+        .into_response()
+}
+
 fn internal(e: backend::Error) -> Response {
     tracing::error!(error = %e, "payment failed");
     let body = json!({
