@@ -495,9 +495,42 @@ async fn invalid_requests_are_refused() {
     assert!(replayed.replayed(), "{replayed:?}");
     assert_eq!(replayed.body, refused.body);
 
+    // Each of these is refused the same way, and charges nothing.
+    let bad_bodies = [
+        "",
+        "[]",
+        "not json",
+        r#"{"currency":"EUR"}"#,
+        r#"{"amount":-5,"currency":"EUR"}"#,
+        r#"{"amount":12.5,"currency":"EUR"}"#,
+        r#"{"amount":1e3,"currency":"EUR"}"#,
+        r#"{"amount":99999999999999999999,"currency":"EUR"}"#,
+        r#"{"amount":1250,"currency":"eur"}"#,
+        r#"{"amount":1250,"currency":"EURO"}"#,
+        r#"{"amount":1250}"#,
+        r#"{"amount":1250,"currency":"EUR","delay_ms":60001}"#,
+        r#"{"amount":1250,"currency":"EUR","delay_ms":-1}"#,
+        r#"{"amount":1250,"currency":"EUR","note":"x"}"#,
+        r#"{"amount":-1,"currency":"EUR","amount":5}"#,
+        r#"{"amount":5,"currency":"EUR","currency":"USD"}"#,
+    ];
+    for (i, body) in bad_bodies.iter().enumerate() {
+        post_payment(&client, demo.addr, Some(&format!("bad-{i}")), body)
+            .await
+            .assert_problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "payments-demo-invalid-payment",
+            );
+    }
+
     assert_eq!(
         stats(&client, demo.addr).await,
-        json!({"handler_runs": 1, "psp_calls": 0, "charges": 0, "payments": 0})
+        json!({
+            "handler_runs": 1 + bad_bodies.len(),
+            "psp_calls": 0,
+            "charges": 0,
+            "payments": 0
+        })
     );
 }
 

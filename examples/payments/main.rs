@@ -251,10 +251,24 @@ struct Payment {
     delay_ms: u64,
 }
 
+/// The fields a payment may have, each at most once: a body naming one twice is
+/// refused, not read as its last value (a proxy or a log reading the first would see
+/// another payment than the one charged).
+#[derive(serde::Deserialize)]
+struct Once {
+    #[serde(rename = "amount")]
+    _amount: Option<serde::de::IgnoredAny>,
+    #[serde(rename = "currency")]
+    _currency: Option<serde::de::IgnoredAny>,
+    #[serde(rename = "delay_ms")]
+    _delay_ms: Option<serde::de::IgnoredAny>,
+}
+
 fn parse_payment(body: &[u8]) -> Result<Payment, String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let obj = value.as_object().ok_or("the body must be a JSON object")?;
+    serde_json::from_slice::<Once>(body).map_err(|e| format!("a field appears twice: {e}"))?;
     if let Some(unknown) = obj
         .keys()
         .find(|k| !["amount", "currency", "delay_ms"].contains(&k.as_str()))
