@@ -582,6 +582,50 @@ async fn purge_never_deletes_a_live_claim() {
     ));
 }
 
+/// The store's own API takes any duration; the longest are held to ten years, as the
+/// layer's settings are, instead of failing every statement ("interval out of range").
+#[tokio::test]
+async fn the_longest_durations_are_held_to_ten_years() {
+    use tower_idempotency::{
+        Fingerprint, Scope, StoredResponse,
+        store::{Claim, ClaimRequest, Store},
+    };
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let scope = Scope::new("s");
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "forever",
+        fingerprint: Fingerprint([1; 32]),
+        lease: Duration::MAX,
+        ttl: Duration::MAX,
+    };
+    let Claim::Acquired(lease) = store.claim(&request).await.expect("claim") else {
+        panic!("acquired")
+    };
+    assert!(store.renew(&lease, Duration::MAX).await.expect("renew"));
+    let response = StoredResponse {
+        status: axum::http::StatusCode::CREATED,
+        headers: axum::http::HeaderMap::new(),
+        body: axum::body::Bytes::from_static(b"ok"),
+    };
+    assert!(
+        store
+            .complete(&lease, &response, Duration::MAX)
+            .await
+            .expect("complete")
+    );
+    let years = schema
+        .query(&format!(
+            "SELECT round(extract(epoch FROM expires_at - now()) / (365 * 86400))::int
+             FROM \"{}\".idempotency_keys",
+            schema.name
+        ))
+        .await;
+    let left: i32 = years[0].get(0);
+    assert_eq!(left, 10, "years to its expiry");
+}
+
 #[tokio::test]
 async fn store_errors_are_classified_by_sqlstate_and_connection_state() {
     use tower_idempotency::{

@@ -378,8 +378,10 @@ fn lease_left(locked_until: Option<SystemTime>, now: SystemTime) -> Duration {
     Duration::from_millis(u64::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX))
 }
 
+/// Milliseconds for SQL, at most ten years (as the layer's settings): PostgreSQL's
+/// timestamps end in 294276 AD, and `now()` plus more fails the statement.
 fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.min(crate::layer::TEN_YEARS).as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Classifies a database error by its SQLSTATE, never by its message.
@@ -1072,7 +1074,7 @@ impl PostgresStore {
             token,
         };
         // Past the lease, the row frees itself: no release is worth trying then.
-        let lapses = tokio::time::Instant::now() + request.lease;
+        let lapses = tokio::time::Instant::now() + request.lease.min(crate::layer::TEN_YEARS);
         runtime.spawn(
             async move {
                 let mut schedule = IN_DOUBT_RELEASES.into_iter();
