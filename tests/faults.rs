@@ -286,6 +286,78 @@ async fn silently_dropped_pooled_connections_are_replaced() {
     assert_eq!(answers[0], 503, "the first request met a dead connection");
 }
 
+/// The same with a lease far longer than the test: a claim given up on while stuck on
+/// a dead connection gives it back seconds after (`abandoned_claim_wait`), releasing in
+/// doubt what may have landed, instead of holding it for its lease with the pool full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_stuck_on_a_dead_connection_gives_it_back_long_before_its_lease_lapses() {
+    let schema = TestSchema::new();
+    schema.store().await;
+    let proxy = PgProxy::start().await;
+    let store = PostgresStore::new(pool_for_url(&proxy.url(), 2).unwrap())
+        .with_schema_name(&schema.name)
+        .unwrap();
+    let (a, b) = tokio::join!(store.pool().get(), store.pool().get());
+    drop((a.unwrap(), b.unwrap()));
+    proxy.blackhole();
+
+    let layer = IdempotencyLayer::new(store.clone())
+        .store_timeout(Duration::from_millis(300))
+        .lease_duration(Duration::from_secs(600));
+    let (router, counter) = app(layer);
+    let mut answers = Vec::new();
+    for i in 0..60 {
+        let key = format!("k{i}");
+        let reply = send(&router, post(&key, "{}")).await;
+        answers.push(reply.status.as_u16());
+        if reply.status == 201 {
+            assert_eq!(counter.runs_of(&key), 1);
+            break;
+        }
+        assert_eq!(reply.status, 503);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(answers.last(), Some(&201), "{answers:?}");
+}
+
+/// A claim held up on its way (a stalled network) past its caller's store timeout and
+/// the store's wait for abandoned claims lands only after it was dropped: it is
+/// released in doubt, by its token, so the retry runs, instead of meeting 409 for the
+/// claim's whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_that_lands_after_it_was_abandoned_is_released() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 4).await;
+    let layer = IdempotencyLayer::new(store.clone())
+        .store_timeout(Duration::from_millis(300))
+        .lease_duration(Duration::from_secs(600));
+    let (router, counter) = app(layer);
+    // The claim statement prepared on the pool's connection, so that the claim below
+    // goes out whole, in one write.
+    assert_eq!(send(&router, post("warm", "{}")).await.status, 201);
+    let open = store.pool().status().size;
+    proxy.stall(true);
+    assert_eq!(send(&router, post("k", "{}")).await.status, 503);
+    // The claim is dropped (its connection closed, leaving the pool) once the store
+    // stops waiting for it.
+    for _ in 0..1500 {
+        if store.pool().status().size < open.max(1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        store.pool().status().size < open.max(1),
+        "the abandoned claim still holds its connection"
+    );
+    // Now it lands, held by the proxy until here.
+    proxy.stall(false);
+    let created = retry_until_created(&router, "k", &[409]).await;
+    assert_eq!(created.status, 201);
+    assert_eq!(counter.runs_of("k"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response() {
     let schema = TestSchema::new();

@@ -92,9 +92,11 @@ pub(crate) async fn claim_within(
 
 /// A claim that may still be on its way to the store; if it is dropped unfinished, the
 /// rest of it runs in a task that releases the key if the claim lands, counted in flight
-/// meanwhile, so that a drain waits for that release. The task waits for the claim's
-/// answer at most one lease: past it, a claim that landed frees its key by itself,
-/// and a claim still unanswered is dropped, which closes a connection that may be dead.
+/// meanwhile, so that a drain waits for that release (not for one the store starts
+/// itself when the claim is dropped: `PostgresStore` releases in doubt). The task waits for the claim's
+/// answer at most [`Store::abandoned_claim_wait`] (one lease by default): past it, the
+/// claim is dropped, which closes a connection that may be dead, and a claim that
+/// landed frees its key with its lease, or sooner where the store sees to it.
 struct Unfinished {
     claim: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
     store: Arc<dyn Store>,
@@ -115,7 +117,7 @@ impl Drop for Unfinished {
         };
         let store = self.store.clone();
         let in_flight = self.in_flight.take();
-        let bound = self.lease;
+        let bound = self.store.abandoned_claim_wait(self.lease).min(self.lease);
         let finish = async move {
             let _in_flight = in_flight;
             match tokio::time::timeout(bound, claim).await {
@@ -128,7 +130,7 @@ impl Drop for Unfinished {
                 }
                 Ok(_) => {}
                 Err(_) => tracing::warn!(
-                    "a claim given up on went unanswered for a lease; dropped it (if it landed, its key frees as its lease lapses)"
+                    "a claim given up on went unanswered; dropped it (if it landed, its key frees as its lease lapses, or sooner where the store releases it)"
                 ),
             }
         };
@@ -313,6 +315,19 @@ pub trait Store: Send + Sync + 'static {
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         let _ = (scope, key);
         Box::pin(std::future::pending())
+    }
+
+    /// How long a claim its caller gave up on (at the store timeout) is still waited
+    /// for, so that if it lands its key is released at once. Past this its future is
+    /// dropped.
+    ///
+    /// The default is the claim's `lease`: a claim that lands later holds its key as
+    /// running until its lease lapses, as a crashed holder's would. A store whose claim,
+    /// dropped unanswered, releases by itself what may have landed returns less, so
+    /// that a claim stuck on a connection that died without a word (a failover, a NAT)
+    /// gives that connection back sooner ([`PostgresStore`]: 5 s).
+    fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
+        lease
     }
 
     /// Extends the lease to `lease` from now. `Ok(false)`: lease lost.

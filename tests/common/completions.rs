@@ -214,6 +214,10 @@ impl Store for AlteredCompletions {
         self.inner.changed(scope, key)
     }
 
+    fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
+        self.inner.abandoned_claim_wait(lease)
+    }
+
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,

@@ -144,6 +144,56 @@ const IN_DOUBT_RELEASES: [Duration; 3] = [
 /// until the claim's lease would have lapsed.
 const IN_DOUBT_RETRY: Duration = Duration::from_secs(1);
 
+/// How long one attempt to release a claim in doubt may take: the pool may hand it a
+/// connection as dead as the one that lost the claim (given up on, it is closed).
+const IN_DOUBT_ATTEMPT: Duration = Duration::from_secs(5);
+
+/// How long a claim on a pooled connection, given up on by its caller, is still waited
+/// for (`Store::abandoned_claim_wait`): dropped unanswered, it closes its connection
+/// and releases in doubt what may have landed (`InDoubt`), so a claim stuck on a dead
+/// connection need not hold it for a lease.
+const ABANDONED_CLAIM_WAIT: Duration = Duration::from_secs(5);
+
+/// A claim on its way on a pooled connection. Dropped before its answer (its caller
+/// gave up, and then stopped waiting), it closes the connection (and cancels what it
+/// runs on the server: `Checkout`), after which the claim can land only from what the
+/// server had already received; then it releases in doubt, by its token, what may
+/// have landed.
+struct InDoubt<'a> {
+    store: &'a PostgresStore,
+    request: &'a ClaimRequest<'a>,
+    token: i64,
+    client: Option<Checkout>,
+    /// The answer came, and it was not a lost connection.
+    settled: bool,
+}
+
+impl InDoubt<'_> {
+    fn client(&self) -> &Checkout {
+        self.client
+            .as_ref()
+            .expect("the connection stays until the claim is settled")
+    }
+
+    /// The answer came: the connection goes back to the pool, and nothing is in
+    /// doubt, unless the answer is that the connection was lost.
+    fn settle(mut self, claimed: &Result<Claim, StoreError>) {
+        if let Some(client) = self.client.take() {
+            client.done();
+        }
+        self.settled = !matches!(claimed, Err(e) if lost_its_connection(e));
+    }
+}
+
+impl Drop for InDoubt<'_> {
+    fn drop(&mut self) {
+        drop(self.client.take());
+        if !self.settled {
+            self.store.release_in_doubt(self.request, self.token);
+        }
+    }
+}
+
 /// The bound on the first wait after a serialization failure; it doubles with each
 /// further loss, up to `RACE_BACKOFF_CAP`. Sixteen attempts wait 0.35 s at most in all,
 /// well within a store timeout.
@@ -1042,14 +1092,16 @@ impl PostgresStore {
                 claimed => return claimed,
             }
         }
-        let client = self.client().await?;
-        let claimed = again_if_it_lost_a_race(|| self.claim_on(&client, request, token)).await;
-        client.done();
-        if let Err(e) = &claimed
-            && lost_its_connection(e)
-        {
-            self.release_in_doubt(request, token);
-        }
+        let claiming = InDoubt {
+            store: self,
+            request,
+            token,
+            client: Some(self.client().await?),
+            settled: false,
+        };
+        let claimed =
+            again_if_it_lost_a_race(|| self.claim_on(claiming.client(), request, token)).await;
+        claiming.settle(&claimed);
         claimed
     }
 
@@ -1081,7 +1133,15 @@ impl PostgresStore {
                 let mut next = schedule.next();
                 while let Some(wait) = next {
                     tokio::time::sleep(wait).await;
-                    match store.release(&lease).await {
+                    let released = tokio::time::timeout(IN_DOUBT_ATTEMPT, store.release(&lease))
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(StoreError::new(
+                                StoreErrorKind::Timeout,
+                                "no answer to the release of a claim in doubt",
+                            ))
+                        });
+                    match released {
                         Ok(true) => {
                             tracing::warn!(
                                 token,
@@ -1461,6 +1521,17 @@ impl Store for PostgresStore {
 
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(self.purge_expired(i64::try_from(batch).unwrap_or(i64::MAX)))
+    }
+
+    fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
+        // A claim on a shared connection is not closed with it when dropped (the
+        // connection carries others'), and may land later than a release in doubt
+        // would look: it is waited for, as before, for a lease.
+        if self.shared.is_some() {
+            lease
+        } else {
+            lease.min(ABANDONED_CLAIM_WAIT)
+        }
     }
 
     fn register_waiter<'a>(
