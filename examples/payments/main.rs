@@ -366,9 +366,6 @@ async fn create_payment(
         .into_response()
 }
 
-/// A 500 for a payment the backend could not complete. The cause goes to the log, not
-/// to the client; the key is released (a 5xx is not stored), so a retry with it runs
-/// again, and the provider, given the same derived key, charges once.
 /// A 422 for a key the provider charged under for another payment. Not stored: the
 /// key's first payment (charged, never recorded) can still be completed by a retry
 /// with its own body, and the provider charges nothing twice.
@@ -393,6 +390,9 @@ fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
         .into_response()
 }
 
+/// A 500 for a payment the backend could not complete. The cause goes to the log, not
+/// to the client; the key is released (a 5xx is not stored), so a retry with it runs
+/// again, and the provider, given the same derived key, charges once.
 fn internal(e: backend::Error) -> Response {
     tracing::error!(error = %e, "payment failed");
     let body = json!({

@@ -325,7 +325,9 @@ pub trait Store: Send + Sync + 'static {
     /// running until its lease lapses, as a crashed holder's would. A store whose claim,
     /// dropped unanswered, releases by itself what may have landed returns less, so
     /// that a claim stuck on a connection that died without a word (a failover, a NAT)
-    /// gives that connection back sooner ([`PostgresStore`]: 5 s).
+    /// gives that connection back sooner ([`PostgresStore`]: 5 s on pooled
+    /// connections; a lease with shared claim connections, which a dropped claim does
+    /// not close).
     fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
         lease
     }
