@@ -701,6 +701,48 @@ async fn sigterm_finishes_the_payment_in_flight() {
     );
 }
 
+/// A second SIGTERM stops the demo where it stands, as a crash would, instead of
+/// waiting for a long payment to finish: exit status 128 + 15, and the payment's key
+/// still running in the table, to be taken over when its lease lapses.
+#[tokio::test]
+async fn a_second_sigterm_stops_the_demo_at_once() {
+    const KEY: &str = "term-twice-1";
+    const PAYMENT: &str = r#"{"amount":900,"currency":"EUR","delay_ms":60000}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut demo = Demo::start(Some(&schema));
+    demo.wait_ready(&client).await;
+    let (c, addr) = (client.clone(), demo.addr);
+    let _in_flight = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    assert!(
+        wait_for_stat(&client, demo.addr, "charges", 1).await,
+        "the handler never charged"
+    );
+    demo.terminate();
+    demo.line_starting_with("shutting down");
+    demo.terminate();
+    // Bounded, far below the payment's 60 s: it is not waited for.
+    let mut status = None;
+    for _ in 0..500 {
+        status = demo.child.try_wait().expect("try_wait");
+        if status.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = status.expect("the demo still runs after a second SIGTERM");
+    assert_eq!(status.code(), Some(128 + 15), "{status}");
+    assert_eq!(
+        key_row(&schema, KEY)
+            .await
+            .map(|(state, _)| state)
+            .as_deref(),
+        Some("running")
+    );
+}
+
 /// Polls `GET /stats` on `addr` until `field` equals `value`; `false` if it never does.
 async fn wait_for_stat(client: &HttpClient, addr: SocketAddr, field: &str, value: i64) -> bool {
     for _ in 0..POLL_ATTEMPTS {

@@ -193,7 +193,17 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             termination().await;
+            // A second signal stops the process where it stands, as a crash would:
+            // payments still running lose their handlers, and their keys free when
+            // their leases lapse. Listened for before the line below, which says the
+            // first one was heard.
+            let second = termination();
             println!("shutting down: no new payments; finishing those in flight");
+            tokio::spawn(async move {
+                let signal = second.await;
+                eprintln!("payments: a second signal; stopping at once");
+                std::process::exit(128 + signal);
+            });
             closing.close();
         })
         .await?;
@@ -209,23 +219,32 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM.
-async fn termination() {
+/// Ctrl-C or SIGTERM, listened for from this call on; the signal's number.
+fn termination() -> impl std::future::Future<Output = i32> + Send + 'static {
+    const SIGINT: i32 = 2;
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => return std::future::pending().await,
+        use tokio::signal::unix::{SignalKind, signal};
+        const SIGTERM: i32 = 15;
+        let streams = signal(SignalKind::interrupt()).and_then(|interrupt| {
+            signal(SignalKind::terminate()).map(|terminate| (interrupt, terminate))
+        });
+        async move {
+            let Ok((mut interrupt, mut terminate)) = streams else {
+                return std::future::pending().await;
             };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+            tokio::select! {
+                _ = interrupt.recv() => SIGINT,
+                _ = terminate.recv() => SIGTERM,
+            }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+            SIGINT
+        }
     }
 }
 
