@@ -454,6 +454,53 @@ async fn a_duplicate_on_another_replica_is_woken_over_tls() {
     );
 }
 
+/// The listener's check is a notification on a channel of its own: other listeners on
+/// the store's channel (other replicas, other schemas with the same table name) do not
+/// hear it, so checks do not multiply with the listeners.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_s_checks_go_to_nobody_else() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    // Another listener on the store's channel, as another replica's is.
+    let (client, mut connection) =
+        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+    let (heard, mut hearing) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = heard.send(n.payload().to_owned());
+            }
+        }
+    });
+    client
+        .batch_execute("LISTEN \"idempotency_keys_done\"")
+        .await
+        .expect("LISTEN");
+    // Returns once the store's listener has heard its first check back.
+    store.listen().await.expect("listens");
+    // Sent after that check: notifications arrive in the order they committed.
+    client
+        .batch_execute("NOTIFY \"idempotency_keys_done\", 'marker'")
+        .await
+        .expect("NOTIFY");
+    let mut before_the_marker = Vec::new();
+    while let Some(payload) = hearing.recv().await {
+        if payload == "marker" {
+            break;
+        }
+        before_the_marker.push(payload);
+    }
+    // Tests running alongside complete keys in schemas of their own, on the same
+    // channel: their key ids (32 hex digits) may come; nothing else may.
+    let key_id = |p: &str| p.len() == 32 && p.bytes().all(|b| b.is_ascii_hexdigit());
+    assert!(
+        before_the_marker.iter().all(|p| key_id(p)),
+        "{before_the_marker:?}"
+    );
+}
+
 /// A listener whose runtime shut down (the store outlived the runtime that first used
 /// it) no longer counts as listening, and is started again by the next use: a duplicate
 /// is still woken by the completion's notification, not by the end of its wait.

@@ -251,8 +251,14 @@ async fn pump_frontend(
             }
         }
         if s.deafening_listen.load(Ordering::SeqCst) {
-            // The channel's first letter, changed: same length, another channel.
-            if let Some(at) = buf[..n].windows(8).position(|w| w == b"LISTEN \"") {
+            // Each channel's first letter, changed: same length, other channels.
+            let listens: Vec<usize> = buf[..n]
+                .windows(8)
+                .enumerate()
+                .filter(|(_, w)| *w == b"LISTEN \"")
+                .map(|(at, _)| at)
+                .collect();
+            for at in listens {
                 if let Some(letter) = buf[..n].get_mut(at + 8) {
                     *letter = if *letter == b'z' { b'y' } else { b'z' };
                 }

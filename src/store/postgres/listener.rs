@@ -29,18 +29,17 @@ const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
 /// otherwise look connected for as long as TCP keepalive takes, two hours by default,
 /// while waiters waited for notifications that never come.
 ///
-/// The check is a notification of its own on the channel, which must come back: a
-/// connection that answers statements but is not sent notifications (through a
-/// transaction-pooling PgBouncer, whose server connection holding the `LISTEN` is not
-/// the one it talks to) fails it too, and waiters look again on their timer.
+/// The check is a notification the listener sends itself, on a channel of its own that
+/// it listens on with the store's (in the same statement, so on the same session), and
+/// which must come back: a connection that answers statements but is not sent
+/// notifications (through a transaction-pooling PgBouncer, whose server connection
+/// holding the `LISTEN` is not the one it talks to) fails it too, and waiters look
+/// again on their timer. No other listener hears it: checks do not multiply with the
+/// replicas listening.
 const HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// How long that check may take before the connection counts as lost.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// What a listener's own notifications start with. Key ids are hex, so no waiter takes
-/// one for its key; every listener on the channel skips them.
-const ECHO_PREFIX: &str = "echo ";
 
 /// What the listener's connection gave it.
 // Lives for one turn of the loop, on the stack: boxing the message would allocate for
@@ -194,11 +193,11 @@ async fn listen(
     loop {
         match connector.connect(config.clone()).await {
             Ok((client, mut connection)) => {
-                let listen = format!("LISTEN \"{channel}\"");
-                // Unique to this connection, so that another process's check (or an
-                // earlier connection's) does not pass for this one's.
-                let echo = format!("{ECHO_PREFIX}{:016x}", unique());
-                let check_sql = format!("NOTIFY \"{channel}\", '{echo}'");
+                // Unique to this connection, so that nobody else hears its checks, and
+                // no earlier connection's passes for this one's.
+                let echo = format!("ti_echo_{:016x}", unique());
+                let listen = format!("LISTEN \"{channel}\"; LISTEN \"{echo}\"");
+                let check_sql = format!("NOTIFY \"{echo}\"");
                 let echoed = tokio::sync::Notify::new();
                 // A notification of our own, sent and heard back within the bound.
                 let heard_back = || async {
@@ -272,11 +271,9 @@ async fn listen(
                     let Some(me) = me.upgrade() else { return };
                     match event {
                         Event::Message(Some(Ok(AsyncMessage::Notification(n))))
-                            if n.payload().starts_with(ECHO_PREFIX) =>
+                            if n.channel() == echo =>
                         {
-                            if n.payload() == echo {
-                                echoed.notify_one();
-                            }
+                            echoed.notify_one();
                         }
                         Event::Message(Some(Ok(AsyncMessage::Notification(n)))) => {
                             me.notifications.fetch_add(1, Ordering::Relaxed);

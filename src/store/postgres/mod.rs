@@ -699,9 +699,10 @@ impl PostgresStore {
     ///
     /// The connection needs a session of its own: a direct one, or session pooling,
     /// never a transaction-pooling PgBouncer. After `LISTEN`, and every 10 s, the
-    /// listener sends a notification of its own (a small transaction) and counts as
-    /// listening only while it comes back within 5 s; a connection that hears nothing
-    /// is replaced, and waiters poll meanwhile. Through transaction pooling the check
+    /// listener sends itself a notification (a small transaction, on a channel of its
+    /// own that no other listener hears) and counts as listening only while it comes
+    /// back within 5 s; a connection that hears nothing is replaced, and waiters poll
+    /// meanwhile. Through transaction pooling the check
     /// may still pass, when the pooler hands back the server connection that listens,
     /// so it does not make such a connection safe to use.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
