@@ -190,17 +190,16 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     );
     println!("wait: {} ms", args.wait_ms);
     let closing = shutdown.clone();
+    let mut signals = Termination::new();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
-            termination().await;
-            // A second signal stops the process where it stands, as a crash would:
-            // payments still running lose their handlers, and their keys free when
-            // their leases lapse. Listened for before the line below, which says the
-            // first one was heard.
-            let second = termination();
+            signals.next().await;
             println!("shutting down: no new payments; finishing those in flight");
+            // A second signal stops the process where it stands, as a crash would:
+            // payments still running lose their handlers. The same streams listen
+            // on, so a second signal close behind the first is not lost.
             tokio::spawn(async move {
-                let signal = second.await;
+                let signal = signals.next().await;
                 eprintln!("payments: a second signal; stopping at once");
                 std::process::exit(128 + signal);
             });
@@ -219,18 +218,37 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM, listened for from this call on; the signal's number.
-fn termination() -> impl std::future::Future<Output = i32> + Send + 'static {
-    const SIGINT: i32 = 2;
+/// Ctrl-C (SIGINT) and SIGTERM, listened for from creation on.
+struct Termination {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        const SIGTERM: i32 = 15;
-        let streams = signal(SignalKind::interrupt()).and_then(|interrupt| {
-            signal(SignalKind::terminate()).map(|terminate| (interrupt, terminate))
-        });
-        async move {
-            let Ok((mut interrupt, mut terminate)) = streams else {
+    streams: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Termination {
+    fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let streams = signal(SignalKind::interrupt())
+                .and_then(|interrupt| {
+                    signal(SignalKind::terminate()).map(|terminate| (interrupt, terminate))
+                })
+                .ok();
+            Self { streams }
+        }
+        #[cfg(not(unix))]
+        {
+            Self {}
+        }
+    }
+
+    /// The next signal's number.
+    async fn next(&mut self) -> i32 {
+        const SIGINT: i32 = 2;
+        #[cfg(unix)]
+        {
+            const SIGTERM: i32 = 15;
+            let Some((interrupt, terminate)) = &mut self.streams else {
                 return std::future::pending().await;
             };
             tokio::select! {
@@ -238,10 +256,8 @@ fn termination() -> impl std::future::Future<Output = i32> + Send + 'static {
                 _ = terminate.recv() => SIGTERM,
             }
         }
-    }
-    #[cfg(not(unix))]
-    {
-        async move {
+        #[cfg(not(unix))]
+        {
             let _ = tokio::signal::ctrl_c().await;
             SIGINT
         }

@@ -34,8 +34,8 @@ const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
 /// which must come back: a connection that answers statements but is not sent
 /// notifications (through a transaction-pooling PgBouncer, whose server connection
 /// holding the `LISTEN` is not the one it talks to) fails it too, and waiters look
-/// again on their timer. No other listener hears it: checks do not multiply with the
-/// replicas listening.
+/// again on their timer. No other listener receives it (PostgreSQL still wakes every
+/// listening backend of the database to read its queue, as for any notification).
 const HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// How long that check may take before the connection counts as lost.
