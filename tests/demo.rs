@@ -1119,6 +1119,42 @@ async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_char
     );
 }
 
+/// `GET /stats` on a database that cannot answer: the 500 problem document the README
+/// names, saying what failed, naming no internals, and no retry advice for a payment.
+#[tokio::test]
+async fn stats_the_database_cannot_read_are_a_500_problem() {
+    let schema = Schema::new();
+    let mut demo = Demo::start(Some(&schema));
+    let client = client();
+    demo.wait_ready(&client).await;
+    query(&format!(
+        "ALTER TABLE \"{}\".demo_counters RENAME TO demo_counters_away",
+        schema.name
+    ))
+    .await;
+    let failed = request(&client, Method::GET, demo.addr, "/stats", None, "")
+        .await
+        .expect("GET /stats");
+    failed.assert_problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "payments-demo-payment-failed",
+    );
+    let detail = failed.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(detail.contains("statistics"), "{detail}");
+    assert!(!detail.contains("Idempotency-Key"), "{detail}");
+    let body = String::from_utf8_lossy(&failed.body).into_owned();
+    assert!(!body.contains("demo_counters"), "{body}");
+    query(&format!(
+        "ALTER TABLE \"{}\".demo_counters_away RENAME TO demo_counters",
+        schema.name
+    ))
+    .await;
+    assert_eq!(stats(&client, demo.addr).await["charges"], 0);
+}
+
 /// After a payment failed once it was charged (its key released), the same key with
 /// another amount is refused with a 422 that is not stored, and charges nothing: the
 /// provider already charged that key for the first payment. A retry of the first

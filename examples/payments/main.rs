@@ -430,11 +430,16 @@ fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
 /// again, and the provider, given the same derived key, charges once.
 fn internal(e: backend::Error) -> Response {
     tracing::error!(error = %e, "payment failed");
+    backend_failed("the payment could not be completed; retry with the same Idempotency-Key")
+}
+
+/// The 500 problem document of a backend failure, saying `detail`.
+fn backend_failed(detail: &str) -> Response {
     let body = json!({
         "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-payment-failed",
         "title": "Payment failed",
         "status": 500,
-        "detail": "the payment could not be completed; retry with the same Idempotency-Key",
+        "detail": detail,
     });
     (
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -468,6 +473,9 @@ async fn stats(State(backend): State<Backend>) -> Response {
             "payments": s.payments,
         }))
         .into_response(),
-        Err(e) => internal(e),
+        Err(e) => {
+            tracing::error!(error = %e, "statistics unavailable");
+            backend_failed("the statistics could not be read; try again")
+        }
     }
 }
