@@ -188,7 +188,10 @@ impl JobRunner {
     /// lease) and on a release; in transactional mode, on opening the transaction (its
     /// commit is not bounded). A claim that lands after the bound,
     /// or after the run was dropped, is released at once, so that a redelivery can run
-    /// the work rather than wait out the lease.
+    /// the work rather than wait out the lease; on a pooled PostgreSQL connection it
+    /// is waited for 5 s more, then its connection is closed and it is released in
+    /// doubt, by its token, at once, 1 s later and 5 s after that (one that lands later
+    /// still, or a takeover in doubt, frees its key when its lease lapses).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);

@@ -101,7 +101,10 @@ impl ShutdownHandle {
 
     /// Closes, then waits until every claimed request has finished and its result is
     /// stored (or its key released). Bound it with `tokio::time::timeout` if needed:
-    /// whatever is cut short is recovered by lease expiry.
+    /// whatever is cut short is recovered by lease expiry. A claim given up on at the
+    /// store timeout is waited for as the store says (`Store::abandoned_claim_wait`:
+    /// 5 s on a pooled PostgreSQL connection); the release in doubt that the store
+    /// then starts for it is not waited for.
     pub async fn drain(&self) {
         self.close();
         loop {
