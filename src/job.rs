@@ -190,8 +190,8 @@ impl JobRunner {
     /// or after the run was dropped, is released at once, so that a redelivery can run
     /// the work rather than wait out the lease; on a pooled PostgreSQL connection it
     /// is waited for 5 s more, then its connection is closed and it is released in
-    /// doubt, by its token, at once, 1 s later and 5 s after that (one that lands later
-    /// still, or a takeover in doubt, frees its key when its lease lapses).
+    /// doubt, by its token, at once, 1 s later, 5 s after that, then at growing gaps
+    /// while its lease holds (a takeover in doubt frees its key when its lease lapses).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);

@@ -140,6 +140,11 @@ const IN_DOUBT_RELEASES: [Duration; 3] = [
     Duration::from_secs(5),
 ];
 
+/// After those, while the lease holds, each gap three times the one before: a claim
+/// that waited on the server (for a row lock, say) and whose cancel request could not
+/// be sent lands late.
+const IN_DOUBT_LATER: Duration = Duration::from_secs(15);
+
 /// How soon a release in doubt that failed (the database still away) is tried again,
 /// until the claim's lease would have lapsed.
 const IN_DOUBT_RETRY: Duration = Duration::from_secs(1);
@@ -1130,7 +1135,10 @@ impl PostgresStore {
         let lapses = tokio::time::Instant::now() + request.lease.min(crate::layer::TEN_YEARS);
         runtime.spawn(
             async move {
-                let mut schedule = IN_DOUBT_RELEASES.into_iter();
+                let mut schedule = IN_DOUBT_RELEASES.into_iter().chain(std::iter::successors(
+                    Some(IN_DOUBT_LATER),
+                    |gap| gap.checked_mul(3),
+                ));
                 let mut next = schedule.next();
                 while let Some(wait) = next {
                     tokio::time::sleep(wait).await;
@@ -1150,7 +1158,12 @@ impl PostgresStore {
                             );
                             return;
                         }
-                        Ok(false) => next = schedule.next(),
+                        // Past the lease, the row frees itself.
+                        Ok(false) => {
+                            next = schedule
+                                .next()
+                                .filter(|gap| tokio::time::Instant::now() + *gap < lapses);
+                        }
                         // The database that lost the answer is often still away (a
                         // crash, a failover): try again until it is back.
                         Err(e) if tokio::time::Instant::now() + IN_DOUBT_RETRY < lapses => {
