@@ -254,21 +254,31 @@ async fn a_silently_dropped_shared_claim_connection_is_replaced() {
 /// instead of every request answering 503 until TCP gives up, many minutes later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn silently_dropped_pooled_connections_are_replaced() {
+    let (idle_before, answers) = answers_over_a_dead_pool(Duration::from_secs(1)).await;
+    assert_eq!(idle_before, 2);
+    assert_eq!(answers[0], 503, "the first request met a dead connection");
+}
+
+/// Requests on new keys, 200 ms apart, through a layer with `lease` whose pool of two
+/// connections were both opened, left idle, and then blackholed: each is answered 503
+/// or, at last, 201 having run once. Returns the pool's size before the blackhole, and
+/// the statuses, the last a 201.
+async fn answers_over_a_dead_pool(lease: Duration) -> (usize, Vec<u16>) {
     let schema = TestSchema::new();
     schema.store().await;
     let proxy = PgProxy::start().await;
-    let store = PostgresStore::new(pool_for_url(&proxy.url(), 2).unwrap())
+    let store = PostgresStore::new(pool_for_url(&proxy.url(), 2).expect("pool"))
         .with_schema_name(&schema.name)
-        .unwrap();
+        .expect("schema name");
     // Both of the pool's connections open, idle, then dead.
     let (a, b) = tokio::join!(store.pool().get(), store.pool().get());
-    drop((a.unwrap(), b.unwrap()));
-    assert_eq!(store.pool().status().size, 2);
+    drop((a.expect("a connection"), b.expect("a connection")));
+    let idle_before = store.pool().status().size;
     proxy.blackhole();
 
     let layer = IdempotencyLayer::new(store.clone())
         .store_timeout(Duration::from_millis(300))
-        .lease_duration(Duration::from_secs(1));
+        .lease_duration(lease);
     let (router, counter) = app(layer);
     let mut answers = Vec::new();
     for i in 0..60 {
@@ -283,7 +293,7 @@ async fn silently_dropped_pooled_connections_are_replaced() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(answers.last(), Some(&201), "{answers:?}");
-    assert_eq!(answers[0], 503, "the first request met a dead connection");
+    (idle_before, answers)
 }
 
 /// The same with a lease far longer than the test: a claim given up on while stuck on
@@ -291,33 +301,7 @@ async fn silently_dropped_pooled_connections_are_replaced() {
 /// doubt what may have landed, instead of holding it for its lease with the pool full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_claim_stuck_on_a_dead_connection_gives_it_back_long_before_its_lease_lapses() {
-    let schema = TestSchema::new();
-    schema.store().await;
-    let proxy = PgProxy::start().await;
-    let store = PostgresStore::new(pool_for_url(&proxy.url(), 2).unwrap())
-        .with_schema_name(&schema.name)
-        .unwrap();
-    let (a, b) = tokio::join!(store.pool().get(), store.pool().get());
-    drop((a.unwrap(), b.unwrap()));
-    proxy.blackhole();
-
-    let layer = IdempotencyLayer::new(store.clone())
-        .store_timeout(Duration::from_millis(300))
-        .lease_duration(Duration::from_secs(600));
-    let (router, counter) = app(layer);
-    let mut answers = Vec::new();
-    for i in 0..60 {
-        let key = format!("k{i}");
-        let reply = send(&router, post(&key, "{}")).await;
-        answers.push(reply.status.as_u16());
-        if reply.status == 201 {
-            assert_eq!(counter.runs_of(&key), 1);
-            break;
-        }
-        assert_eq!(reply.status, 503);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert_eq!(answers.last(), Some(&201), "{answers:?}");
+    answers_over_a_dead_pool(Duration::from_secs(600)).await;
 }
 
 /// A claim held up on its way (a stalled network) past its caller's store timeout and

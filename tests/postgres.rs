@@ -389,6 +389,25 @@ async fn purge_deletes_expired_records_in_batches() {
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);
 }
 
+/// `a_duplicate_waits_on_another_replica` for a 3 s request, the duplicate woken by the
+/// completion's notification (received, and counted as the wake-up); `b`'s counters
+/// before and after.
+async fn woken_by_a_notification(
+    a: PostgresStore,
+    b: PostgresStore,
+) -> (
+    tower_idempotency::store::StoreMetrics,
+    tower_idempotency::store::StoreMetrics,
+) {
+    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
+    assert!(after.notifications > before.notifications, "{after:?}");
+    assert!(
+        after.notified_wakeups > before.notified_wakeups,
+        "{after:?}"
+    );
+    (before, after)
+}
+
 /// A request on replica `a` that runs `delay_ms`, and its duplicate on `b`, which waits
 /// for it and replays its response, running nothing; `b`'s counters before and after.
 async fn a_duplicate_waits_on_another_replica(
@@ -420,12 +439,7 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     b.listen().await.expect("LISTEN connection");
     // Long enough for the duplicate to claim and register before the first completes,
     // on a loaded machine too; the 30 s lease keeps the fallback timer out of it.
-    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
-    assert!(after.notifications > before.notifications, "{after:?}");
-    assert!(
-        after.notified_wakeups > before.notified_wakeups,
-        "{after:?}"
-    );
+    let (before, after) = woken_by_a_notification(a, b).await;
     assert_eq!(
         after.timer_wakeups, before.timer_wakeups,
         "woken by a timer, not a notification"
@@ -446,12 +460,7 @@ async fn a_duplicate_on_another_replica_is_woken_over_tls() {
     assert!(open >= 3, "two pools and a listener: {open}");
     assert_eq!(encrypted, open, "a connection in the clear");
     assert_eq!(listening, 1, "the LISTEN connection");
-    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
-    assert!(after.notifications > before.notifications, "{after:?}");
-    assert!(
-        after.notified_wakeups > before.notified_wakeups,
-        "{after:?}"
-    );
+    woken_by_a_notification(a, b).await;
 }
 
 /// The listener's check is a notification on a channel of its own: other listeners on
@@ -526,12 +535,7 @@ async fn a_listener_whose_runtime_ended_is_started_again() {
         "a listener whose runtime ended still counts as listening"
     );
     b.listen().await.expect("LISTEN connection, started again");
-    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
-    assert!(after.notifications > before.notifications, "{after:?}");
-    assert!(
-        after.notified_wakeups > before.notified_wakeups,
-        "{after:?}"
-    );
+    woken_by_a_notification(a, b).await;
 }
 
 /// Purgers on several replicas at once share the work: each expired row is deleted

@@ -266,14 +266,24 @@ impl Termination {
 
 /// A 422 for a body the demo cannot accept.
 fn invalid(detail: impl Into<String>) -> Response {
+    problem(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "payments-demo-invalid-payment",
+        "Invalid payment",
+        &detail.into(),
+    )
+}
+
+/// A problem document (RFC 9457) of `status`, its type the README's anchor `slug`.
+fn problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response {
     let body = json!({
-        "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-invalid-payment",
-        "title": "Invalid payment",
-        "status": 422,
-        "detail": detail.into(),
+        "type": format!("https://docs.rs/tower-idempotency/latest/tower_idempotency/#{slug}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
     });
     (
-        StatusCode::UNPROCESSABLE_ENTITY,
+        status,
         [(header::CONTENT_TYPE, "application/problem+json")],
         body.to_string(),
     )
@@ -405,24 +415,20 @@ async fn create_payment(
 /// key's first payment (charged, never recorded) can still be completed by a retry
 /// with its own body, and the provider charges nothing twice.
 fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
-    let body = json!({
-        "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-key-used-for-another-payment",
-        "title": "Idempotency-Key used for another payment",
-        "status": 422,
-        "detail": format!(
+    let mut res = problem(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "payments-demo-key-used-for-another-payment",
+        "Idempotency-Key used for another payment",
+        &format!(
             "the payment provider already charged {amount} {currency} under this Idempotency-Key; \
              retry that payment with its own body to complete it, or send this one with a new key"
         ),
-    });
-    (
-        StatusCode::UNPROCESSABLE_ENTITY,
-        [
-            (header::CONTENT_TYPE, "application/problem+json"),
-            (header::HeaderName::from_static(NOT_STORED), "true"),
-        ],
-        body.to_string(),
-    )
-        .into_response()
+    );
+    res.headers_mut().insert(
+        header::HeaderName::from_static(NOT_STORED),
+        header::HeaderValue::from_static("true"),
+    );
+    res
 }
 
 /// A 500 for a payment the backend could not complete. The cause goes to the log, not
@@ -435,18 +441,12 @@ fn internal(e: backend::Error) -> Response {
 
 /// The 500 problem document of a backend failure, saying `detail`.
 fn backend_failed(detail: &str) -> Response {
-    let body = json!({
-        "type": "https://docs.rs/tower-idempotency/latest/tower_idempotency/#payments-demo-payment-failed",
-        "title": "Payment failed",
-        "status": 500,
-        "detail": detail,
-    });
-    (
+    problem(
         StatusCode::INTERNAL_SERVER_ERROR,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
+        "payments-demo-payment-failed",
+        "Payment failed",
+        detail,
     )
-        .into_response()
 }
 
 async fn store_stats(State(backend): State<Backend>) -> Response {

@@ -195,7 +195,7 @@ async fn listen(
             Ok((client, mut connection)) => {
                 // Unique to this connection, so that nobody else hears its checks, and
                 // no earlier connection's passes for this one's.
-                let echo = format!("ti_echo_{:016x}", unique());
+                let echo = format!("ti_echo_{:016x}", crate::store::random_u64());
                 let listen = format!("LISTEN \"{channel}\"; LISTEN \"{echo}\"");
                 let check_sql = format!("NOTIFY \"{echo}\"");
                 let echoed = tokio::sync::Notify::new();
@@ -310,14 +310,4 @@ async fn listen(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
-}
-
-/// A number no other listener connection uses: each process's hasher keys are random,
-/// and a counter tells its connections apart.
-fn unique() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(CONNECTIONS.fetch_add(1, Ordering::Relaxed));
-    h.finish()
 }
