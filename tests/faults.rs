@@ -788,11 +788,7 @@ async fn a_claim_that_lands_after_its_503_is_released_not_left_blocking() {
 async fn waiters_still_replay_when_the_listen_connection_goes_silent() {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    // The pool connects directly; only the notifications pass through the proxy.
-    let store = schema
-        .store()
-        .await
-        .with_notifications(proxy.url().parse().unwrap());
+    let store = listening_through(&schema, &proxy).await;
     let layer = IdempotencyLayer::new(store.clone())
         .lease_duration(Duration::from_secs(60))
         .wait_for_running(Duration::from_secs(600));
@@ -821,6 +817,15 @@ async fn waiters_still_replay_when_the_listen_connection_goes_silent() {
     proxy.stall(false);
 }
 
+/// A migrated store on `schema` whose pool connects directly, and whose notifications
+/// alone pass through `proxy`.
+async fn listening_through(schema: &TestSchema, proxy: &PgProxy) -> PostgresStore {
+    schema
+        .store()
+        .await
+        .with_notifications(proxy.url().parse().expect("the proxy's URL"))
+}
+
 /// A `LISTEN` that fails (on a standby during a failover, say) is tried again on a new
 /// connection, rather than leaving the listener connected but deaf, and every waiter on
 /// the fallback timer, for the life of the process.
@@ -828,10 +833,7 @@ async fn waiters_still_replay_when_the_listen_connection_goes_silent() {
 async fn a_failed_listen_is_tried_again() {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema
-        .store()
-        .await
-        .with_notifications(proxy.url().parse().unwrap());
+    let store = listening_through(&schema, &proxy).await;
     proxy.break_listen(true);
     assert!(
         store.listen().await.is_err(),
@@ -854,17 +856,13 @@ async fn a_failed_listen_is_tried_again() {
 
 /// A `LISTEN` connection that answers every statement yet is sent no notification
 /// (its `LISTEN` landed elsewhere, as behind a transaction pooler) does not count as
-/// listening: a
-/// waiter looks again on its timer, and replays as soon as the first request is done,
-/// not when its lease lapses.
+/// listening: a waiter looks again on its timer, and replays as soon as the first
+/// request is done, not when its lease lapses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listen_connection_that_hears_nothing_does_not_count_as_listening() {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema
-        .store()
-        .await
-        .with_notifications(proxy.url().parse().unwrap());
+    let store = listening_through(&schema, &proxy).await;
     proxy.deafen_listen(true);
     assert!(
         store.listen().await.is_err(),
