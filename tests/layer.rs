@@ -657,6 +657,29 @@ mod draining {
         assert_eq!(releases.load(Ordering::SeqCst), 1);
         assert_eq!(counter.runs_of("k"), 0);
     }
+
+    /// That release is bounded by the store timeout, as every other is: a store that
+    /// stops answering once the late claim landed does not hold the drain. The clock is
+    /// tokio's paused one, so an unbounded release would run it to the hour at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_does_not_wait_on_the_release_of_a_late_claim_for_ever() {
+        let memory = Arc::new(MemoryStore::new());
+        let (store, releases) = AlteredCompletions::counting_releases(
+            memory.clone(),
+            Completion::SlowClaimThenSilent(Duration::from_millis(300)),
+        );
+        let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(50));
+        let shutdown = layer.shutdown_handle();
+        let (router, counter) = app(layer);
+        assert_eq!(send(&router, post("k", "{}")).await.status, 503);
+        tokio::time::timeout(Duration::from_secs(3600), shutdown.drain())
+            .await
+            .expect("the drain waited for a release that never answers");
+        assert_eq!(shutdown.in_flight(), 0);
+        assert_eq!(releases.load(Ordering::SeqCst), 0, "no release answered");
+        assert_eq!(memory.len(), 1, "the late claim landed, and holds its key");
+        assert_eq!(counter.runs_of("k"), 0);
+    }
 }
 
 /// What the extractors answer when the layer did not guard the request: a client

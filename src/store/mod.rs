@@ -83,6 +83,7 @@ pub(crate) async fn claim_within(
         store: store.clone(),
         in_flight: Some(in_flight),
         lease: request.lease,
+        release_within: timeout,
     };
     let running = claim.claim.as_mut().expect("the claim was just set");
     let claimed = tokio::time::timeout(timeout, running).await?;
@@ -96,12 +97,15 @@ pub(crate) async fn claim_within(
 /// itself when the claim is dropped: `PostgresStore` releases in doubt). The task waits for the claim's
 /// answer at most [`Store::abandoned_claim_wait`] (one lease by default): past it, the
 /// claim is dropped, which closes a connection that may be dead, and a claim that
-/// landed frees its key with its lease, or sooner where the store sees to it.
+/// landed frees its key with its lease, or sooner where the store sees to it. The
+/// release is bounded by the store timeout, as every other release is, so that a drain
+/// does not wait on a store that stopped answering.
 struct Unfinished {
     claim: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
     store: Arc<dyn Store>,
     in_flight: Option<crate::shutdown::InFlight>,
     lease: Duration,
+    release_within: Duration,
 }
 
 impl Drop for Unfinished {
@@ -118,6 +122,7 @@ impl Drop for Unfinished {
         let store = self.store.clone();
         let in_flight = self.in_flight.take();
         let bound = self.store.abandoned_claim_wait(self.lease).min(self.lease);
+        let release_within = self.release_within;
         let finish = async move {
             let _in_flight = in_flight;
             match tokio::time::timeout(bound, claim).await {
@@ -126,7 +131,13 @@ impl Drop for Unfinished {
                         token = lease.token,
                         "a claim given up on landed late; releasing it"
                     );
-                    let _ = store.release(&lease).await;
+                    let released = tokio::time::timeout(release_within, store.release(&lease));
+                    if !matches!(released.await, Ok(Ok(_))) {
+                        tracing::warn!(
+                            token = lease.token,
+                            "the release of a claim that landed late failed; its key frees as its lease lapses"
+                        );
+                    }
                 }
                 Ok(_) => {}
                 Err(_) => tracing::warn!(

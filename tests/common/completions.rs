@@ -29,6 +29,9 @@ pub enum Completion {
     AnsweredLate(Duration),
     /// Completions reach the store at once; claims after this long.
     SlowClaim(Duration),
+    /// Claims reach the store after this long; releases never answer (a store that
+    /// stopped answering after the claim landed); the rest at once.
+    SlowClaimThenSilent(Duration),
     /// Renewals reach the store after this long; the rest at once.
     SlowRenew(Duration),
     /// Renewals fail as an unreachable store's would; the rest reach the store.
@@ -136,10 +139,12 @@ impl Store for AlteredCompletions {
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         match self.completion {
-            Completion::SlowClaim(delay) => Box::pin(async move {
-                tokio::time::sleep(delay).await;
-                self.inner.claim(request).await
-            }),
+            Completion::SlowClaim(delay) | Completion::SlowClaimThenSilent(delay) => {
+                Box::pin(async move {
+                    tokio::time::sleep(delay).await;
+                    self.inner.claim(request).await
+                })
+            }
             _ => self.inner.claim(request),
         }
     }
@@ -163,6 +168,7 @@ impl Store for AlteredCompletions {
             Completion::FailingFirst(_)
             | Completion::SlowRelease(_)
             | Completion::SlowClaim(_)
+            | Completion::SlowClaimThenSilent(_)
             | Completion::SlowRenew(_)
             | Completion::RenewalsFail
             | Completion::Unaltered => self.inner.complete(lease, response, ttl),
@@ -177,6 +183,7 @@ impl Store for AlteredCompletions {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         let delay = match self.completion {
             Completion::SlowRelease(delay) => delay,
+            Completion::SlowClaimThenSilent(_) => return Box::pin(std::future::pending()),
             _ => Duration::ZERO,
         };
         Box::pin(async move {
