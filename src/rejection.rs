@@ -37,7 +37,8 @@ pub enum Problem {
     /// 503: this instance is shutting down and claims no new keys; nothing was run.
     ShuttingDown,
     /// 500: the request failed while being processed (the handler panicked, its
-    /// response body failed, it kept its transaction's connection); nothing is held
+    /// response body failed under a status the storage policy does not keep, or in
+    /// transactional mode, it kept its transaction's connection); nothing is held
     /// under the key: released, rolled back, or never claimed. Also the extractors'
     /// answer to a request no layer guarded as the handler needs (the app's wiring).
     HandlerFailed,
@@ -45,8 +46,9 @@ pub enum Problem {
     /// connection died during `COMMIT` and a check could not tell, the detail says the
     /// outcome is unknown; a retry with the same key replays it if it committed).
     NotCommitted,
-    /// 500: the request ran, but its response was too large to store, or its body did not
-    /// end within `response_body_timeout`, so it cannot be replayed.
+    /// 500: the request ran, but its response was too large to store, its body did not
+    /// end within `response_body_timeout`, or (in lease mode, under a status the storage
+    /// policy keeps) its body failed while it was read, so it cannot be replayed.
     ResponseNotStored,
 }
 

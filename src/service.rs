@@ -460,6 +460,8 @@ pub(crate) enum Unbuffered {
     TooLarge,
     /// Its body did not end within `response_body_timeout`.
     TooSlow,
+    /// Its body failed while it was read.
+    Failed,
 }
 
 /// The problem a response that could not be stored is replayed as.
@@ -473,6 +475,9 @@ pub(crate) fn not_stored_problem(config: &Config, why: Unbuffered) -> StoredResp
             "the request was processed once, but its response body did not end within {} ms and cannot be replayed",
             config.response_body_timeout.as_millis()
         ),
+        Unbuffered::Failed => {
+            "the request was processed once, but its response body failed while it was read and cannot be replayed".to_owned()
+        }
     };
     let (p, body) = Problem::ResponseNotStored.response(&detail).into_parts();
     StoredResponse {
@@ -668,7 +673,8 @@ pub(crate) enum Produced<B, E> {
     Buffered(http::response::Parts, Bytes),
     /// The head, the body read so far, and the rest of it.
     Unbuffered(http::response::Parts, Bytes, Pin<Box<B>>, Unbuffered),
-    BodyFailed(BoxError),
+    /// The head, and what the body failed with.
+    BodyFailed(http::response::Parts, BoxError),
     ServiceFailed(E),
 }
 
@@ -709,7 +715,7 @@ where
         });
         let frame = match next.await {
             Some(Some(Ok(frame))) => frame,
-            Some(Some(Err(e))) => return Produced::BodyFailed(e.into()),
+            Some(Some(Err(e))) => return Produced::BodyFailed(parts, e.into()),
             Some(None) => break,
             None => {
                 let read = concat(chunks, len);
@@ -768,10 +774,28 @@ where
             release(&config, &lease).await;
             Err(e)
         }
-        Produced::BodyFailed(e) => {
-            tracing::error!(error = %e, "the response body failed; releasing the key");
-            release(&config, &lease).await;
-            Ok(handler_failed())
+        Produced::BodyFailed(parts, e) => {
+            // The handler ran to its answer: a head the policy keeps may stand for effects
+            // (a charge), so the key is not freed for them to happen again. The client and
+            // every retry get the same problem.
+            if (config.policy)(parts.status, &parts.headers) {
+                tracing::error!(
+                    error = %e,
+                    status = parts.status.as_u16(),
+                    "the response body failed; retries will get response-not-stored"
+                );
+                let stored = not_stored_problem(&config, Unbuffered::Failed);
+                let answer = stored.clone();
+                store_result(&config, &lease, stored, in_flight).await;
+                let mut res = Response::new(ResponseBody::full(answer.body));
+                *res.status_mut() = answer.status;
+                *res.headers_mut() = answer.headers;
+                Ok(with_outcome(res, Outcome::Executed))
+            } else {
+                tracing::error!(error = %e, "the response body failed; releasing the key");
+                release(&config, &lease).await;
+                Ok(handler_failed())
+            }
         }
         Produced::Buffered(parts, body) => {
             if (config.policy)(parts.status, &parts.headers) {

@@ -610,7 +610,7 @@ where
             rollback(conn).await;
             return Err(e);
         }
-        Produced::BodyFailed(e) => {
+        Produced::BodyFailed(_, e) => {
             tracing::error!(error = %e, "the response body failed; rolling back");
             rollback(conn).await;
             return Ok(handler_failed());

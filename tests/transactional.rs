@@ -632,6 +632,47 @@ async fn a_duplicate_waits_for_running_past_the_lock_timeout_and_replays() {
     assert_eq!(counter.runs(), 1);
 }
 
+/// A response body that breaks off rolls the handler's writes back with its claim: in
+/// transactional mode they are the request's effects, and a retry makes them once.
+#[tokio::test]
+async fn a_response_body_that_breaks_off_rolls_back_the_handler_s_writes() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let handler = |State(app): State<App>, key: IdempotencyKey, tx: TransactionHandle| async move {
+        let run = app.counter.count_run();
+        let client = tx.client().await.expect("transaction");
+        let insert = format!(
+            "INSERT INTO {} (key, run, body) VALUES ($1, $2, '')",
+            app.table
+        );
+        client
+            .execute(&insert, &[&key.as_str(), &(run as i32)])
+            .await
+            .unwrap();
+        let body = if run == 1 {
+            Body::new(common::BreaksOff::default())
+        } else {
+            Body::from("{}")
+        };
+        (StatusCode::CREATED, body).into_response()
+    };
+    let (router, counter) = app_on(
+        post(handler),
+        IdempotencyLayer::transactional(store),
+        &table,
+    );
+    let first = send(&router, post_with("k", &[])).await;
+    assert_eq!(first.status, 500);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(rows_in(&schema, &table).await, 0);
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(rows_in(&schema, &table).await, 1);
+}
+
 /// A response body that never ends does not hold the transaction open without end: at
 /// `response_body_timeout` the key commits as `response-not-stored`, with the handler's
 /// writes, and the body goes on to its client.

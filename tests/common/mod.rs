@@ -545,6 +545,30 @@ impl http_body::Body for Chunked {
     }
 }
 
+/// A response body that sends `{"id":` and then fails, as a stream from elsewhere that
+/// breaks off, or a serializer that gives up halfway.
+#[derive(Default)]
+pub struct BreaksOff {
+    sent: bool,
+}
+
+impl http_body::Body for BreaksOff {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let frame = if std::mem::replace(&mut self.sent, true) {
+            Err(std::io::Error::other("the body broke off"))
+        } else {
+            Ok(http_body::Frame::data(Bytes::from_static(b"{\"id\":")))
+        };
+        std::task::Poll::Ready(Some(frame))
+    }
+}
+
 /// A body that sends `chunks` chunks, one every `every`, and never ends if `chunks` is
 /// `None`.
 pub struct Trickle {

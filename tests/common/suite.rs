@@ -218,6 +218,64 @@ macro_rules! layer_suite {
                 (router, counter)
             }
 
+            /// A handler that answers the status in `x-status` with a body that breaks off.
+            fn breaking_off(layer: IdempotencyLayer) -> (axum::Router, $crate::common::Counter) {
+                let counter = $crate::common::Counter::default();
+                let runs = counter.clone();
+                let handler = move |headers: axum::http::HeaderMap| {
+                    let runs = runs.clone();
+                    async move {
+                        runs.count_run();
+                        let status = headers["x-status"]
+                            .to_str()
+                            .expect("x-status")
+                            .parse()
+                            .expect("a status");
+                        let mut res = axum::response::Response::new(Body::new(
+                            $crate::common::BreaksOff::default(),
+                        ));
+                        *res.status_mut() =
+                            axum::http::StatusCode::from_u16(status).expect("a status");
+                        res
+                    }
+                };
+                let router = axum::Router::new()
+                    .route("/payments", axum::routing::post(handler))
+                    .layer(layer);
+                (router, counter)
+            }
+
+            /// A handler that answered a status the policy keeps has run to its answer (a
+            /// charge made): its body breaking off does not free the key for it to run
+            /// again. A status the policy does not keep frees it, as before.
+            #[tokio::test]
+            async fn a_response_body_that_breaks_off_after_a_kept_status_never_runs_twice() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = breaking_off(layer);
+                let first = send(&router, post_with_headers("k", &[("x-status", "201")])).await;
+                assert_eq!(first.status, 500);
+                assert_eq!(first.problem(), "response-not-stored");
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let retry = send(&router, post_with_headers("k", &[("x-status", "201")])).await;
+                assert_eq!(retry.status, 500);
+                assert_eq!(retry.problem(), "response-not-stored");
+                assert_eq!(retry.outcome, Some(Outcome::Replayed));
+                assert_eq!(retry.body, first.body);
+                assert_eq!(counter.runs(), 1);
+
+                let first = send(&router, post_with_headers("k2", &[("x-status", "503")])).await;
+                assert_eq!(first.status, 500);
+                assert_eq!(first.problem(), "handler-failed");
+                let retry = send(&router, post_with_headers("k2", &[("x-status", "503")])).await;
+                assert_eq!(retry.problem(), "handler-failed");
+                assert_eq!(retry.outcome, Some(Outcome::Executed));
+                assert_eq!(
+                    counter.runs(),
+                    3,
+                    "the 503's key was freed, and its retry ran"
+                );
+            }
+
             #[tokio::test]
             async fn a_response_body_that_never_ends_is_sent_on_and_replayed_as_not_stored() {
                 use http_body_util::BodyExt;
