@@ -299,12 +299,23 @@ impl IdempotencyLayer {
 
     /// Computes the scope of each request (default [`Scope::from_authorization`]).
     ///
+    /// Derive it from what the app has authenticated, never from a header the client
+    /// sets unchecked: a client that can name any scope can read another's replays by
+    /// guessing its keys. Here the app's authentication, a layer outside this one, puts
+    /// the tenant in the request's extensions:
+    ///
     /// ```
     /// use tower_idempotency::{IdempotencyLayer, Scope, store::MemoryStore};
     ///
+    /// /// Set by the app's authentication layer.
+    /// #[derive(Clone)]
+    /// struct Tenant(u64);
+    ///
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_with(|parts| {
-    ///     let tenant = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok());
-    ///     Scope::new(tenant.unwrap_or("public"))
+    ///     match parts.extensions.get::<Tenant>() {
+    ///         Some(Tenant(id)) => Scope::new(format!("tenant:{id}")),
+    ///         None => Scope::anonymous(),
+    ///     }
     /// });
     /// ```
     #[must_use]
