@@ -41,19 +41,18 @@ struct State {
     closed: Notify,
 }
 
-/// Held while a claimed request runs and stores its result.
-pub(crate) struct InFlight(Arc<State>);
-
-impl Clone for InFlight {
-    /// Another count for the same request: it stays in flight until every clone is
-    /// dropped, even once the handle is closing.
-    fn clone(&self) -> Self {
-        self.0.in_flight.fetch_add(1, Ordering::AcqRel);
-        Self(self.0.clone())
-    }
+/// Held while a claimed request runs and stores its result. Its clones (the tasks that
+/// finish the request's work in the background) share its one count: the request stays
+/// in flight until every clone is dropped, even once the handle is closing.
+#[derive(Clone)]
+pub(crate) struct InFlight {
+    _request: Arc<Counted>,
 }
 
-impl Drop for InFlight {
+/// One request counted in flight, until dropped.
+struct Counted(Arc<State>);
+
+impl Drop for Counted {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.idle.notify_waiters();
@@ -65,7 +64,9 @@ impl ShutdownHandle {
     /// Registers a request about to claim a key; `None` once closing.
     pub(crate) fn enter(&self) -> Option<InFlight> {
         self.state.in_flight.fetch_add(1, Ordering::AcqRel);
-        let guard = InFlight(self.state.clone());
+        let guard = InFlight {
+            _request: Arc::new(Counted(self.state.clone())),
+        };
         // Checked after counting, so `drain` cannot miss a request that got in.
         (!self.state.closing.load(Ordering::Acquire)).then_some(guard)
     }
@@ -131,6 +132,21 @@ impl std::fmt::Debug for ShutdownHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_counts_once_however_many_tasks_hold_it() {
+        let handle = ShutdownHandle::default();
+        let request = handle.enter().expect("open");
+        let background = request.clone();
+        let other = handle.enter().expect("open");
+        assert_eq!(handle.in_flight(), 2);
+        drop(request);
+        assert_eq!(handle.in_flight(), 2, "its background task still holds it");
+        drop(background);
+        assert_eq!(handle.in_flight(), 1);
+        drop(other);
+        assert_eq!(handle.in_flight(), 0);
+    }
 
     #[tokio::test]
     async fn drain_waits_for_every_guard() {

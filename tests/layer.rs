@@ -658,6 +658,46 @@ mod draining {
         assert_eq!(counter.runs_of("k"), 0);
     }
 
+    /// `in_flight` counts requests: one running its handler counts once, though the
+    /// layer hands its result to a task of its own to store.
+    #[tokio::test]
+    async fn in_flight_counts_each_running_request_once() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let counter = crate::common::Counter::default();
+        let (g, c) = (gate.clone(), counter.clone());
+        let handler = move || {
+            let (g, c) = (g.clone(), c.clone());
+            async move {
+                c.count_run();
+                let _permit = g.acquire().await.expect("gate");
+                (axum::http::StatusCode::CREATED, "{}")
+            }
+        };
+        let layer = IdempotencyLayer::new(MemoryStore::new());
+        let shutdown = layer.shutdown_handle();
+        let router = axum::Router::new()
+            .route("/payments", axum::routing::post(handler))
+            .layer(layer);
+        let running: Vec<_> = ["a", "b", "c"]
+            .into_iter()
+            .map(|key| tokio::spawn(send_owned(router.clone(), post(key, "{}"))))
+            .collect();
+        crate::common::eventually(|| counter.runs() == 3).await;
+        assert_eq!(shutdown.in_flight(), 3);
+        gate.add_permits(3);
+        for request in running {
+            assert_eq!(request.await.expect("request").status, 201);
+        }
+        crate::common::eventually(|| shutdown.in_flight() == 0).await;
+    }
+
+    async fn send_owned(
+        router: axum::Router,
+        req: axum::http::Request<axum::body::Body>,
+    ) -> crate::common::Reply {
+        send(&router, req).await
+    }
+
     /// That release is bounded by the store timeout, as every other is: a store that
     /// stops answering once the late claim landed does not hold the drain. The clock is
     /// tokio's paused one, so an unbounded release would run it to the hour at once.
