@@ -101,8 +101,9 @@ pub enum JobOutcome {
 pub enum JobError<E> {
     /// The work returned an error.
     Failed(E),
-    /// The work panicked (its future, or the function that makes it); the key was
-    /// released, so a redelivery runs it again.
+    /// The work panicked (its future, or the function that makes it), or the store did
+    /// while it renewed the lease or stored the result; the key was released, so a
+    /// redelivery runs it again.
     Panicked,
     /// The key was already used with a different input.
     Mismatch,
@@ -318,12 +319,25 @@ impl JobRunner {
             // timeout, a `select!`) leaves the work running, and then its lease is still
             // renewed and its result stored, or its key released, rather than the key left
             // claimed, unrenewed, for a redelivery to take over while the work still runs.
+            // A store that panics while it renews or stores ends that task: the key is
+            // released then, as the layer does, counted in flight until it is.
+            let (held, holding) = (lease.clone(), in_flight.clone());
             let runner = self.clone();
-            tokio::spawn(
+            let finished = tokio::spawn(
                 async move { runner.finish(lease, task, in_flight).await }.in_current_span(),
             )
-            .await
-            .unwrap_or(Err(JobError::Panicked))
+            .await;
+            match finished {
+                Ok(result) => result,
+                Err(_) => {
+                    tracing::error!(
+                        "the store panicked while the result was stored; releasing the key"
+                    );
+                    self.release(&held).await;
+                    drop(holding);
+                    Err(JobError::Panicked)
+                }
+            }
         }
         .instrument(span)
         .await

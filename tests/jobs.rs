@@ -142,6 +142,24 @@ async fn failures_release_the_key(runner: JobRunner) {
     assert!(matches!(ran, JobOutcome::Ran(ref k) if k.len() == 64));
 }
 
+/// A store that panics while it stores a result fails the run as `Panicked`, and the key
+/// is released, as the run's error says (and as the layer does): a redelivery runs.
+#[tokio::test]
+async fn a_store_that_panics_on_completion_releases_the_key() {
+    let memory = Arc::new(MemoryStore::new());
+    let store = AlteredCompletions::around(memory.clone(), Completion::CompletionsPanic);
+    let runner = JobRunner::new(store);
+    let scope = Scope::new("consumer");
+    let ran = runner
+        .run(&scope, "msg", b"p", |_| async {
+            Ok::<_, std::io::Error>(Bytes::from_static(b"done"))
+        })
+        .await;
+    assert!(matches!(ran, Err(JobError::Panicked)), "{ran:?}");
+    assert!(memory.is_empty(), "the key was left claimed");
+    assert_eq!(runner.shutdown_handle().in_flight(), 0);
+}
+
 /// A caller that gives up on a run once its work has started (its own timeout, a
 /// `select!`) leaves nothing claimed: the work finishes, its result is stored, and a
 /// redelivery gets it, rather than finding the key running until its lease lapses.

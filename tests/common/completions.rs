@@ -36,6 +36,8 @@ pub enum Completion {
     SlowRenew(Duration),
     /// Renewals fail as an unreachable store's would; the rest reach the store.
     RenewalsFail,
+    /// Completions panic, as a custom store's defect might; the rest reach the store.
+    CompletionsPanic,
     /// Everything reaches the store as it is (for a store that only counts).
     Unaltered,
 }
@@ -162,6 +164,7 @@ impl Store for AlteredCompletions {
                 self.inner.complete(lease, response, ttl).await
             }),
             Completion::Failing => Box::pin(std::future::ready(Err(refused()))),
+            Completion::CompletionsPanic => panic!("the test's store panics on completions"),
             Completion::FailingFirst(n) if attempt < n => {
                 Box::pin(std::future::ready(Err(refused())))
             }
