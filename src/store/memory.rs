@@ -15,7 +15,9 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// Claims are atomic within the process. Nothing survives a restart and nothing is
 /// shared between replicas: use [`PostgresStore`](super::PostgresStore) for that.
 /// Expired records are swept as claims arrive, a few at a time, so memory is bounded by
-/// the keys of one TTL window and no claim pays for a sweep of them all.
+/// the keys of one TTL window and no claim pays for a sweep of them all. (The heap of
+/// their due times is rebuilt, within one claim, only when its stale entries outnumber
+/// the records: more releases within a lease than records held.)
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
@@ -182,6 +184,8 @@ impl MemoryStore {
         let before = inner.records.len();
         let now = Instant::now();
         inner.records.retain(|_, r| !r.is_free(now));
+        // Their entries go too, here, rather than in a rebuild the next claim would pay.
+        inner.compact();
         before - inner.records.len()
     }
 
@@ -447,6 +451,9 @@ mod tests {
         assert_eq!(rt.block_on(store.purge(100)).unwrap(), 100);
         assert_eq!(store.purge_expired(), 1000 - SWEPT_PER_CLAIM - 100);
         assert_eq!(store.len(), 1, "the live claim stays");
+        // The purged records' entries went with them: no claim is left to rebuild them.
+        let due = store.lock().due.len();
+        assert!(due <= 2 + SWEPT_PER_CLAIM, "{due} entries left");
     }
 
     #[test]
