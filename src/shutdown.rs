@@ -63,18 +63,21 @@ impl Drop for Counted {
 impl ShutdownHandle {
     /// Registers a request about to claim a key; `None` once closing.
     pub(crate) fn enter(&self) -> Option<InFlight> {
-        self.state.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
         let guard = InFlight {
             _request: Arc::new(Counted(self.state.clone())),
         };
-        // Checked after counting, so `drain` cannot miss a request that got in.
-        (!self.state.closing.load(Ordering::Acquire)).then_some(guard)
+        // Checked after counting, so `drain` cannot miss a request that got in: the count
+        // and the flag are each written, then the other read, by the two sides, which
+        // sequential consistency (not acquire/release alone) keeps from both reading the
+        // old values.
+        (!self.state.closing.load(Ordering::SeqCst)).then_some(guard)
     }
 
     /// Stops claiming new keys. Idempotent. Requests waiting for a running key
     /// (`wait_for_running`) stop waiting and answer `503 shutting-down` too.
     pub fn close(&self) {
-        self.state.closing.store(true, Ordering::Release);
+        self.state.closing.store(true, Ordering::SeqCst);
         self.state.closed.notify_waiters();
     }
 
@@ -97,7 +100,7 @@ impl ShutdownHandle {
     /// How many guarded requests are still in progress: claiming, waiting, running, or
     /// storing their results.
     pub fn in_flight(&self) -> usize {
-        self.state.in_flight.load(Ordering::Acquire)
+        self.state.in_flight.load(Ordering::SeqCst)
     }
 
     /// Closes, then waits until every claimed request has finished and its result is
