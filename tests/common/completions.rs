@@ -36,6 +36,9 @@ pub enum Completion {
     SlowRenew(Duration),
     /// Renewals fail as an unreachable store's would; the rest reach the store.
     RenewalsFail,
+    /// Renewals wait for [`Counts::let_renewals_go`] (counted as started meanwhile);
+    /// the rest reach the store at once.
+    HeldRenew,
     /// Completions panic, as a custom store's defect might; the rest reach the store.
     CompletionsPanic,
     /// Everything reaches the store as it is (for a store that only counts).
@@ -51,12 +54,26 @@ pub struct AlteredCompletions {
 }
 
 /// What went through a counting store.
-#[derive(Default)]
 pub struct Counts {
     calls: AtomicUsize,
     deleted: AtomicU64,
     registrations: AtomicUsize,
     renewals: AtomicUsize,
+    renewals_started: AtomicUsize,
+    renewals_held: tokio::sync::Semaphore,
+}
+
+impl Default for Counts {
+    fn default() -> Self {
+        Self {
+            calls: AtomicUsize::default(),
+            deleted: AtomicU64::default(),
+            registrations: AtomicUsize::default(),
+            renewals: AtomicUsize::default(),
+            renewals_started: AtomicUsize::default(),
+            renewals_held: tokio::sync::Semaphore::new(0),
+        }
+    }
 }
 
 #[allow(dead_code)] // not every test binary reads every count
@@ -69,6 +86,16 @@ impl Counts {
     /// Renewals the store answered.
     pub fn renewals(&self) -> usize {
         self.renewals.load(Ordering::SeqCst)
+    }
+
+    /// Renewals on their way (with [`Completion::HeldRenew`], held or answered).
+    pub fn renewals_started(&self) -> usize {
+        self.renewals_started.load(Ordering::SeqCst)
+    }
+
+    /// Lets `n` renewals held by [`Completion::HeldRenew`] go on to the store.
+    pub fn let_renewals_go(&self, n: usize) {
+        self.renewals_held.add_permits(n);
     }
 
     /// Purges that returned.
@@ -173,6 +200,7 @@ impl Store for AlteredCompletions {
             | Completion::SlowClaim(_)
             | Completion::SlowClaimThenSilent(_)
             | Completion::SlowRenew(_)
+            | Completion::HeldRenew
             | Completion::RenewalsFail
             | Completion::Unaltered => self.inner.complete(lease, response, ttl),
             Completion::AnsweredLate(delay) => Box::pin(async move {
@@ -239,6 +267,11 @@ impl Store for AlteredCompletions {
             _ => Duration::ZERO,
         };
         Box::pin(async move {
+            self.counts.renewals_started.fetch_add(1, Ordering::SeqCst);
+            if matches!(self.completion, Completion::HeldRenew) {
+                let held = self.counts.renewals_held.acquire().await;
+                held.expect("the gate").forget();
+            }
             tokio::time::sleep(delay).await;
             let renewed = self.inner.renew(lease, duration).await;
             self.counts.renewals.fetch_add(1, Ordering::SeqCst);

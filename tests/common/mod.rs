@@ -297,14 +297,32 @@ impl Drop for TestSchema {
 
 /// A handler behind the layer that counts its runs, per key, and makes every run's
 /// response unique, so equal responses prove a single execution.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Counter {
     runs: Arc<AtomicUsize>,
     finished: Arc<AtomicUsize>,
     by_key: Arc<Mutex<HashMap<String, usize>>>,
+    /// What runs sent with `x-held` wait for, one permit each.
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Counter {
+    fn default() -> Self {
+        Self {
+            runs: Arc::default(),
+            finished: Arc::default(),
+            by_key: Arc::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
 }
 
 impl Counter {
+    /// Lets `n` runs held by `x-held` go on (now, or when they come).
+    pub fn let_go(&self, n: usize) {
+        self.gate.add_permits(n);
+    }
+
     pub fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
     }
@@ -353,6 +371,9 @@ async fn create(
     body: Bytes,
 ) -> Response {
     let run = counter.count(key.as_ref());
+    if headers.contains_key("x-held") {
+        counter.gate.acquire().await.expect("the gate").forget();
+    }
     if let Some(ms) = headers
         .get("x-delay-ms")
         .and_then(|v| v.to_str().ok()?.parse().ok())
@@ -392,7 +413,8 @@ async fn create(
 }
 
 /// `POST|PATCH|GET /payments` behind `layer`. Request headers steer the handler:
-/// `x-delay-ms`, `x-status`, `x-panic`, `x-cache-control` (answered as `Cache-Control`).
+/// `x-held` (it waits for [`Counter::let_go`]), `x-delay-ms`, `x-status`, `x-panic`,
+/// `x-cache-control` (answered as `Cache-Control`).
 pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
     let counter = Counter::default();
     let router = Router::new()

@@ -110,8 +110,8 @@ macro_rules! layer_suite {
             async fn a_duplicate_in_flight_gets_409_with_retry_after() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.lease_duration(Duration::from_secs(60)));
-                let slow = post_with_headers("k", &[("x-delay-ms", "2000")]);
-                let first = in_flight(&router, slow, &counter).await;
+                let held = post_with_headers("k", &[("x-held", "1")]);
+                let first = in_flight(&router, held, &counter).await;
                 let dup = send(&router, post("k", "{}")).await;
                 assert_eq!(dup.status, 409);
                 assert_eq!(dup.problem(), "in-progress");
@@ -125,6 +125,7 @@ macro_rules! layer_suite {
                 assert!((40..=60).contains(&retry_after), "{retry_after}");
                 // A different request under the running key is a mismatch, not a conflict.
                 assert_eq!(send(&router, post("k", "{\"x\":1}")).await.status, 422);
+                counter.let_go(1);
                 let first = first.await.unwrap();
                 assert_eq!(first.status, 201);
                 let after = send(&router, post("k", "{}")).await;
@@ -635,27 +636,40 @@ macro_rules! layer_suite {
             #[tokio::test]
             async fn a_slow_live_handler_keeps_its_lease() {
                 let (layer, _store, _g) = layer().await;
-                // The handler runs five leases long; renewal must keep duplicates out.
-                let (router, counter) = app(layer.lease_duration(Duration::from_millis(600)));
-                let slow = post_with_headers("k", &[("x-delay-ms", "3000")]);
-                let first = in_flight(&router, slow, &counter).await;
+                // The handler is held three leases long; renewal must keep duplicates
+                // out. (Renewed every 0.5 s, the lease outlasts a stall of a second.)
+                let lease = Duration::from_millis(1500);
+                let (router, counter) = app(layer.lease_duration(lease));
+                let held = post_with_headers("k", &[("x-held", "1")]);
+                let first = in_flight(&router, held, &counter).await;
+                let until = tokio::time::Instant::now() + 3 * lease;
                 let mut dups = Vec::new();
-                while !first.is_finished() {
+                while tokio::time::Instant::now() < until {
                     dups.push(send(&router, post("k", "{}")).await.status.as_u16());
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
+                counter.let_go(1);
                 assert_eq!(first.await.unwrap().status, 201);
-                assert!(dups.iter().all(|s| *s == 409 || *s == 201), "{dups:?}");
+                assert!(dups.iter().all(|s| *s == 409), "{dups:?}");
                 assert_eq!(counter.runs(), 1);
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_duplicate_can_wait_for_the_running_request_and_replay_it() {
-                let (layer, _store, _g) = layer().await;
-                let (router, counter) = app(layer.wait_for_running(Duration::from_secs(30)));
-                let slow = post_with_headers("k", &[("x-delay-ms", "400")]);
-                let first = in_flight(&router, slow, &counter).await;
-                let waited = send(&router, post("k", "{}")).await;
+                let (_layer, store, _g) = layer().await;
+                let (store, counts) = AlteredCompletions::counting(store);
+                let layer = IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(30));
+                let (router, counter) = app(layer);
+                let held = post_with_headers("k", &[("x-held", "1")]);
+                let first = in_flight(&router, held, &counter).await;
+                let waiter = tokio::spawn({
+                    let router = router.clone();
+                    async move { send(&router, post("k", "{}")).await }
+                });
+                // The first finishes only once the duplicate waits for it.
+                eventually(|| counts.registrations() >= 1).await;
+                counter.let_go(1);
+                let waited = waiter.await.unwrap();
                 let first = first.await.unwrap();
                 assert_eq!(waited.status, 201);
                 assert_eq!(waited.outcome, Some(Outcome::Replayed));
@@ -665,12 +679,21 @@ macro_rules! layer_suite {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_waiting_duplicate_runs_the_handler_when_the_first_fails() {
-                let (layer, _store, _g) = layer().await;
-                let (router, counter) = app(layer.wait_for_running(Duration::from_secs(30)));
-                let failing = post_with_headers("k", &[("x-delay-ms", "300"), ("x-status", "503")]);
+                let (_layer, store, _g) = layer().await;
+                let (store, counts) = AlteredCompletions::counting(store);
+                let layer = IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(30));
+                let (router, counter) = app(layer);
+                let failing = post_with_headers("k", &[("x-held", "1"), ("x-status", "503")]);
                 let first = in_flight(&router, failing, &counter).await;
-                // Released, not completed: the waiter claims the key and runs.
-                let waited = send(&router, post("k", "{}")).await;
+                let waiter = tokio::spawn({
+                    let router = router.clone();
+                    async move { send(&router, post("k", "{}")).await }
+                });
+                // The first fails only once the duplicate waits for it. Released, not
+                // completed: the waiter claims the key and runs.
+                eventually(|| counts.registrations() >= 1).await;
+                counter.let_go(1);
+                let waited = waiter.await.unwrap();
                 assert_eq!(first.await.unwrap().status, 503);
                 assert_eq!(waited.status, 201);
                 assert_eq!(waited.outcome, Some(Outcome::Executed));
@@ -681,12 +704,13 @@ macro_rules! layer_suite {
             async fn a_waiting_duplicate_gives_up_at_its_bound() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.wait_for_running(Duration::from_millis(200)));
-                let slow = post_with_headers("k", &[("x-delay-ms", "2000")]);
-                let first = in_flight(&router, slow, &counter).await;
+                let held = post_with_headers("k", &[("x-held", "1")]);
+                let first = in_flight(&router, held, &counter).await;
                 let waited = send(&router, post("k", "{}")).await;
                 assert_eq!(waited.status, 409);
                 // 409, not a replay: the wait ended at its bound, before the first finished.
                 assert_eq!(waited.problem(), "in-progress");
+                counter.let_go(1);
                 assert_eq!(first.await.unwrap().status, 201);
                 assert_eq!(counter.runs(), 1);
             }
@@ -725,8 +749,8 @@ macro_rules! layer_suite {
                 let layer = IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(600));
                 let shutdown = layer.shutdown_handle();
                 let (router, counter) = app(layer);
-                // The first fails, and so releases its key, once the waiter waits.
-                let failing = post_with_headers("k", &[("x-delay-ms", "800"), ("x-status", "503")]);
+                // The first fails, and so releases its key, once the waiter has answered.
+                let failing = post_with_headers("k", &[("x-held", "1"), ("x-status", "503")]);
                 let first = in_flight(&router, failing, &counter).await;
                 let waiter = tokio::spawn({
                     let router = router.clone();
@@ -743,6 +767,7 @@ macro_rules! layer_suite {
                 let waited = waiter.await.unwrap();
                 assert_eq!(waited.status, 503);
                 assert_eq!(waited.problem(), "shutting-down");
+                counter.let_go(1);
                 assert_eq!(first.await.unwrap().status, 503);
                 tokio::time::timeout(Duration::from_secs(10), drained)
                     .await
@@ -755,18 +780,25 @@ macro_rules! layer_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_renewal_on_its_way_when_the_handler_ends_is_not_cut_short() {
                 let (_layer, store, _g) = layer().await;
-                // Renewed every second, each renewal taking 0.8 s: the handler, 1.3 s
-                // long, ends while its first renewal is on its way.
-                let (store, counts) = AlteredCompletions::counting_with(
-                    store,
-                    Completion::SlowRenew(Duration::from_millis(800)),
-                );
+                // Renewed every second; the renewal is held on its way to the store, and
+                // the handler let go only once it is.
+                let (store, counts) =
+                    AlteredCompletions::counting_with(store, Completion::HeldRenew);
                 let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(3));
                 let (router, counter) = app(layer);
-                let r = send(&router, post_with_headers("k", &[("x-delay-ms", "1300")])).await;
+                let first = in_flight(
+                    &router,
+                    post_with_headers("k", &[("x-held", "1")]),
+                    &counter,
+                )
+                .await;
+                eventually(|| counts.renewals_started() == 1).await;
+                counter.let_go(1);
+                let r = first.await.unwrap();
                 assert_eq!(r.status, 201);
                 assert_eq!(counts.renewals(), 0, "the renewal was not on its way");
                 // It still reaches the store (dropped, it would close its connection).
+                counts.let_renewals_go(1);
                 eventually(|| counts.renewals() == 1).await;
                 assert_eq!(counter.runs(), 1);
             }
@@ -774,15 +806,16 @@ macro_rules! layer_suite {
             #[tokio::test]
             async fn a_slow_completion_keeps_its_lease() {
                 let (_layer, store, _g) = layer().await;
-                // The first completion takes five leases: renewal must keep duplicates
-                // out while it is on its way, as while the handler ran.
+                // The first completion takes three leases: renewal must keep duplicates
+                // out while it is on its way, as while the handler ran. (Renewed every
+                // 0.5 s, the lease outlasts a stall of a second.)
                 let slow = AlteredCompletions::around(
                     store,
-                    Completion::Slow(Duration::from_millis(3000)),
+                    Completion::Slow(Duration::from_millis(4500)),
                 );
                 let layer = IdempotencyLayer::new(slow)
-                    .lease_duration(Duration::from_millis(600))
-                    .store_timeout(Duration::from_secs(5));
+                    .lease_duration(Duration::from_millis(1500))
+                    .store_timeout(Duration::from_secs(10));
                 let (router, counter) = app(layer);
                 let first = in_flight(&router, post("k", "{}"), &counter).await;
                 let mut dups = Vec::new();
@@ -821,7 +854,7 @@ macro_rules! layer_suite {
             async fn a_lapsed_lease_is_taken_over_and_the_old_holder_is_fenced() {
                 let (_layer, store, _g) = layer().await;
                 let scope = Scope::new("workers");
-                let lease = Duration::from_secs(1);
+                let lease = Duration::from_secs(2);
                 let Claim::Acquired(old) =
                     store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
                 else {
@@ -879,7 +912,7 @@ macro_rules! layer_suite {
                 let (_layer, store, _g) = layer().await;
                 let scope = Scope::new("s");
                 let mut request = claim_request(&scope, Duration::from_secs(10), 1);
-                request.ttl = Duration::from_secs(1);
+                request.ttl = Duration::from_secs(2);
                 let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
                     panic!()
                 };
@@ -893,7 +926,7 @@ macro_rules! layer_suite {
                     store.claim(&request).await.unwrap(),
                     Claim::Completed { .. }
                 ));
-                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::time::sleep(Duration::from_secs(4)).await;
                 request.fingerprint = Fingerprint([9; 32]);
                 let Claim::Acquired(again) = store.claim(&request).await.unwrap() else {
                     panic!("expired records are gone")
@@ -970,11 +1003,12 @@ macro_rules! layer_suite {
             async fn a_running_request_outlives_a_shorter_ttl() {
                 let (layer, _store, _g) = layer().await;
                 let (router, counter) = app(layer.ttl(Duration::from_millis(100)));
-                let slow = post_with_headers("k", &[("x-delay-ms", "2000")]);
-                let first = in_flight(&router, slow, &counter).await;
+                let held = post_with_headers("k", &[("x-held", "1")]);
+                let first = in_flight(&router, held, &counter).await;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 // Past the TTL, but the holder's lease is live: still a conflict.
                 assert_eq!(send(&router, post("k", "{}")).await.status, 409);
+                counter.let_go(1);
                 assert_eq!(first.await.unwrap().status, 201);
                 assert_eq!(counter.runs(), 1);
             }
