@@ -28,7 +28,8 @@ struct App {
 }
 
 /// Writes one row per run into `<schema>.ledger` inside the request's transaction.
-/// Headers steer it: `x-delay-ms` (after the write), `x-status`, `x-panic`.
+/// Headers steer it: `x-held` (after the write, until the test lets it go),
+/// `x-delay-ms` (after the write), `x-status`, `x-panic`.
 async fn create(
     State(app): State<App>,
     key: IdempotencyKey,
@@ -56,6 +57,9 @@ async fn create(
             // The connection died under the handler: its error, and the layer rolls back.
             return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
         }
+    }
+    if headers.contains_key("x-held") {
+        app.counter.held().await;
     }
     if let Some(ms) = headers
         .get("x-delay-ms")
@@ -409,7 +413,7 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
     let shutdown = layer.shutdown_handle();
     let (router, counter) = app(layer, &table);
     // The first fails, and so rolls back, once the duplicate waits on its row.
-    let failing = post_with("k", &[("x-delay-ms", "800"), ("x-status", "503")]);
+    let failing = post_with("k", &[("x-held", "1"), ("x-status", "503")]);
     let first = in_flight(&router, failing, &counter).await;
     let duplicate = tokio::spawn({
         let router = router.clone();
@@ -417,6 +421,7 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
     });
     schema.wait_for_lock_waiters(1).await;
     shutdown.close();
+    counter.let_go(1);
     assert_eq!(first.await.unwrap().status, 503);
     let duplicate = duplicate.await.unwrap();
     assert_eq!(duplicate.status, 503);
@@ -576,11 +581,12 @@ async fn a_duplicate_past_the_lock_timeout_gets_409() {
     let table = setup(&schema, &store).await;
     let layer = IdempotencyLayer::transactional(store).lock_timeout(Duration::from_millis(100));
     let (router, counter) = app(layer, &table);
-    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "1000")]), &counter).await;
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
     let dup = send(&router, post_with("k", &[])).await;
     assert_eq!(dup.status, 409);
     assert_eq!(dup.problem(), "in-progress");
     assert!(dup.header("retry-after").is_some());
+    counter.let_go(1);
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(
         send(&router, post_with("k", &[])).await.outcome,
@@ -606,22 +612,25 @@ async fn a_duplicate_waits_for_running_past_the_lock_timeout_and_replays() {
         let row = client.query_one("SHOW lock_timeout", &[]).await.unwrap();
         let lock_timeout: String = row.get(0);
         drop(client);
-        if let Some(ms) = headers
-            .get("x-delay-ms")
-            .and_then(|v| v.to_str().ok()?.parse().ok())
-        {
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+        if headers.contains_key("x-held") {
+            app.counter.held().await;
         }
         (StatusCode::CREATED, format!("{run} {lock_timeout}"))
     };
     let (router, counter) = app_on(post(handler), layer, &table);
-    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "1000")]), &counter).await;
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
     let dup = tokio::spawn({
         let router = router.clone();
         async move { send(&router, post_with("k", &[])).await }
     });
     // It waits on the first request's row, past the 100 ms lock timeout.
     schema.wait_for_lock_waiters(1).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !dup.is_finished(),
+        "the duplicate stopped waiting at the lock timeout"
+    );
+    counter.let_go(1);
     let dup = dup.await.unwrap();
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
@@ -875,7 +884,7 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
     // A claim waits up to 4.2 s for its turn. The first duplicate holds it for the
     // lock timeout (3 s), the second from then on (to 6 s): the new key, behind them,
     // gives up 4.2 s after it came, and the second duplicate has 1.2 s to spare; the
-    // first request runs until 8 s, past the second duplicate's lock timeout.
+    // first request is held until both duplicates have answered.
     let layer = IdempotencyLayer::transactional(store.clone())
         .lock_timeout(Duration::from_secs(3))
         .store_timeout(Duration::from_millis(1200));
@@ -884,7 +893,7 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
     // to be made.
     let (one, two) = (store.pool().get().await, store.pool().get().await);
     drop((one.unwrap(), two.unwrap()));
-    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "8000")]), &counter).await;
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
     // Two duplicates take the claims' turn one after the other, each waiting on the
     // first request's row until the lock timeout.
     let duplicates: Vec<_> = (0..2)
@@ -893,8 +902,12 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
             tokio::spawn(async move { send(&router, post_with("k", &[])).await })
         })
         .collect();
-    // The first duplicate waits on the row (holding the turn), the second for its turn.
+    // The first duplicate waits on the row (holding the turn), the second for its turn;
+    // the turns are first come, first served, and the new key must come after both.
+    // (Nothing outside the store shows a claim waiting for its turn: a pause, ample
+    // for one that was sent before the first duplicate got the row.)
     schema.wait_for_lock_waiters(1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let other = send(&router, post_with("new", &[])).await;
     assert_eq!(other.status, 503);
     assert_eq!(other.problem(), "store-unavailable");
@@ -904,6 +917,7 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
         assert_eq!(duplicate.status, 409);
         assert_eq!(duplicate.problem(), "in-progress");
     }
+    counter.let_go(1);
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(records_of(&schema, "new").await, 0);
     assert_eq!(counter.runs(), 1);

@@ -323,6 +323,11 @@ impl Counter {
         self.gate.add_permits(n);
     }
 
+    /// Waits, in a handler of the test's own, for [`let_go`](Self::let_go).
+    pub async fn held(&self) {
+        self.gate.acquire().await.expect("the gate").forget();
+    }
+
     pub fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
     }
@@ -372,7 +377,7 @@ async fn create(
 ) -> Response {
     let run = counter.count(key.as_ref());
     if headers.contains_key("x-held") {
-        counter.gate.acquire().await.expect("the gate").forget();
+        counter.held().await;
     }
     if let Some(ms) = headers
         .get("x-delay-ms")
