@@ -95,9 +95,10 @@ async fn a_cut_while_the_handler_runs_still_stores_its_response() {
     let proxy = PgProxy::start().await;
     let store = schema.store_at(&proxy.url(), 4).await;
     let (router, counter) = app(IdempotencyLayer::new(store));
-    let slow = post_with_headers("k", &[("x-delay-ms", "300")]);
-    let first = in_flight(&router, slow, &counter).await;
+    let held = post_with_headers("k", &[("x-held", "1")]);
+    let first = in_flight(&router, held, &counter).await;
     proxy.cut();
+    counter.let_go(1);
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
     wait_for_state(&schema, "k", "completed").await;
@@ -127,7 +128,7 @@ async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connection
     let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
     let (router, counter) = app(layer);
     proxy.stall(true);
-    let r = send(&router, post("k", "{}")).await;
+    let r = common::send_bounded(&router, post("k", "{}")).await;
     assert_eq!(r.status, 503);
     assert!(r.header("retry-after").is_some());
     assert_eq!(counter.runs(), 0);
@@ -237,8 +238,9 @@ async fn a_silently_dropped_shared_claim_connection_is_replaced() {
         assert_eq!(r.await.unwrap().status, 503);
     }
     assert_eq!(store.metrics().shared_claims, 9);
-    // A second after they were sent, each of them has given the connection up.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A second after they were sent, each of them has given the connection up (nothing
+    // outside the store shows it: a pause of three times that).
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let ran = send(&router, post("k", "{}")).await;
     assert_eq!(ran.status, 201);
     assert_eq!(counter.runs_of("k"), 1);
@@ -423,9 +425,10 @@ async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response()
         .lease_duration(Duration::from_secs(10));
     let shutdown = layer.shutdown_handle();
     let (router, counter) = app(layer);
-    let slow = post_with_headers("k", &[("x-delay-ms", "300")]);
-    let first = in_flight(&router, slow, &counter).await;
+    let held = post_with_headers("k", &[("x-held", "1")]);
+    let first = in_flight(&router, held, &counter).await;
     proxy.stall(true);
+    counter.let_go(1);
     // The database cannot be reached when the handler finishes: the client is answered
     // all the same, and the key is still running in the table.
     let first = first.await.unwrap();
@@ -617,8 +620,8 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     let shutdown = layer.shutdown_handle();
     let (router, counter) = app(layer);
     assert_eq!(send(&router, post("done", "{}")).await.status, 201);
-    let slow = post_with_headers("running", &[("x-delay-ms", "400")]);
-    let running = in_flight(&router, slow, &counter).await;
+    let held = post_with_headers("running", &[("x-held", "1")]);
+    let running = in_flight(&router, held, &counter).await;
 
     let drained = tokio::spawn({
         let shutdown = shutdown.clone();
@@ -640,7 +643,11 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
             .status,
         201
     );
-
+    assert!(
+        !drained.is_finished(),
+        "the drain did not wait for the running request"
+    );
+    counter.let_go(1);
     drained.await.unwrap();
     // Drained means stored: the running request's row is complete.
     assert_eq!(
@@ -670,7 +677,7 @@ async fn an_exhausted_pool_is_a_bounded_503_not_a_hang() {
     let (router, counter) = app(layer);
     // The pool's only connection is taken for the whole request.
     let held = store.pool().get().await.unwrap();
-    let r = send(&router, post("k", "{}")).await;
+    let r = common::send_bounded(&router, post("k", "{}")).await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem(), "store-unavailable");
     assert_eq!(counter.runs(), 0);

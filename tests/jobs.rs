@@ -626,20 +626,24 @@ async fn a_panicking_run_dropped_by_its_caller_still_releases(store: Arc<dyn Sto
     );
     let runner = JobRunner::new(store);
     let scope = Scope::new("consumer");
-    let dropped = tokio::time::timeout(
-        Duration::from_millis(100),
-        runner.run(
-            &scope,
-            "msg-5",
-            b"p",
-            |_| -> std::future::Ready<Result<Bytes, String>> {
-                panic!("the work function panicked on purpose")
-            },
-        ),
-    )
-    .await;
+    let panicked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = panicked.clone();
+    let run = runner.run(
+        &scope,
+        "msg-5",
+        b"p",
+        move |_| -> std::future::Ready<Result<Bytes, String>> {
+            flag.store(true, Ordering::SeqCst);
+            panic!("the work function panicked on purpose")
+        },
+    );
+    // Dropped once its work function has panicked: its release is then on its way.
+    let dropped = tokio::select! {
+        ended = run => Some(ended),
+        () = common::eventually(|| panicked.load(Ordering::SeqCst)) => None,
+    };
     assert!(
-        dropped.is_err(),
+        dropped.is_none(),
         "the run ended before its caller dropped it"
     );
     // The release reaches the store although its run was dropped.

@@ -514,6 +514,15 @@ impl Reply {
     }
 }
 
+/// [`send`], failing the test if no answer comes within 30 s: for a test whose claim is
+/// that the answer is bounded, so that a regression fails it rather than hangs it.
+#[allow(dead_code)] // not every test binary uses it
+pub async fn send_bounded(router: &Router, req: Request<Body>) -> Reply {
+    tokio::time::timeout(Duration::from_secs(30), send(router, req))
+        .await
+        .expect("no answer within 30 s: the request hangs")
+}
+
 pub async fn send(router: &Router, req: Request<Body>) -> Reply {
     let res = router.clone().oneshot(req).await.expect("infallible");
     let outcome = res.extensions().get::<Outcome>().copied();
