@@ -575,7 +575,9 @@ async fn query(sql: &str) -> Vec<tokio_postgres::Row> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
     const KEY: &str = "crash-payment-1";
-    const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":1500}"#;
+    // The window between charge and record is long enough that the kill lands in it on
+    // a loaded machine too.
+    const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":4000}"#;
     let schema = Schema::new();
     let client = client();
     let mut first = Demo::start_with(Some(&schema), &["--lease-ms", "500"]);
@@ -662,7 +664,8 @@ async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_payment_in_flight() {
     const KEY: &str = "term-payment-1";
-    const PAYMENT: &str = r#"{"amount":900,"currency":"EUR","delay_ms":800}"#;
+    // Long enough that the SIGTERM comes while the payment is in flight.
+    const PAYMENT: &str = r#"{"amount":900,"currency":"EUR","delay_ms":4000}"#;
     let schema = Schema::new();
     let client = client();
     let mut demo = Demo::start(Some(&schema));
@@ -681,6 +684,10 @@ async fn sigterm_finishes_the_payment_in_flight() {
     }
     assert!(charged, "the handler never charged");
     demo.terminate();
+    assert!(
+        !in_flight.is_finished(),
+        "the payment was answered before the SIGTERM"
+    );
     let answered = in_flight
         .await
         .expect("join")
@@ -803,7 +810,9 @@ async fn key_row(schema: &Schema, key: &str) -> Option<(String, i64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_crash_rolls_back_and_the_retry_commits_once() {
     const KEY: &str = "tx-crash-payment-1";
-    const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":1500}"#;
+    // The window between charge and record is long enough that the kill lands in it on
+    // a loaded machine too.
+    const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":4000}"#;
     const ARGS: &[&str] = &["--mode", "transactional", "--lease-ms", "500"];
     let schema = Schema::new();
     let client = client();
