@@ -314,30 +314,48 @@ impl JobRunner {
                 .await;
                 return Err(JobError::Panicked);
             };
-            let task = tokio::spawn(work.in_current_span());
+            // The work signals its end, however it ends (returns, panics, is aborted), by
+            // dropping `ended`.
+            let (ended, work_ended) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(
+                async move {
+                    let _ended = ended;
+                    work.await
+                }
+                .in_current_span(),
+            );
+            let work_handle = task.abort_handle();
             // The rest runs in a task of its own: a caller that drops the run (its own
             // timeout, a `select!`) leaves the work running, and then its lease is still
             // renewed and its result stored, or its key released, rather than the key left
             // claimed, unrenewed, for a redelivery to take over while the work still runs.
-            // A store that panics while it renews or stores ends that task: the key is
-            // released then, as the layer does, counted in flight until it is.
-            let (held, holding) = (lease.clone(), in_flight.clone());
+            // A store that panics while it renews or stores ends that part: the work is
+            // stopped (as the layer drops its handler) and, once it has ended, the key is
+            // released, as the layer does, counted in flight until it is.
             let runner = self.clone();
-            let finished = tokio::spawn(
-                async move { runner.finish(lease, task, in_flight).await }.in_current_span(),
-            )
-            .await;
-            match finished {
-                Ok(result) => result,
-                Err(_) => {
-                    tracing::error!(
-                        "the store panicked while the result was stored; releasing the key"
-                    );
-                    self.release(&held).await;
-                    drop(holding);
-                    Err(JobError::Panicked)
+            tokio::spawn(
+                async move {
+                    let (held, holding) = (lease.clone(), in_flight.clone());
+                    let finishing = crate::catch_panic::CatchPanic::new(runner.finish(lease, task, in_flight));
+                    match finishing.await {
+                        Ok(result) => result,
+                        Err(panic) => {
+                            tracing::error!(
+                                panic = crate::catch_panic::message(&panic),
+                                "the store panicked while the work ran or its result was stored; releasing the key"
+                            );
+                            work_handle.abort();
+                            let _ = work_ended.await;
+                            runner.release(&held).await;
+                            drop(holding);
+                            Err(JobError::Panicked)
+                        }
+                    }
                 }
-            }
+                .in_current_span(),
+            )
+            .await
+            .unwrap_or(Err(JobError::Panicked))
         }
         .instrument(span)
         .await

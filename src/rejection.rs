@@ -37,8 +37,8 @@ pub enum Problem {
     /// 503: this instance is shutting down and claims no new keys; nothing was run.
     ShuttingDown,
     /// 500: the request failed while being processed (the handler panicked, its
-    /// response body failed under a status the storage policy does not keep, or in
-    /// transactional mode, it kept its transaction's connection); nothing is held
+    /// response body failed under a status the storage policy does not keep or in
+    /// transactional mode, or it kept its transaction's connection); nothing is held
     /// under the key: released, rolled back, or never claimed. Also the extractors'
     /// answer to a request no layer guarded as the handler needs (the app's wiring).
     HandlerFailed,

@@ -35,8 +35,9 @@ impl Scope {
     /// A scope with this name.
     ///
     /// Keep it short (an id, or a hash): `PostgresStore`'s primary key holds the scope
-    /// and the key together, and PostgreSQL's index takes at most about 2.7 KB of them,
-    /// so a longer scope fails every claim (`503 store-unavailable`).
+    /// and the key together, and PostgreSQL's index takes at most about 2.7 KB of them
+    /// once compressed, so a long scope that does not compress fails every claim
+    /// (`503 store-unavailable`).
     pub fn new(name: impl Into<Arc<str>>) -> Self {
         Self(name.into())
     }

@@ -160,6 +160,69 @@ async fn a_store_that_panics_on_completion_releases_the_key() {
     assert_eq!(runner.shutdown_handle().in_flight(), 0);
 }
 
+/// The same when the caller has dropped the run before the store panics: the key is
+/// released all the same, and a drain waits for it.
+#[tokio::test]
+async fn a_store_that_panics_on_completion_of_a_dropped_run_releases_the_key() {
+    let memory = Arc::new(MemoryStore::new());
+    let store = AlteredCompletions::around(memory.clone(), Completion::CompletionsPanic);
+    let runner = JobRunner::new(store);
+    let scope = Scope::new("consumer");
+    let (started, gate) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let work = {
+        let (started, gate) = (started.clone(), gate.clone());
+        move |_| async move {
+            started.notify_one();
+            gate.notified().await;
+            Ok::<_, std::io::Error>(Bytes::from_static(b"done"))
+        }
+    };
+    tokio::select! {
+        ended = runner.run(&scope, "msg", b"p", work) => panic!("the run ended: {ended:?}"),
+        () = started.notified() => {}
+    }
+    // The run is dropped; its work goes on, ends, and its result meets the panic.
+    gate.notify_one();
+    runner.shutdown_handle().drain().await;
+    assert!(memory.is_empty(), "the key was left claimed");
+}
+
+/// A store that panics while it renews the lease of a running work stops that work (as
+/// the layer drops its handler) and releases the key once the work has ended, never
+/// while it still runs: a redelivery cannot run beside it.
+#[tokio::test]
+async fn a_store_that_panics_on_renewal_stops_the_work_before_it_releases_the_key() {
+    /// Counts the work's end, however it ends.
+    struct Ended(Arc<AtomicUsize>);
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let memory = Arc::new(MemoryStore::new());
+    let store = AlteredCompletions::around(memory.clone(), Completion::RenewalsPanic);
+    // Renewed every 100 ms: the first renewal panics while the work waits.
+    let runner = JobRunner::new(store).lease_duration(Duration::from_millis(300));
+    let scope = Scope::new("consumer");
+    let ended = Arc::new(AtomicUsize::new(0));
+    let work = {
+        let ended = ended.clone();
+        move |_| async move {
+            let _ended = Ended(ended);
+            std::future::pending::<()>().await;
+            Ok::<_, std::io::Error>(Bytes::new())
+        }
+    };
+    let ran = runner.run(&scope, "msg", b"p", work).await;
+    assert!(matches!(ran, Err(JobError::Panicked)), "{ran:?}");
+    assert_eq!(ended.load(Ordering::SeqCst), 1, "the work still runs");
+    assert!(memory.is_empty(), "the key was left claimed");
+    assert_eq!(runner.shutdown_handle().in_flight(), 0);
+}
+
 /// A caller that gives up on a run once its work has started (its own timeout, a
 /// `select!`) leaves nothing claimed: the work finishes, its result is stored, and a
 /// redelivery gets it, rather than finding the key running until its lease lapses.

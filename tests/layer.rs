@@ -659,7 +659,7 @@ mod draining {
     }
 
     /// `in_flight` counts requests: one running its handler counts once, though the
-    /// layer hands its result to a task of its own to store.
+    /// layer holds a second share of its count for the part that stores its result.
     #[tokio::test]
     async fn in_flight_counts_each_running_request_once() {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));

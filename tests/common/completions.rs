@@ -41,6 +41,8 @@ pub enum Completion {
     HeldRenew,
     /// Completions panic, as a custom store's defect might; the rest reach the store.
     CompletionsPanic,
+    /// Renewals panic, as a custom store's defect might; the rest reach the store.
+    RenewalsPanic,
     /// Everything reaches the store as it is (for a store that only counts).
     Unaltered,
 }
@@ -201,6 +203,7 @@ impl Store for AlteredCompletions {
             | Completion::SlowClaimThenSilent(_)
             | Completion::SlowRenew(_)
             | Completion::HeldRenew
+            | Completion::RenewalsPanic
             | Completion::RenewalsFail
             | Completion::Unaltered => self.inner.complete(lease, response, ttl),
             Completion::AnsweredLate(delay) => Box::pin(async move {
@@ -264,6 +267,7 @@ impl Store for AlteredCompletions {
         let delay = match self.completion {
             Completion::SlowRenew(delay) => delay,
             Completion::RenewalsFail => return Box::pin(std::future::ready(Err(refused()))),
+            Completion::RenewalsPanic => panic!("the test's store panics on renewals"),
             _ => Duration::ZERO,
         };
         Box::pin(async move {

@@ -706,7 +706,7 @@ macro_rules! layer_suite {
                 let (router, counter) = app(layer.wait_for_running(Duration::from_millis(200)));
                 let held = post_with_headers("k", &[("x-held", "1")]);
                 let first = in_flight(&router, held, &counter).await;
-                let waited = send(&router, post("k", "{}")).await;
+                let waited = $crate::common::send_bounded(&router, post("k", "{}")).await;
                 assert_eq!(waited.status, 409);
                 // 409, not a replay: the wait ended at its bound, before the first finished.
                 assert_eq!(waited.problem(), "in-progress");
@@ -764,7 +764,10 @@ macro_rules! layer_suite {
                     let shutdown = shutdown.clone();
                     async move { shutdown.drain().await }
                 });
-                let waited = waiter.await.unwrap();
+                let waited = tokio::time::timeout(Duration::from_secs(30), waiter)
+                    .await
+                    .expect("the close did not end the wait")
+                    .unwrap();
                 assert_eq!(waited.status, 503);
                 assert_eq!(waited.problem(), "shutting-down");
                 counter.let_go(1);
@@ -794,7 +797,11 @@ macro_rules! layer_suite {
                 .await;
                 eventually(|| counts.renewals_started() == 1).await;
                 counter.let_go(1);
-                let r = first.await.unwrap();
+                // Bounded: a response that waited for the held renewal would never come.
+                let r = tokio::time::timeout(Duration::from_secs(30), first)
+                    .await
+                    .expect("the response waited for the renewal on its way")
+                    .unwrap();
                 assert_eq!(r.status, 201);
                 assert_eq!(counts.renewals(), 0, "the renewal was not on its way");
                 // It still reaches the store (dropped, it would close its connection).
