@@ -6,9 +6,11 @@
 //!
 //! The service is a function from `Request<Full<Bytes>>` to `Response<Full<Bytes>>`,
 //! wrapped with `tower::ServiceBuilder`. The layer needs a request body it can rebuild
-//! from bytes (`ReqBody: From<Bytes>`), so each hyper request's body is read (up to a
-//! limit) into a `Full<Bytes>` before the service is called; a larger one gets the
-//! layer's `413 body-too-large` problem document.
+//! from bytes (`ReqBody: From<Bytes>`), so each hyper request's body is read into a
+//! `Full<Bytes>` before the service is called, bounded as the layer bounds the bodies
+//! it reads: in size (a larger one gets the `413 body-too-large` problem document) and
+//! in time (a client that sends it too slowly gets `408 body-timeout`, rather than
+//! holding the connection's task and its buffer for as long as it likes).
 //!
 //! The store is in memory, unless `DATABASE_URL` is set: then it is PostgreSQL (the
 //! table `public.idempotency_keys`, created on start), shared by every process that
@@ -38,6 +40,9 @@ use tower_idempotency::{
 
 /// The largest request body read from the connection.
 const BODY_LIMIT: usize = 1024 * 1024;
+
+/// How long a request body may take to arrive (the layer's own default).
+const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How many jobs [`submit_job`] has created.
 static JOBS: AtomicU64 = AtomicU64::new(0);
@@ -110,8 +115,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
 }
 
 /// Adapts a hyper request to the Tower service: reads hyper's `Incoming` body into a
-/// `Full<Bytes>` (up to [`BODY_LIMIT`]: past it, `413 body-too-large`), then calls
-/// `service` with the request.
+/// `Full<Bytes>` (up to [`BODY_LIMIT`]: past it, `413 body-too-large`; within
+/// [`BODY_TIMEOUT`]: past it, `408 body-timeout`), then calls `service` with the
+/// request.
 async fn read_and_call<S, B>(
     service: S,
     req: Request<Incoming>,
@@ -122,14 +128,25 @@ where
     B::Error: Into<BoxError>,
 {
     let (parts, body) = req.into_parts();
-    let body = match Limited::new(body, BODY_LIMIT).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+    let problem = |problem: Problem, detail: &str| {
+        let res = problem.response(detail);
+        Ok(res.map(|b| Full::new(b).map_err(|e| match e {}).boxed()))
+    };
+    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, BODY_LIMIT).collect());
+    let body = match read.await {
+        Ok(Ok(body)) => body.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
             let detail = format!("the request body is over the limit of {BODY_LIMIT} bytes");
-            let res = Problem::BodyTooLarge.response(&detail);
-            return Ok(res.map(|b| Full::new(b).map_err(|e| match e {}).boxed()));
+            return problem(Problem::BodyTooLarge, &detail);
         }
-        Err(e) => return Err(e),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => {
+            let detail = format!(
+                "the request body did not arrive within {} s",
+                BODY_TIMEOUT.as_secs()
+            );
+            return problem(Problem::BodyTimeout, &detail);
+        }
     };
     let res = service
         .oneshot(Request::from_parts(parts, Full::new(body)))
