@@ -10,7 +10,8 @@
 //!
 //! `/metrics` answers in the Prometheus text format:
 //! `idempotency_requests_total{outcome="replayed"} 1`. The same outcome is also the
-//! `outcome` field of the `idempotency` tracing span (run with `RUST_LOG=info`).
+//! `outcome` field of the `idempotency` tracing span, which this example logs as each
+//! request's span closes.
 
 use std::{
     collections::BTreeMap,
@@ -62,7 +63,9 @@ async fn create_order() -> &'static str {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Each request's `idempotency` span is logged when it closes, with its `outcome`.
     tracing_subscriber::fmt()
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
