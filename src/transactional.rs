@@ -190,7 +190,8 @@ mod extract {
     /// saw no key in the request (`400 key-missing`), or the request was guarded in
     /// lease mode, or not at all (`500 handler-failed`: the route needs
     /// [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional) in
-    /// front of it, and the client is not to blame, nor is the answer stored).
+    /// front of it, and the client is not to blame; behind a lease-mode layer the answer
+    /// is stored only under a storage policy that keeps 5xx, which the default does not).
     #[derive(Debug, Clone, Copy)]
     pub struct MissingTransaction {
         miswired: bool,
