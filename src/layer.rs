@@ -324,7 +324,8 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The request headers included in the fingerprint (default `Content-Type`).
+    /// The request headers included in the fingerprint (default `Content-Type`). The list
+    /// replaces the default: name `Content-Type` too to keep it.
     #[must_use]
     pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config().fingerprinter = Fingerprinter::Sha256 {
@@ -357,6 +358,17 @@ impl IdempotencyLayer {
 
     /// Response headers never stored, so never replayed (default `Set-Cookie`: a session
     /// cookie belongs to the response that created it, not to every retry).
+    ///
+    /// The list replaces the default: name `Set-Cookie` too, or cookies are stored and
+    /// handed to whoever retries with the key.
+    ///
+    /// ```
+    /// use http::{HeaderName, header::SET_COOKIE};
+    /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .unreplayed_headers([SET_COOKIE, HeaderName::from_static("x-request-id")]);
+    /// ```
     #[must_use]
     pub fn unreplayed_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config().unreplayed_headers = headers.into_iter().collect();
