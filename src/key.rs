@@ -70,7 +70,7 @@ impl fmt::Display for KeyError {
             ),
             Self::InvalidCharacter { at } => write!(
                 f,
-                "the Idempotency-Key has an invalid character at byte {at}; only visible ASCII is allowed"
+                "the Idempotency-Key has an invalid character at byte {at}; only visible ASCII is allowed, and a double quote only around a quoted key"
             ),
             Self::UnterminatedString => {
                 f.write_str("the quoted Idempotency-Key has no closing quote")
