@@ -294,6 +294,59 @@ async fn migrations_run_concurrently_where_transactions_default_to_serializable(
     migrations_run_concurrently_at(&common::serializable_url()).await;
 }
 
+/// A role or database may set short timeouts for every statement; replicas still wait
+/// for each other's migrations as long as they take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrations_run_concurrently_where_statements_time_out_quickly() {
+    let url = common::url_with_options("-c%20lock_timeout%3D100%20-c%20statement_timeout%3D100");
+    migrations_run_concurrently_at(&url).await;
+}
+
+/// Once migrated (by an owner role, say), `migrate` needs no privilege to create
+/// anything: an app role that may only read and write the table can call it at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_migrated_table_migrates_for_a_role_that_may_not_create_anything() {
+    let schema = TestSchema::new();
+    schema.store().await;
+    let role = common::TestRole::new().await;
+    let (s, r) = (&schema.name, &role.name);
+    role.run(&format!(
+        "GRANT USAGE ON SCHEMA \"{s}\" TO \"{r}\";
+         GRANT SELECT, INSERT, UPDATE, DELETE ON \"{s}\".idempotency_keys TO \"{r}\";
+         GRANT SELECT ON \"{s}\".idempotency_keys_migrations TO \"{r}\";"
+    ))
+    .await;
+    let app = schema.unmigrated_store_at(&common::url_as(r));
+    app.migrate().await.expect("migrate as the app's role");
+    let (router, counter) = common::app(IdempotencyLayer::new(app));
+    assert_eq!(send(&router, post("k", "{}")).await.status, 201);
+    assert_eq!(
+        send(&router, post("k", "{}")).await.outcome,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(counter.runs(), 1);
+}
+
+/// A table dropped by hand, its record of migrations left behind: `migrate` says so,
+/// rather than succeeding over a table that is not there.
+#[tokio::test]
+async fn a_table_dropped_by_hand_is_named_by_migrate() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    schema
+        .query(&format!("DROP TABLE \"{}\".idempotency_keys", schema.name))
+        .await;
+    let e = store
+        .migrate()
+        .await
+        .expect_err("migrated over a missing table");
+    assert_eq!(
+        e.kind(),
+        tower_idempotency::store::StoreErrorKind::Misconfigured
+    );
+    assert!(e.to_string().contains("dropped by hand"), "{e}");
+}
+
 /// Eight stores, each with its pool on `url`, migrate one fresh schema at once: all
 /// eight are held at the migration lock, then let go together.
 async fn migrations_run_concurrently_at(url: &str) {
@@ -323,6 +376,8 @@ async fn migrations_run_concurrently_at(url: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(waiters, 8, "not every migration reached the lock");
+    // Held past any short timeout of the connections' own.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     gate.batch_execute("COMMIT").await.expect("commit");
     let results = migrating.await.expect("join");
     for r in results {

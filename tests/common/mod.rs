@@ -54,12 +54,83 @@ pub fn serializable_url() -> String {
     url_with_default_isolation("serializable")
 }
 
+/// `DATABASE_URL` with `options` (URL-encoded `-c name=value` settings) for its
+/// connections.
+pub fn url_with_options(options: &str) -> String {
+    let url = database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}options={options}")
+}
+
+/// `DATABASE_URL` as `user` (no password: for a role of the test's own on a server that
+/// trusts local connections).
+#[allow(dead_code)] // not every test binary uses it
+pub fn url_as(user: &str) -> String {
+    let url = database_url();
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}@{host}")
+}
+
+/// A login role of its own for one test, dropped (with its privileges) when the test
+/// ends, whether it passed or panicked.
+#[allow(dead_code)] // not every test binary uses it
+pub struct TestRole {
+    pub name: String,
+}
+
+#[allow(dead_code)]
+impl TestRole {
+    pub async fn new() -> Self {
+        let role = Self {
+            name: unique_name("ti_role"),
+        };
+        role.run(&format!("CREATE ROLE \"{}\" LOGIN", role.name))
+            .await;
+        role
+    }
+
+    /// Runs `sql` as the server's superuser (grants, say).
+    pub async fn run(&self, sql: &str) {
+        let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(conn);
+        client.batch_execute(sql).await.expect("as the superuser");
+    }
+}
+
+impl Drop for TestRole {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let sql = format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{name}';
+             DROP OWNED BY \"{name}\";
+             DROP ROLE \"{name}\""
+        );
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let (client, conn) =
+                    tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
+                tokio::spawn(conn);
+                client.batch_execute(&sql).await
+            })
+        })
+        .join();
+        if !matches!(done, Ok(Ok(()))) {
+            eprintln!("could not drop test role {}: {done:?}", self.name);
+        }
+    }
+}
+
 /// `DATABASE_URL` with connections whose transactions default to `level`
 /// (`serializable`, or `repeatable%5C%20read`: a space in `options` is escaped).
 pub fn url_with_default_isolation(level: &str) -> String {
-    let url = database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}options=-c%20default_transaction_isolation%3D{level}")
+    url_with_options(&format!("-c%20default_transaction_isolation%3D{level}"))
 }
 
 /// Takes the server's certificate whoever signed it and whatever name it carries (the

@@ -887,7 +887,9 @@ impl PostgresStore {
     ///
     /// Safe to run from several processes at once: migrations are serialised by a
     /// transaction-scoped advisory lock, in a read committed transaction whatever the
-    /// database's default isolation, and recorded in `<table>_migrations`.
+    /// database's default isolation and timeouts, and recorded in `<table>_migrations`.
+    /// Once everything is applied it only reads that record, so a role that may not
+    /// create objects can run it (docs/postgres.md lists the grants).
     ///
     /// A migration that must lock the table waits at most 1 s for it (`lock_timeout`),
     /// well within the claims' store timeout, and is tried three times, a second or two
@@ -925,9 +927,44 @@ impl PostgresStore {
         }
     }
 
+    /// Whether the table exists and `<table>_migrations` records every migration: then
+    /// `migrate` has nothing to do, and needs no privilege beyond reading the record (an
+    /// app role that may not create objects, its tables made by an owner role).
+    async fn migrated(
+        &self,
+        client: &impl deadpool_postgres::GenericClient,
+    ) -> Result<bool, StoreError> {
+        let found = client
+            .query_one(
+                "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
+                &[&self.sql.qualified, &self.sql.migrations_table],
+            )
+            .await
+            .map_err(classify)?;
+        let (table, record): (bool, bool) = (found.get(0), found.get(1));
+        if !(table && record) {
+            return Ok(false);
+        }
+        let applied = self.applied(client).await?;
+        Ok(MIGRATIONS.iter().all(|(v, _)| applied.contains(v)))
+    }
+
+    /// The versions `<table>_migrations` records.
+    async fn applied(
+        &self,
+        client: &impl deadpool_postgres::GenericClient,
+    ) -> Result<Vec<i32>, StoreError> {
+        let sql = format!("SELECT version FROM {}", self.sql.migrations_table);
+        let rows = client.query(&sql, &[]).await.map_err(classify)?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
     /// One attempt of [`migrate`](Self::migrate), in one transaction.
     async fn migrate_once(&self) -> Result<(), Migration> {
         let mut client = pooled(&self.pool).await?;
+        if self.migrated(&client).await? {
+            return Ok(());
+        }
         // Read committed whatever the database's default: a replica that waited on the
         // lock must see the versions the one before it applied. Under repeatable read or
         // serializable its snapshot, taken before the wait, would not, and it would apply
@@ -936,6 +973,11 @@ impl PostgresStore {
             .build_transaction()
             .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
             .start()
+            .await
+            .map_err(classify)?;
+        // A lock_timeout or statement_timeout of the role or database would end the wait
+        // for another replica's migrations, which may take as long as they take.
+        tx.batch_execute("SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0")
             .await
             .map_err(classify)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
@@ -950,16 +992,26 @@ impl PostgresStore {
         ))
         .await
         .map_err(classify)?;
-        let applied: Vec<i32> = tx
-            .query(
-                &format!("SELECT version FROM {}", self.sql.migrations_table),
-                &[],
-            )
+        let applied = self.applied(&tx).await?;
+        // Recorded, but gone (dropped by hand): the migrations cannot be applied again
+        // over what they left (its function, say) without knowing what is left.
+        let table: bool = tx
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&self.sql.qualified])
             .await
             .map_err(classify)?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+            .get(0);
+        if !applied.is_empty() && !table {
+            return Err(Migration::Failed(StoreError::new(
+                StoreErrorKind::Misconfigured,
+                format!(
+                    "{} is missing, but {} records migrations {applied:?}: it was dropped by hand; drop {} too, and {} (its function), then run migrate() again to create them afresh",
+                    self.sql.qualified,
+                    self.sql.migrations_table,
+                    self.sql.migrations_table,
+                    self.sql.claim_function,
+                ),
+            )));
+        }
         // Set once the advisory lock is held, for the migrations alone: replicas wait
         // for each other's migrations as long as they take, but none waits long on the
         // table itself.
