@@ -275,9 +275,10 @@ pub struct StoreMetrics {
     pub notified_wakeups: u64,
     /// Waiters woken by the fallback timer (while the listener was not connected).
     pub timer_wakeups: u64,
-    /// Claims dealt to shared connections
+    /// Claims given a shared connection
     /// ([`with_shared_claim_connections`](PostgresStore::with_shared_claim_connections)),
-    /// those that then failed or were cancelled included.
+    /// those that then failed or were cancelled included; not those sent to a pooled
+    /// connection because the shared ones were full or could not be opened.
     pub shared_claims: u64,
     /// Of those, claims that met a row lock there and ran again on a pooled connection.
     pub shared_claims_moved: u64,
@@ -1052,8 +1053,10 @@ impl PostgresStore {
     /// Deletes up to `batch` expired records; returns how many. Run it in a loop (or on
     /// a timer) until it returns less than `batch`. Rows locked by a concurrent purge are
     /// skipped, so several purgers never wait on each other; a row is deleted only if
-    /// it is still expired then. Runs again after a serialization failure.
+    /// it is still expired then. Runs again after a serialization failure. A `batch`
+    /// below 1 is taken as 1.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
+        let batch = batch.max(1);
         // Under repeatable read or serializable, locking a row changed since the
         // statement's snapshot (a takeover of an expired key) fails: look again.
         self.execute_pooled(&self.sql.purge, &[&batch]).await

@@ -261,14 +261,13 @@ impl Shared {
             }
         };
         let queued = Queued::new(slot);
-        self.claims.fetch_add(1, Ordering::Relaxed);
         if let Some(client) = slot.open() {
-            return Ok(Some(SharedClient::dealt(queued, client)));
+            return Ok(Some(self.dealt(queued, client)));
         }
         let failures = slot.failures.load(Ordering::Relaxed);
         let _connecting = slot.connecting.lock().await;
         if let Some(client) = slot.open() {
-            return Ok(Some(SharedClient::dealt(queued, client)));
+            return Ok(Some(self.dealt(queued, client)));
         }
         if slot.failures.load(Ordering::Relaxed) != failures {
             return Ok(None);
@@ -281,7 +280,13 @@ impl Shared {
             None => return Ok(None),
         };
         *slot.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(client.clone());
-        Ok(Some(SharedClient::dealt(queued, client)))
+        Ok(Some(self.dealt(queued, client)))
+    }
+
+    /// `client` for the claim `queued`, counted among the shared claims.
+    fn dealt<'a>(&self, queued: Queued<'a>, client: Arc<Connection>) -> SharedClient<'a> {
+        self.claims.fetch_add(1, Ordering::Relaxed);
+        SharedClient::dealt(queued, client)
     }
 
     /// Forgets `client` after it lost its connection or stopped answering (`STALLED`):
@@ -497,6 +502,7 @@ mod tests {
         let to_the_pool = claims.iter().filter(|c| matches!(c, Ok(None))).count();
         assert_eq!((failed, to_the_pool), (1, 3));
         assert_eq!(in_flight(&shared), [0]);
+        assert_eq!(shared.claims(), 0, "no claim was given a shared connection");
     }
 
     #[tokio::test]
