@@ -446,6 +446,22 @@ async fn purge_deletes_expired_records_in_batches() {
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);
 }
 
+/// A waiter woken with every other when the listener connects was woken by no
+/// notification, and is not counted as one.
+#[tokio::test]
+async fn a_waiter_woken_by_the_listener_connecting_is_not_counted_as_notified() {
+    use tower_idempotency::{Scope, store::Store};
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    assert!(!store.is_listening());
+    // The first waiter starts the listener, and is woken when it connects (or by the
+    // fallback timer, if that comes first).
+    store.changed(&Scope::new("s"), "k").await;
+    store.listen().await.expect("listens");
+    let metrics = store.metrics();
+    assert_eq!(metrics.notified_wakeups, 0, "{metrics:?}");
+}
+
 /// `a_duplicate_waits_on_another_replica` for a 3 s request, the duplicate woken by the
 /// completion's notification (received, and counted as the wake-up); `b`'s counters
 /// before and after.

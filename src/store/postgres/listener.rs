@@ -64,6 +64,9 @@ pub(super) struct Listener {
     pub(super) notifications: AtomicU64,
     pub(super) notified_wakeups: AtomicU64,
     pub(super) timer_wakeups: AtomicU64,
+    /// How many times every waiter was woken at once (the listener connected or lost
+    /// its connection): a waiter woken so was not woken by a notification.
+    wake_alls: AtomicU64,
 }
 
 impl Drop for Listener {
@@ -92,7 +95,14 @@ impl Listener {
             notifications: AtomicU64::new(0),
             notified_wakeups: AtomicU64::new(0),
             timer_wakeups: AtomicU64::new(0),
+            wake_alls: AtomicU64::new(0),
         }
+    }
+
+    /// Wakes every waiter, to look again: nothing was heard of their keys.
+    fn wake_everyone(&self) {
+        self.wake_alls.fetch_add(1, Ordering::SeqCst);
+        self.waiters.wake_all();
     }
 
     pub(super) fn channel(&self) -> &str {
@@ -145,20 +155,24 @@ impl Listener {
     /// first polled.
     pub(super) fn changed(self: &Arc<Self>, id: String) -> BoxFuture<'static, ()> {
         self.ensure_started();
+        let wake_alls = self.wake_alls.load(Ordering::SeqCst);
         let notified = self.waiters.wait(id);
         let me = self.clone();
         let connected = self.is_connected();
+        let woken = move |me: &Listener| {
+            if me.wake_alls.load(Ordering::SeqCst) == wake_alls {
+                me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+        };
         Box::pin(async move {
             if connected {
                 notified.await;
-                me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
+                woken(&me);
                 return;
             }
             // No listener yet (or it is reconnecting): look again now and then.
             tokio::select! {
-                () = notified => {
-                    me.notified_wakeups.fetch_add(1, Ordering::Relaxed);
-                }
+                () = notified => woken(&me),
                 () = tokio::time::sleep(FALLBACK_RECHECK) => {
                     me.timer_wakeups.fetch_add(1, Ordering::Relaxed);
                 }
@@ -177,7 +191,7 @@ impl Drop for Stopped {
     fn drop(&mut self) {
         if let Some(me) = self.0.upgrade() {
             me.connected.send_replace(false);
-            me.waiters.wake_all();
+            me.wake_everyone();
         }
     }
 }
@@ -239,7 +253,7 @@ async fn listen(
                                     me.connected.send_replace(true);
                                     backoff = Duration::from_millis(100);
                                     // Anything may have completed while we were away.
-                                    me.waiters.wake_all();
+                                    me.wake_everyone();
                                 }
                             }
                         }
@@ -299,7 +313,7 @@ async fn listen(
                 }
                 if let Some(me) = me.upgrade() {
                     me.connected.send_replace(false);
-                    me.waiters.wake_all();
+                    me.wake_everyone();
                 }
             }
             Err(e) => tracing::warn!(error = %e, "the idempotency listener cannot connect"),

@@ -271,7 +271,8 @@ pub struct StoreMetrics {
     pub statements: u64,
     /// Notifications received on the `LISTEN` connection.
     pub notifications: u64,
-    /// Waiters woken by a notification.
+    /// Waiters woken by a notification (not those woken, with every other, by the
+    /// listener connecting or losing its connection).
     pub notified_wakeups: u64,
     /// Waiters woken by the fallback timer (while the listener was not connected).
     pub timer_wakeups: u64,
