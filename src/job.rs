@@ -102,7 +102,8 @@ pub enum JobError<E> {
     /// The work returned an error.
     Failed(E),
     /// The work panicked (its future, or the function that makes it), or the store did
-    /// while it renewed the lease or stored the result; the key was released, so a
+    /// while it renewed the lease (the work is then stopped at its next `.await`) or
+    /// made its first attempt to store the result; the key was released, so a
     /// redelivery runs it again.
     Panicked,
     /// The key was already used with a different input.
@@ -243,7 +244,8 @@ impl JobRunner {
     /// when the work ends, and a redelivery runs it anew, so a work that always outlasts
     /// its caller's timeout never completes there. Nothing bounds the work itself: a
     /// work that hangs is renewed, and holds its key, for as long as it hangs; bound
-    /// the calls it makes.
+    /// the calls it makes. (A store that panics while it renews the lease stops the
+    /// work, as the layer drops its handler: see [`JobError::Panicked`].)
     ///
     /// The run, and what it leaves running, is in a `job` tracing span with the key.
     pub async fn run<F, Fut, E>(

@@ -440,7 +440,7 @@ async fn purge_deletes_expired_records_in_batches() {
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(store.purge_expired(3).await.unwrap(), 3);
-    // A batch below one is one: a loop "until fewer than the batch" still ends.
+    // A batch below one is one (0 deleted nothing; a negative batch failed).
     assert_eq!(store.purge_expired(0).await.unwrap(), 1);
     assert_eq!(store.purge_expired(-5).await.unwrap(), 1);
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);

@@ -1055,7 +1055,8 @@ impl PostgresStore {
     /// a timer) until it returns less than `batch`. Rows locked by a concurrent purge are
     /// skipped, so several purgers never wait on each other; a row is deleted only if
     /// it is still expired then. Runs again after a serialization failure. A `batch`
-    /// below 1 is taken as 1.
+    /// below 1 is taken as 1 (a loop over it then runs until it returns 0), where it
+    /// deleted nothing (0) or failed (a negative batch).
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let batch = batch.max(1);
         // Under repeatable read or serializable, locking a row changed since the
