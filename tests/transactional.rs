@@ -79,6 +79,21 @@ async fn create(
     (status, format!("{{\"run\":{run}}}")).into_response()
 }
 
+/// Counts a run and writes its row into the ledger, in the request's transaction.
+async fn write_a_row(app: &App, key: &IdempotencyKey, tx: &TransactionHandle) -> usize {
+    let run = app.counter.count_run();
+    let client = tx.client().await.expect("transaction");
+    let insert = format!(
+        "INSERT INTO {} (key, run, body) VALUES ($1, $2, '')",
+        app.table
+    );
+    client
+        .execute(&insert, &[&key.as_str(), &(run as i32)])
+        .await
+        .unwrap();
+    run
+}
+
 async fn setup(schema: &TestSchema, store: &PostgresStore) -> String {
     let table = format!("\"{}\".ledger", schema.name);
     store
@@ -649,16 +664,7 @@ async fn a_response_body_that_breaks_off_rolls_back_the_handler_s_writes() {
     let store = schema.store().await;
     let table = setup(&schema, &store).await;
     let handler = |State(app): State<App>, key: IdempotencyKey, tx: TransactionHandle| async move {
-        let run = app.counter.count_run();
-        let client = tx.client().await.expect("transaction");
-        let insert = format!(
-            "INSERT INTO {} (key, run, body) VALUES ($1, $2, '')",
-            app.table
-        );
-        client
-            .execute(&insert, &[&key.as_str(), &(run as i32)])
-            .await
-            .unwrap();
+        let run = write_a_row(&app, &key, &tx).await;
         let body = if run == 1 {
             Body::new(common::BreaksOff::default())
         } else {
@@ -696,16 +702,7 @@ async fn a_response_body_that_never_ends_commits_as_not_stored() {
     let layer =
         IdempotencyLayer::transactional(store).response_body_timeout(Duration::from_millis(300));
     let handler = |State(app): State<App>, key: IdempotencyKey, tx: TransactionHandle| async move {
-        let run = app.counter.count_run();
-        let client = tx.client().await.expect("transaction");
-        let insert = format!(
-            "INSERT INTO {} (key, run, body) VALUES ($1, $2, '')",
-            app.table
-        );
-        client
-            .execute(&insert, &[&key.as_str(), &(run as i32)])
-            .await
-            .unwrap();
+        write_a_row(&app, &key, &tx).await;
         Response::new(Body::new(common::Trickle {
             left: None,
             every: Duration::from_millis(20),

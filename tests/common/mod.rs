@@ -102,27 +102,14 @@ impl TestRole {
 
 impl Drop for TestRole {
     fn drop(&mut self) {
-        let name = self.name.clone();
+        let name = &self.name;
         let sql = format!(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{name}';
              DROP OWNED BY \"{name}\";
              DROP ROLE \"{name}\""
         );
-        let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let (client, conn) =
-                    tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
-                tokio::spawn(conn);
-                client.batch_execute(&sql).await
-            })
-        })
-        .join();
-        if !matches!(done, Ok(Ok(()))) {
-            eprintln!("could not drop test role {}: {done:?}", self.name);
+        if let Err(e) = run_from_drop(sql) {
+            eprintln!("could not drop test role {name}: {e}");
         }
     }
 }
@@ -245,6 +232,28 @@ pub fn drop_schema_sql(name: &str) -> String {
     )
 }
 
+/// Runs `sql` on a connection of its own, on a thread and runtime of its own: for a
+/// `Drop`, which may run inside an async test.
+fn run_from_drop(sql: String) -> Result<(), String> {
+    let done = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let (client, conn) =
+                tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            client.batch_execute(&sql).await
+        })
+    })
+    .join();
+    match done {
+        Ok(Ok(())) => Ok(()),
+        other => Err(format!("{other:?}")),
+    }
+}
+
 /// A schema of its own for one test, dropped (with everything in it) when the test
 /// ends, whether it passed or panicked.
 pub struct TestSchema {
@@ -345,23 +354,8 @@ impl TestSchema {
 
 impl Drop for TestSchema {
     fn drop(&mut self) {
-        let sql = drop_schema_sql(&self.name);
-        // Runs on a thread of its own: Drop may run inside an async test.
-        let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let (client, conn) =
-                    tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
-                tokio::spawn(conn);
-                client.batch_execute(&sql).await
-            })
-        })
-        .join();
-        if !matches!(done, Ok(Ok(()))) {
-            eprintln!("could not drop test schema {}: {done:?}", self.name);
+        if let Err(e) = run_from_drop(drop_schema_sql(&self.name)) {
+            eprintln!("could not drop test schema {}: {e}", self.name);
         }
     }
 }

@@ -654,23 +654,37 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn a_duplicate_can_wait_for_the_running_request_and_replay_it() {
-                let (_layer, store, _g) = layer().await;
+            /// A request on `k` with `headers`, held, and its duplicate, sent with
+            /// `wait_for_running`: the first is let go once the duplicate waits for it.
+            /// The first's answer, the duplicate's, the counter, and the store's guard.
+            async fn a_duplicate_waits_for(
+                headers: &[(&str, &str)],
+            ) -> (
+                $crate::common::Reply,
+                $crate::common::Reply,
+                $crate::common::Counter,
+                impl Sized,
+            ) {
+                let (_layer, store, guard) = layer().await;
                 let (store, counts) = AlteredCompletions::counting(store);
                 let layer = IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(30));
                 let (router, counter) = app(layer);
-                let held = post_with_headers("k", &[("x-held", "1")]);
-                let first = in_flight(&router, held, &counter).await;
+                let mut held = vec![("x-held", "1")];
+                held.extend_from_slice(headers);
+                let first = in_flight(&router, post_with_headers("k", &held), &counter).await;
                 let waiter = tokio::spawn({
                     let router = router.clone();
                     async move { send(&router, post("k", "{}")).await }
                 });
-                // The first finishes only once the duplicate waits for it.
                 eventually(|| counts.registrations() >= 1).await;
                 counter.let_go(1);
                 let waited = waiter.await.unwrap();
-                let first = first.await.unwrap();
+                (first.await.unwrap(), waited, counter, guard)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_duplicate_can_wait_for_the_running_request_and_replay_it() {
+                let (first, waited, counter, _g) = a_duplicate_waits_for(&[]).await;
                 assert_eq!(waited.status, 201);
                 assert_eq!(waited.outcome, Some(Outcome::Replayed));
                 assert_eq!(waited.body, first.body);
@@ -679,22 +693,10 @@ macro_rules! layer_suite {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_waiting_duplicate_runs_the_handler_when_the_first_fails() {
-                let (_layer, store, _g) = layer().await;
-                let (store, counts) = AlteredCompletions::counting(store);
-                let layer = IdempotencyLayer::new(store).wait_for_running(Duration::from_secs(30));
-                let (router, counter) = app(layer);
-                let failing = post_with_headers("k", &[("x-held", "1"), ("x-status", "503")]);
-                let first = in_flight(&router, failing, &counter).await;
-                let waiter = tokio::spawn({
-                    let router = router.clone();
-                    async move { send(&router, post("k", "{}")).await }
-                });
-                // The first fails only once the duplicate waits for it. Released, not
-                // completed: the waiter claims the key and runs.
-                eventually(|| counts.registrations() >= 1).await;
-                counter.let_go(1);
-                let waited = waiter.await.unwrap();
-                assert_eq!(first.await.unwrap().status, 503);
+                // Released, not completed: the waiter claims the key and runs.
+                let (first, waited, counter, _g) =
+                    a_duplicate_waits_for(&[("x-status", "503")]).await;
+                assert_eq!(first.status, 503);
                 assert_eq!(waited.status, 201);
                 assert_eq!(waited.outcome, Some(Outcome::Executed));
                 assert_eq!(counter.runs(), 2);
