@@ -60,29 +60,31 @@ pub enum KeyError {
 
 impl fmt::Display for KeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.naming("Idempotency-Key"))
+    }
+}
+
+impl KeyError {
+    /// The error's message, naming the key's field `header` (the layer's
+    /// [`header_name`](crate::IdempotencyLayer::header_name)).
+    pub(crate) fn naming(&self, header: &str) -> String {
         match self {
-            Self::Missing => f.write_str("the Idempotency-Key header is required on this request"),
-            Self::Multiple => f.write_str("more than one Idempotency-Key field was sent"),
-            Self::Empty => f.write_str("the Idempotency-Key is empty"),
-            Self::TooLong { len } => write!(
-                f,
-                "the Idempotency-Key is {len} characters long; at most {MAX_KEY_LEN} are allowed"
-            ),
-            Self::InvalidCharacter { at } => write!(
-                f,
-                "the Idempotency-Key has an invalid character at byte {at}; only visible ASCII is allowed, and a double quote only around a quoted key"
-            ),
-            Self::UnterminatedString => {
-                f.write_str("the quoted Idempotency-Key has no closing quote")
+            Self::Missing => format!("the {header} header is required on this request"),
+            Self::Multiple => format!("more than one {header} field was sent"),
+            Self::Empty => format!("the {header} is empty"),
+            Self::TooLong { len } => {
+                format!("the {header} is {len} characters long; at most {MAX_KEY_LEN} are allowed")
             }
-            Self::InvalidEscape { at } => write!(
-                f,
-                "the quoted Idempotency-Key has an invalid escape at byte {at}; only \\\" and \\\\ are allowed"
+            Self::InvalidCharacter { at } => format!(
+                "the {header} has an invalid character at byte {at}; only visible ASCII is allowed, and a double quote only around a quoted key"
             ),
-            Self::TrailingCharacters { at } => write!(
-                f,
-                "the Idempotency-Key has characters after its closing quote at byte {at}"
+            Self::UnterminatedString => format!("the quoted {header} has no closing quote"),
+            Self::InvalidEscape { at } => format!(
+                "the quoted {header} has an invalid escape at byte {at}; only \\\" and \\\\ are allowed"
             ),
+            Self::TrailingCharacters { at } => {
+                format!("the {header} has characters after its closing quote at byte {at}")
+            }
         }
     }
 }
@@ -271,9 +273,27 @@ pub(crate) struct Guarded {
 }
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried
-/// a key: the extractors tell a client without a key from a route no layer guards.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Unkeyed;
+/// a key (in the field this names): the extractors tell a client without a key from a
+/// route no layer guards.
+#[derive(Clone, Debug)]
+pub(crate) struct Unkeyed(pub(crate) http::HeaderName);
+
+impl Unkeyed {
+    /// The field, as the problem documents name it.
+    pub(crate) fn label(&self) -> &str {
+        header_label(&self.0)
+    }
+}
+
+/// The key's field as the problem documents name it: `Idempotency-Key` as the draft
+/// spells it, or the name the layer was given.
+pub(crate) fn header_label(header: &http::HeaderName) -> &str {
+    if *header == crate::IDEMPOTENCY_KEY {
+        "Idempotency-Key"
+    } else {
+        header.as_str()
+    }
+}
 
 #[cfg(feature = "axum")]
 mod extract {
@@ -291,23 +311,25 @@ mod extract {
     /// [`IdempotencyLayer`](crate::IdempotencyLayer) guarded the request (`500
     /// handler-failed`: the layer is not in front of the route, or does not guard its
     /// method; the client is not to blame).
-    #[derive(Debug, Clone, Copy)]
+    #[derive(Debug, Clone)]
     pub struct MissingIdempotencyKey {
-        unguarded: bool,
+        /// The field a layer looked for the key in; `None`: no layer guarded the request.
+        header: Option<String>,
     }
 
     impl IntoResponse for MissingIdempotencyKey {
         fn into_response(self) -> Response {
-            let res = if self.unguarded {
+            let res = if let Some(header) = &self.header {
+                Problem::KeyMissing.response(&format!(
+                    "this handler needs an {header}, and the request had none"
+                ))
+            } else {
                 tracing::error!(
                     "a handler that takes an IdempotencyKey got a request no IdempotencyLayer guarded; is the layer in front of the route, for its method?"
                 );
                 Problem::HandlerFailed.response(
                     "this handler needs its request guarded by the idempotency layer, and none guarded it; nothing was processed",
                 )
-            } else {
-                Problem::KeyMissing
-                    .response("this handler needs an Idempotency-Key, and the request had none")
             };
             let (parts, body) = res.into_parts();
             Response::from_parts(parts, axum_core::body::Body::from(body))
@@ -323,7 +345,10 @@ mod extract {
                 .get::<IdempotencyKey>()
                 .cloned()
                 .ok_or(MissingIdempotencyKey {
-                    unguarded: parts.extensions.get::<super::Unkeyed>().is_none(),
+                    header: parts
+                        .extensions
+                        .get::<super::Unkeyed>()
+                        .map(|u| u.label().to_owned()),
                 })
         }
     }

@@ -204,13 +204,18 @@ where
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !config.require_key => {
-                req.extensions_mut().insert(crate::key::Unkeyed);
+                req.extensions_mut()
+                    .insert(crate::key::Unkeyed(config.header.clone()));
                 return pass_through(self.inner.call(req));
             }
             Ok(None) => {
-                return answered(reject(Problem::KeyMissing, &KeyError::Missing.to_string()));
+                let detail = KeyError::Missing.naming(crate::key::header_label(&config.header));
+                return answered(reject(Problem::KeyMissing, &detail));
             }
-            Err(e) => return answered(reject(Problem::KeyMalformed, &e.to_string())),
+            Err(e) => {
+                let detail = e.naming(crate::key::header_label(&config.header));
+                return answered(reject(Problem::KeyMalformed, &detail));
+            }
         };
         // So is one an outer layer guards already under this key (a copy of it too):
         // guarded again, it would find its own claim running and answer 409, which the

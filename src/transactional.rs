@@ -192,23 +192,24 @@ mod extract {
     /// [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional) in
     /// front of it, and the client is not to blame; behind a lease-mode layer the answer
     /// is stored only under a storage policy that keeps 5xx, which the default does not).
-    #[derive(Debug, Clone, Copy)]
+    #[derive(Debug, Clone)]
     pub struct MissingTransaction {
-        miswired: bool,
+        /// The field a layer looked for the key in; `None`: the app's wiring is wrong.
+        header: Option<String>,
     }
 
     impl IntoResponse for MissingTransaction {
         fn into_response(self) -> Response {
-            let res = if self.miswired {
+            let res = if let Some(header) = &self.header {
+                Problem::KeyMissing.response(&format!(
+                    "this handler runs in the request's idempotency transaction, and the request had no {header}"
+                ))
+            } else {
                 tracing::error!(
                     "a handler that takes a TransactionHandle got a request that no IdempotencyLayer::transactional guarded; is one in front of the route, for its method?"
                 );
                 Problem::HandlerFailed.response(
                     "this handler runs in an idempotency transaction, and none was opened for the request; nothing was processed",
-                )
-            } else {
-                Problem::KeyMissing.response(
-                    "this handler runs in the request's idempotency transaction, and the request had no Idempotency-Key",
                 )
             };
             let (parts, body) = res.into_parts();
@@ -227,7 +228,10 @@ mod extract {
                 .ok_or(MissingTransaction {
                     // A layer saw no key, and so opened no transaction: the client's
                     // doing. Anything else is the app's wiring.
-                    miswired: parts.extensions.get::<crate::key::Unkeyed>().is_none(),
+                    header: parts
+                        .extensions
+                        .get::<crate::key::Unkeyed>()
+                        .map(|u| u.label().to_owned()),
                 })
         }
     }

@@ -784,9 +784,38 @@ mod extractors {
         let r = send(&router, keyed("POST", "idempotency-key")).await;
         assert_eq!(r.status, 400);
         assert_eq!(r.problem(), "key-missing");
+        // The answer names the field the client must send.
+        let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
+        assert!(detail.contains("x-request-id"), "{detail}");
         let r = send(&router, keyed("POST", "x-request-id")).await;
         assert_eq!(r.status, 200);
         assert_eq!(r.body, "k");
+    }
+
+    /// A layer that requires its key in another field names that field when the key is
+    /// missing or malformed, not `Idempotency-Key`.
+    #[tokio::test]
+    async fn a_key_in_another_field_is_named_in_the_answer() {
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .header_name(HeaderName::from_static("x-request-id"))
+            .require_key(true);
+        let (router, _) = crate::common::app(layer);
+        let missing = send(&router, req("POST").body(Body::from("{}")).unwrap()).await;
+        let malformed = send(
+            &router,
+            req("POST")
+                .header("x-request-id", "a b")
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await;
+        for (r, problem) in [(missing, "key-missing"), (malformed, "key-malformed")] {
+            assert_eq!(r.status, 400);
+            assert_eq!(r.problem(), problem);
+            let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
+            assert!(detail.contains("x-request-id"), "{detail}");
+            assert!(!detail.contains("Idempotency-Key"), "{detail}");
+        }
     }
 }
 
