@@ -977,11 +977,15 @@ impl PostgresStore {
             .start()
             .await
             .map_err(classify)?;
-        // A lock_timeout or statement_timeout of the role or database would end the wait
-        // for another replica's migrations, which may take as long as they take.
-        tx.batch_execute("SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0")
-            .await
-            .map_err(classify)?;
+        // A lock_timeout, statement_timeout or (PostgreSQL 17) transaction_timeout of the
+        // role or database would end the wait for another replica's migrations, which
+        // may take as long as they take. Only the settings this server has are set.
+        tx.batch_execute(
+            "SELECT set_config(name, '0', true) FROM pg_settings
+             WHERE name IN ('lock_timeout', 'statement_timeout', 'transaction_timeout')",
+        )
+        .await
+        .map_err(classify)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
             .await
             .map_err(classify)?;
