@@ -273,16 +273,33 @@ pub(crate) struct Guarded {
 }
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried
-/// a key (in the field this names): the extractors tell a client without a key from a
-/// route no layer guards.
-#[derive(Clone, Debug)]
-pub(crate) struct Unkeyed(pub(crate) http::HeaderName);
+/// a key in `Idempotency-Key`: the extractors tell a client without a key from a route
+/// no layer guards. (A unit: it costs the request no allocation.)
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Unkeyed;
 
-impl Unkeyed {
-    /// The field, as the problem documents name it.
-    pub(crate) fn label(&self) -> &str {
-        header_label(&self.0)
+/// [`Unkeyed`], from a layer that reads its key from another field, named here.
+#[derive(Clone, Debug)]
+pub(crate) struct UnkeyedIn(pub(crate) http::HeaderName);
+
+/// Marks `extensions` as those of a request a layer reading the key from `header`
+/// would have guarded, had it carried one.
+pub(crate) fn mark_unkeyed(extensions: &mut http::Extensions, header: &http::HeaderName) {
+    if *header == crate::IDEMPOTENCY_KEY {
+        extensions.insert(Unkeyed);
+    } else {
+        extensions.insert(UnkeyedIn(header.clone()));
     }
+}
+
+/// The field a layer looked for the key in, if one saw the request without it.
+pub(crate) fn unkeyed_in(extensions: &http::Extensions) -> Option<String> {
+    if extensions.get::<Unkeyed>().is_some() {
+        return Some(header_label(&crate::IDEMPOTENCY_KEY).to_owned());
+    }
+    extensions
+        .get::<UnkeyedIn>()
+        .map(|u| header_label(&u.0).to_owned())
 }
 
 /// The key's field as the problem documents name it: `Idempotency-Key` as the draft
@@ -344,11 +361,8 @@ mod extract {
                 .extensions
                 .get::<IdempotencyKey>()
                 .cloned()
-                .ok_or(MissingIdempotencyKey {
-                    header: parts
-                        .extensions
-                        .get::<super::Unkeyed>()
-                        .map(|u| u.label().to_owned()),
+                .ok_or_else(|| MissingIdempotencyKey {
+                    header: super::unkeyed_in(&parts.extensions),
                 })
         }
     }

@@ -204,8 +204,7 @@ where
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !config.require_key => {
-                req.extensions_mut()
-                    .insert(crate::key::Unkeyed(config.header.clone()));
+                crate::key::mark_unkeyed(req.extensions_mut(), &config.header);
                 return pass_through(self.inner.call(req));
             }
             Ok(None) => {

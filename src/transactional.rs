@@ -225,13 +225,10 @@ mod extract {
                 .extensions
                 .get::<TransactionHandle>()
                 .cloned()
-                .ok_or(MissingTransaction {
+                .ok_or_else(|| MissingTransaction {
                     // A layer saw no key, and so opened no transaction: the client's
                     // doing. Anything else is the app's wiring.
-                    header: parts
-                        .extensions
-                        .get::<crate::key::Unkeyed>()
-                        .map(|u| u.label().to_owned()),
+                    header: crate::key::unkeyed_in(&parts.extensions),
                 })
         }
     }
