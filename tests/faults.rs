@@ -807,21 +807,28 @@ async fn waiters_still_replay_when_the_listen_connection_goes_silent() {
     // Then the connection goes silent, as a dropped one would: nothing it is sent
     // arrives, and nothing fails. The next heartbeat finds that out (by 15 s from now).
     proxy.stall(true);
+    // The waiter finds it running. Its notification is lost, and its lease is 60 s: a
+    // waiter that only woke when it lapsed would be too late.
+    replayed_without_a_notification(&router, &counter).await;
+    proxy.stall(false);
+}
+
+/// A 2 s request on `k`, and its duplicate, which waits for it (the layer's
+/// `wait_for_running`) with no notification to come: it replays well within its bound,
+/// and the handler ran once.
+async fn replayed_without_a_notification(router: &Router, counter: &common::Counter) {
     let first = in_flight(
-        &router,
+        router,
         post_with_headers("k", &[("x-delay-ms", "2000")]),
-        &counter,
+        counter,
     )
     .await;
-    // The waiter finds it running. Its notification is lost, and its lease is 60 s: a waiter that only woke when it
-    // lapsed would be too late.
-    let waited = tokio::time::timeout(Duration::from_secs(30), send(&router, post("k", "{}")))
+    let waited = tokio::time::timeout(Duration::from_secs(30), send(router, post("k", "{}")))
         .await
         .expect("the waiter still waits for a notification that cannot come");
     assert_eq!(waited.outcome, Some(Outcome::Replayed));
-    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(first.await.expect("the first request").status, 201);
     assert_eq!(counter.runs_of("k"), 1);
-    proxy.stall(false);
 }
 
 /// A migrated store on `schema` whose pool connects directly, and whose notifications
@@ -880,18 +887,7 @@ async fn a_listen_connection_that_hears_nothing_does_not_count_as_listening() {
         .lease_duration(Duration::from_secs(60))
         .wait_for_running(Duration::from_secs(600));
     let (router, counter) = app(layer);
-    let first = in_flight(
-        &router,
-        post_with_headers("k", &[("x-delay-ms", "2000")]),
-        &counter,
-    )
-    .await;
-    let waited = tokio::time::timeout(Duration::from_secs(30), send(&router, post("k", "{}")))
-        .await
-        .expect("the waiter still waits for a notification that cannot come");
-    assert_eq!(waited.outcome, Some(Outcome::Replayed));
-    assert_eq!(first.await.unwrap().status, 201);
-    assert_eq!(counter.runs_of("k"), 1);
+    replayed_without_a_notification(&router, &counter).await;
     let metrics = store.metrics();
     assert_eq!(metrics.notifications, 0, "{metrics:?}");
     assert!(metrics.timer_wakeups > 0, "{metrics:?}");
