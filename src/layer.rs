@@ -127,7 +127,7 @@ impl IdempotencyLayer {
                 wait: Duration::ZERO,
                 request_body_timeout: Duration::from_secs(30),
                 response_body_timeout: Duration::from_secs(30),
-                hash_keys_in_traces: false,
+                hash_keys_in_traces: true,
                 #[cfg(feature = "postgres")]
                 transactional: None,
                 #[cfg(feature = "postgres")]
@@ -252,11 +252,15 @@ impl IdempotencyLayer {
     }
 
     /// Whether the `idempotency` tracing span carries a hash of the key instead of the
-    /// key itself (default `false`: the key, as the client sent it). Turn it on when keys
-    /// may carry meaning (an order number, an email). The scope is always hashed. Events
-    /// (warnings, errors) never carry the key: they name the lease's fencing token,
-    /// inside that span.
-    #[must_use]
+    /// key itself (default `true`: the first 16 hex digits of its SHA-256, enough to
+    /// correlate a client's retries, not to recover the key).
+    ///
+    /// A key is a capability for its stored response: whoever presents it, in its
+    /// scope, gets the response replayed. With the usual `fmt` subscriber every event
+    /// in the request's span prints the span's fields, so a key in clear there ends up
+    /// in every log line of the request. Turn hashing off (`false`) only where logs are
+    /// as private as the responses, and keys carry no meaning of their own. The scope is
+    /// always hashed. Events (warnings, errors) never carry the key themselves.
     pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
         self.config().hash_keys_in_traces = hash;
         self

@@ -134,23 +134,79 @@ async fn every_guarded_request_has_a_span_with_its_outcome() {
     let seen = spans.0.lock().unwrap().clone();
     let outcomes: Vec<_> = seen.iter().map(|f| f["outcome"].as_str()).collect();
     assert_eq!(outcomes, ["executed", "replayed", "mismatch"]);
-    assert!(seen.iter().all(|f| f["key"] == "order-42"));
+    // The key is hashed by default: the same hash on each of its requests.
+    assert!(seen.iter().all(|f| f["key"].len() == 16 && f["key"] == seen[0]["key"]));
+    assert!(seen.iter().all(|f| !f["key"].contains("order-42")));
     // The scope is recorded as a hash, never as the principal itself.
     assert!(seen.iter().all(|f| f["scope"].len() == 16));
 }
 
 #[tokio::test]
-async fn keys_can_be_hashed_in_traces() {
+async fn keys_are_in_traces_in_clear_only_when_asked() {
     let spans = Spans::default();
     let _guard = tracing_subscriber::registry()
         .with(spans.clone())
         .set_default();
-    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()).hash_keys_in_traces(true));
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()));
     send(&router, post("alice@example.com", "{}")).await;
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()).hash_keys_in_traces(false));
+    send(&router, post("bob@example.com", "{}")).await;
     let seen = spans.0.lock().unwrap().clone();
-    assert_eq!(seen.len(), 1);
+    assert_eq!(seen.len(), 2);
     assert_ne!(seen[0]["key"], "alice@example.com");
     assert_eq!(seen[0]["key"].len(), 16);
+    assert_eq!(seen[1]["key"], "bob@example.com");
+}
+
+/// What the usual `fmt` subscriber prints while a guarded request logs an event of its
+/// own, on a layer built by `layer`.
+async fn printed_by_fmt(layer: IdempotencyLayer, key: &str) -> String {
+    use axum::{Router, routing::post as route_post};
+    let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let sink = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || Sink(sink.clone()))
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let router = Router::new()
+        .route(
+            "/payments",
+            route_post(|| async {
+                tracing::info!("charging the card");
+                "charged"
+            }),
+        )
+        .layer(layer);
+    assert_eq!(send(&router, post(key, "{}")).await.status, 200);
+    let printed = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+    assert!(printed.contains("charging the card"), "{printed}");
+    printed
+}
+
+/// A writer into a shared buffer, for the `fmt` subscriber.
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn the_default_fmt_output_never_prints_the_key() {
+    let key = "order-7f3a9c2e-secret";
+    let printed = printed_by_fmt(IdempotencyLayer::new(MemoryStore::new()), key).await;
+    assert!(!printed.contains(key), "the key in clear in the logs: {printed}");
+    assert!(printed.contains("idempotency{key="), "{printed}");
+    // Asked for, it is printed as sent.
+    let layer = IdempotencyLayer::new(MemoryStore::new()).hash_keys_in_traces(false);
+    let printed = printed_by_fmt(layer, key).await;
+    assert!(printed.contains(key), "{printed}");
 }
 
 #[tokio::test]
@@ -160,7 +216,6 @@ async fn a_hashed_key_is_in_no_event_either() {
     // more lease with an error.
     let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
     let layer = IdempotencyLayer::new(store)
-        .hash_keys_in_traces(true)
         .lease_duration(std::time::Duration::from_millis(100));
     let (router, _) = app(layer);
     assert_eq!(
