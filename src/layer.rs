@@ -83,6 +83,7 @@ pub(crate) struct Config {
     pub(crate) unreplayed_headers: Arc<[HeaderName]>,
     pub(crate) shutdown: ShutdownHandle,
     pub(crate) wait: Duration,
+    pub(crate) in_progress_retry_after: Duration,
     pub(crate) request_body_timeout: Duration,
     pub(crate) response_body_timeout: Duration,
     pub(crate) hash_keys_in_traces: bool,
@@ -125,6 +126,7 @@ impl IdempotencyLayer {
                 unreplayed_headers: Arc::from([header::SET_COOKIE]),
                 shutdown: ShutdownHandle::default(),
                 wait: Duration::ZERO,
+                in_progress_retry_after: Duration::from_secs(1),
                 request_body_timeout: Duration::from_secs(30),
                 response_body_timeout: Duration::from_secs(30),
                 hash_keys_in_traces: true,
@@ -222,6 +224,23 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn wait_for_running(mut self, bound: Duration) -> Self {
         self.config().wait = bound.min(TEN_YEARS);
+        self
+    }
+
+    /// The `Retry-After` a duplicate of a running request is told with its
+    /// `409 in-progress` (default 1 s; at most 10 years): the time after which the
+    /// client should look again. It is never more than what is left of the running
+    /// request's lease (in whole seconds, rounded up, at least 1): a holder that
+    /// crashed frees its key then.
+    ///
+    /// Most handlers finish in well under a second, so a hint of the whole lease (30 s
+    /// by default) would keep a well-behaved client waiting long after the response
+    /// was stored. Raise it for routes whose handlers take longer, so that clients do
+    /// not poll; or let duplicates wait for the result instead
+    /// ([`wait_for_running`](Self::wait_for_running)).
+    #[must_use]
+    pub fn in_progress_retry_after(mut self, hint: Duration) -> Self {
+        self.config().in_progress_retry_after = hint.min(TEN_YEARS);
         self
     }
 

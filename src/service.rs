@@ -540,7 +540,7 @@ async fn claim<B>(
                 // Registering and waiting hold nothing: a client that goes now takes the
                 // request along, and one that has gone already is not waited for.
                 if !handoff.let_go() {
-                    return Err(in_progress(retry_after));
+                    return Err(in_progress(retry_after.min(config.in_progress_retry_after)));
                 }
                 let registered = tokio::time::timeout(
                     config.store_timeout,
@@ -573,7 +573,9 @@ async fn claim<B>(
                 }
                 continue;
             }
-            Ok(Ok(claim)) => return settle(claim, request.fingerprint),
+            Ok(Ok(claim)) => {
+                return settle(claim, request.fingerprint, config.in_progress_retry_after);
+            }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "claim failed; the handler was not run");
                 return Err(unavailable());
@@ -587,12 +589,15 @@ async fn claim<B>(
 }
 
 /// The lease when the claim is ours to run; otherwise the answer: 422 for another
-/// request's key, the replay, or 409 while it runs. Both modes answer through here.
+/// request's key, the replay, or 409 while it runs, telling the client to retry after
+/// `retry_hint`, or sooner if the running request's lease lapses sooner. Both modes
+/// answer through here.
 // The `Err` is the response itself, returned to the client at once, not an error to box.
 #[allow(clippy::result_large_err)]
 pub(crate) fn settle<B>(
     claim: Claim,
     fingerprint: crate::Fingerprint,
+    retry_hint: Duration,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     match claim {
         Claim::Acquired(lease) => Ok(lease),
@@ -602,7 +607,7 @@ pub(crate) fn settle<B>(
             Err(mismatch())
         }
         Claim::Completed { response, .. } => Err(replay(response)),
-        Claim::Running { retry_after, .. } => Err(in_progress(retry_after)),
+        Claim::Running { retry_after, .. } => Err(in_progress(retry_after.min(retry_hint))),
     }
 }
 

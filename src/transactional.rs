@@ -570,12 +570,12 @@ where
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
-            return Ok(settle(found, request.fingerprint)
+            return Ok(settle(found, request.fingerprint, config.in_progress_retry_after)
                 .err()
                 .unwrap_or_else(unavailable));
         }
         Opened::Unavailable => return Ok(unavailable()),
-        Opened::Busy => return Ok(in_progress(Duration::from_secs(1))),
+        Opened::Busy => return Ok(in_progress(config.in_progress_retry_after)),
     };
 
     let (handle, slot) = TransactionHandle::holding(conn);

@@ -109,20 +109,26 @@ macro_rules! layer_suite {
             #[tokio::test]
             async fn a_duplicate_in_flight_gets_409_with_retry_after() {
                 let (layer, _store, _g) = layer().await;
-                let (router, counter) = app(layer.lease_duration(Duration::from_secs(60)));
+                let layer = layer.lease_duration(Duration::from_secs(60));
+                let (router, counter) = app(layer.clone());
                 let held = post_with_headers("k", &[("x-held", "1")]);
                 let first = in_flight(&router, held, &counter).await;
                 let dup = send(&router, post("k", "{}")).await;
                 assert_eq!(dup.status, 409);
                 assert_eq!(dup.problem(), "in-progress");
                 assert_eq!(dup.outcome, Some(Outcome::Conflict));
-                let retry_after: u64 = dup
-                    .header("retry-after")
-                    .expect("retry-after")
-                    .parse()
-                    .unwrap();
-                // What is left of the holder's 60 s lease (renewed every 20 s).
-                assert!((40..=60).contains(&retry_after), "{retry_after}");
+                let retry_after = |reply: &$crate::common::Reply| -> u64 {
+                    reply.header("retry-after").expect("retry-after").parse().unwrap()
+                };
+                // A short hint by default, not the holder's 60 s lease.
+                assert_eq!(retry_after(&dup), 1);
+                // A hint of the app's own, on a layer over the same store.
+                let (hinted, _) = app(layer.clone().in_progress_retry_after(Duration::from_secs(7)));
+                assert_eq!(retry_after(&send(&hinted, post("k", "{}")).await), 7);
+                // Never more than what is left of the holder's lease (renewed every 20 s).
+                let (long, _) = app(layer.in_progress_retry_after(Duration::from_secs(3600)));
+                let capped = retry_after(&send(&long, post("k", "{}")).await);
+                assert!((40..=60).contains(&capped), "{capped}");
                 // A different request under the running key is a mismatch, not a conflict.
                 assert_eq!(send(&router, post("k", "{\"x\":1}")).await.status, 422);
                 counter.let_go(1);
