@@ -55,25 +55,63 @@ impl Scope {
     /// The default scope of a request: `auth:` and the hex SHA-256 of its
     /// `Authorization` header, or [`Scope::anonymous`] without one.
     ///
+    /// The header is hashed as one credential, whatever its spelling: the
+    /// authentication scheme is case-insensitive (RFC 9110, section 11.1), so
+    /// `Bearer x`, `bearer x` and `BEARER  x` are one scope. The scheme is hashed
+    /// capitalised (`Bearer`, `Basic`), the whitespace around the header and between
+    /// scheme and credentials taken as one space; the credentials themselves are
+    /// case-sensitive and hashed as sent.
+    ///
     /// ```
     /// use tower_idempotency::Scope;
     ///
-    /// let (alice, _) = http::Request::post("/").header("authorization", "Bearer alice")
-    ///     .body(()).unwrap().into_parts();
-    /// let (bob, _) = http::Request::post("/").header("authorization", "Bearer bob")
-    ///     .body(()).unwrap().into_parts();
-    /// assert_ne!(Scope::from_authorization(&alice), Scope::from_authorization(&bob));
-    /// assert!(!Scope::from_authorization(&alice).as_str().contains("alice"));
+    /// let parts = |auth: &str| {
+    ///     http::Request::post("/").header("authorization", auth).body(()).unwrap().into_parts().0
+    /// };
+    /// let alice = Scope::from_authorization(&parts("Bearer alice"));
+    /// assert_ne!(alice, Scope::from_authorization(&parts("Bearer bob")));
+    /// assert!(!alice.as_str().contains("alice"));
+    /// // One credential, however the scheme is spelt.
+    /// assert_eq!(alice, Scope::from_authorization(&parts("bearer  alice")));
+    /// // The credential itself is case-sensitive.
+    /// assert_ne!(alice, Scope::from_authorization(&parts("Bearer Alice")));
     /// ```
     pub fn from_authorization(parts: &Parts) -> Self {
         match parts.headers.get(AUTHORIZATION) {
             None => Self::anonymous(),
             Some(value) => {
-                let digest = Sha256::digest(value.as_bytes());
+                let digest = Sha256::digest(canonical_credentials(value.as_bytes()));
                 Self::new(format!("auth:{}", crate::fingerprint::hex(&digest)))
             }
         }
     }
+}
+
+/// An `Authorization` value as one spelling of its credentials: surrounding whitespace
+/// dropped, the scheme capitalised (its first letter upper case, the rest lower case:
+/// `Bearer` and `Basic`, the usual spellings, hash as they always did), and one space
+/// between scheme and credentials.
+fn canonical_credentials(value: &[u8]) -> Vec<u8> {
+    let is_space = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = value.iter().position(|b| !is_space(b)).unwrap_or(value.len());
+    let end = value.iter().rposition(|b| !is_space(b)).map_or(start, |i| i + 1);
+    let value = &value[start..end];
+    let scheme_end = value.iter().position(is_space).unwrap_or(value.len());
+    let (scheme, rest) = value.split_at(scheme_end);
+    let mut canonical = Vec::with_capacity(value.len());
+    canonical.extend(scheme.iter().enumerate().map(|(i, b)| {
+        if i == 0 {
+            b.to_ascii_uppercase()
+        } else {
+            b.to_ascii_lowercase()
+        }
+    }));
+    let credentials = &rest[rest.iter().position(|b| !is_space(b)).unwrap_or(rest.len())..];
+    if !credentials.is_empty() {
+        canonical.push(b' ');
+        canonical.extend_from_slice(credentials);
+    }
+    canonical
 }
 
 impl fmt::Debug for Scope {
@@ -90,3 +128,26 @@ impl fmt::Display for Scope {
 
 /// Computes the scope of a request.
 pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Scope + Send + Sync>;
+
+#[cfg(test)]
+mod tests {
+    use super::canonical_credentials;
+
+    #[test]
+    fn one_credential_has_one_spelling() {
+        for spelt in [
+            "Bearer abc.DEF",
+            "bearer abc.DEF",
+            "BEARER abc.DEF",
+            " Bearer \t abc.DEF\t ",
+        ] {
+            assert_eq!(canonical_credentials(spelt.as_bytes()), b"Bearer abc.DEF", "{spelt:?}");
+        }
+        // Credentials keep their case, and what is inside them.
+        assert_eq!(canonical_credentials(b"Basic QWxh ZGRp"), b"Basic QWxh ZGRp");
+        assert_ne!(canonical_credentials(b"Bearer abc"), canonical_credentials(b"Bearer ABC"));
+        assert_eq!(canonical_credentials(b"Negotiate"), b"Negotiate");
+        assert_eq!(canonical_credentials(b"  "), b"");
+        assert_eq!(canonical_credentials(b""), b"");
+    }
+}

@@ -597,6 +597,29 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 2);
             }
 
+            #[tokio::test]
+            async fn one_credential_spelt_two_ways_is_one_scope() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let with = |authorization: &str| {
+                    req("POST")
+                        .header("idempotency-key", "k")
+                        .header("authorization", authorization)
+                        .body(Body::from("{}"))
+                        .unwrap()
+                };
+                let first = send(&router, with("Bearer tok-123")).await;
+                assert_eq!(first.status, 201);
+                // The scheme is case-insensitive (RFC 9110, section 11.1).
+                let retry = send(&router, with("bearer  tok-123")).await;
+                assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+                assert_eq!(retry.body, first.body);
+                assert_eq!(counter.runs(), 1);
+                // The credential is not.
+                assert_eq!(send(&router, with("Bearer TOK-123")).await.status, 201);
+                assert_eq!(counter.runs(), 2);
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn two_hundred_concurrent_duplicates_run_once() {
                 let (layer, _store, _g) = layer().await;
