@@ -238,6 +238,47 @@ async fn a_replay_takes_no_row_lock_and_writes_nothing() {
 }
 
 #[tokio::test]
+async fn a_waiter_registered_again_writes_nothing() {
+    use tower_idempotency::{
+        Fingerprint, Scope,
+        store::{Claim, ClaimRequest, Store},
+    };
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = store.table().to_owned();
+    let scope = Scope::anonymous();
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint([1; 32]),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+    };
+    let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
+        panic!("a new key");
+    };
+    let version = format!("SELECT xmin::text, waiters FROM {table} WHERE key = 'k'");
+    let row = |rows: Vec<tokio_postgres::Row>| -> (String, bool) { (rows[0].get(0), rows[0].get(1)) };
+    assert!(store.register_waiter(&scope, "k").await.unwrap());
+    let (flagged, waiters) = row(schema.query(&version).await);
+    assert!(waiters);
+    // A retry storm on the key: every turn registers again, and writes nothing.
+    for _ in 0..5 {
+        assert!(store.register_waiter(&scope, "k").await.unwrap());
+    }
+    assert_eq!(row(schema.query(&version).await), (flagged, true));
+    // Done, the key is no longer running: a waiter claims again at once.
+    let stored = tower_idempotency::StoredResponse {
+        status: http::StatusCode::OK,
+        headers: Default::default(),
+        body: "done".into(),
+    };
+    assert!(store.complete(&lease, &stored, Duration::from_secs(60)).await.unwrap());
+    assert!(!store.register_waiter(&scope, "k").await.unwrap());
+    assert!(!store.register_waiter(&scope, "absent").await.unwrap());
+}
+
+#[tokio::test]
 async fn an_unreachable_database_is_503_and_the_handler_does_not_run() {
     let schema = TestSchema::new();
     let (_holder, closed) = common::refusing_port();

@@ -372,8 +372,19 @@ impl Sql {
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
                 l = ms.replace("$ms", "$4"),
             ),
+            // Whether the key is still running, setting its `waiters` flag only where it
+            // is not set yet: a retry storm on one key re-registers on every turn, and a
+            // write each time would take the row lock and make a new row version each
+            // time. A flag already set is read, not written (the outer read sees the
+            // row as it was before the update, which never touches such a row).
             wait: format!(
-                "UPDATE {t} SET waiters = true WHERE scope = $1 AND key = $2 AND state = 'running'"
+                "WITH flagged AS (
+                    UPDATE {t} SET waiters = true
+                    WHERE scope = $1 AND key = $2 AND state = 'running' AND NOT waiters
+                    RETURNING 1)
+                 SELECT EXISTS (SELECT 1 FROM flagged)
+                     OR EXISTS (SELECT 1 FROM {t}
+                                WHERE scope = $1 AND key = $2 AND state = 'running' AND waiters)"
             ),
             // For a COMMIT in doubt (`committed_on`): an insert of the key, rolled back
             // after, waits for a transaction still inserting or updating its row (the
@@ -1100,6 +1111,18 @@ impl PostgresStore {
         done
     }
 
+    /// [`execute_pooled`](Self::execute_pooled) for a statement that returns rows.
+    async fn query_pooled(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await?;
+        let rows = again_if_it_lost_a_race(|| self.query_on(&client, sql, params)).await;
+        client.done();
+        rows
+    }
+
     pub(crate) async fn query_on(
         &self,
         client: &ClientWrapper,
@@ -1622,8 +1645,9 @@ impl Store for PostgresStore {
                 return Ok(true);
             }
             let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
-            let registered = self.execute_pooled(&self.sql.wait, &params).await;
-            registered.map(|n| n == 1)
+            let rows = self.query_pooled(&self.sql.wait, &params).await?;
+            let running = rows.first().and_then(|row| row.get::<_, Option<bool>>(0));
+            Ok(running == Some(true))
         })
     }
 
