@@ -25,7 +25,7 @@ pub use key::MissingIdempotencyKey;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
 pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer};
 pub use outcome::Outcome;
-pub use policy::default_storage_policy;
+pub use policy::{NoStore, default_storage_policy};
 pub use record::StoredResponse;
 pub use scope::Scope;
 pub use service::{Idempotency, ResponseFuture};

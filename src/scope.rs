@@ -93,8 +93,14 @@ impl Scope {
 /// between scheme and credentials.
 fn canonical_credentials(value: &[u8]) -> Vec<u8> {
     let is_space = |b: &u8| *b == b' ' || *b == b'\t';
-    let start = value.iter().position(|b| !is_space(b)).unwrap_or(value.len());
-    let end = value.iter().rposition(|b| !is_space(b)).map_or(start, |i| i + 1);
+    let start = value
+        .iter()
+        .position(|b| !is_space(b))
+        .unwrap_or(value.len());
+    let end = value
+        .iter()
+        .rposition(|b| !is_space(b))
+        .map_or(start, |i| i + 1);
     let value = &value[start..end];
     let scheme_end = value.iter().position(is_space).unwrap_or(value.len());
     let (scheme, rest) = value.split_at(scheme_end);
@@ -141,11 +147,21 @@ mod tests {
             "BEARER abc.DEF",
             " Bearer \t abc.DEF\t ",
         ] {
-            assert_eq!(canonical_credentials(spelt.as_bytes()), b"Bearer abc.DEF", "{spelt:?}");
+            assert_eq!(
+                canonical_credentials(spelt.as_bytes()),
+                b"Bearer abc.DEF",
+                "{spelt:?}"
+            );
         }
         // Credentials keep their case, and what is inside them.
-        assert_eq!(canonical_credentials(b"Basic QWxh ZGRp"), b"Basic QWxh ZGRp");
-        assert_ne!(canonical_credentials(b"Bearer abc"), canonical_credentials(b"Bearer ABC"));
+        assert_eq!(
+            canonical_credentials(b"Basic QWxh ZGRp"),
+            b"Basic QWxh ZGRp"
+        );
+        assert_ne!(
+            canonical_credentials(b"Bearer abc"),
+            canonical_credentials(b"Bearer ABC")
+        );
         assert_eq!(canonical_credentials(b"Negotiate"), b"Negotiate");
         assert_eq!(canonical_credentials(b"  "), b"");
         assert_eq!(canonical_credentials(b""), b"");

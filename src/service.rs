@@ -787,7 +787,7 @@ where
             // The handler ran to its answer: a head the policy keeps may stand for effects
             // (a charge), so the key is not freed for them to happen again. The client and
             // every retry get the same problem.
-            if (config.policy)(parts.status, &parts.headers) {
+            if crate::policy::is_stored(&config.policy, &parts) {
                 tracing::error!(
                     error = %e,
                     status = parts.status.as_u16(),
@@ -807,7 +807,7 @@ where
             }
         }
         Produced::Buffered(parts, body) => {
-            if (config.policy)(parts.status, &parts.headers) {
+            if crate::policy::is_stored(&config.policy, &parts) {
                 let stored = to_store(&config, &parts, &body);
                 store_result(&config, &lease, stored, in_flight).await;
             } else {
@@ -818,7 +818,7 @@ where
             Ok(with_outcome(res, Outcome::Executed))
         }
         Produced::Unbuffered(parts, prefix, rest, why) => {
-            if (config.policy)(parts.status, &parts.headers) {
+            if crate::policy::is_stored(&config.policy, &parts) {
                 tracing::warn!(
                     ?why,
                     "the response could not be read whole; retries will get response-not-stored"

@@ -570,9 +570,11 @@ where
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
-            return Ok(settle(found, request.fingerprint, config.in_progress_retry_after)
-                .err()
-                .unwrap_or_else(unavailable));
+            return Ok(
+                settle(found, request.fingerprint, config.in_progress_retry_after)
+                    .err()
+                    .unwrap_or_else(unavailable),
+            );
         }
         Opened::Unavailable => return Ok(unavailable()),
         Opened::Busy => return Ok(in_progress(config.in_progress_retry_after)),
@@ -618,7 +620,7 @@ where
             return Ok(handler_failed());
         }
         Produced::Buffered(parts, body) => {
-            if !(config.policy)(parts.status, &parts.headers) {
+            if !crate::policy::is_stored(&config.policy, &parts) {
                 // Not kept: neither are the handler's writes.
                 rollback(conn).await;
                 let res = Response::from_parts(parts, ResponseBody::full(body));
@@ -630,7 +632,7 @@ where
             (stored, res)
         }
         Produced::Unbuffered(parts, prefix, rest, why) => {
-            if !(config.policy)(parts.status, &parts.headers) {
+            if !crate::policy::is_stored(&config.policy, &parts) {
                 rollback(conn).await;
                 let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
                 return Ok(with_outcome(res, Outcome::Executed));

@@ -473,7 +473,8 @@ async fn invalid_requests_are_refused() {
         .await
         .assert_problem(StatusCode::BAD_REQUEST, "key-malformed");
 
-    // Refused by the handler: it ran, and its 422 is stored like any other answer.
+    // Refused by the handler: it ran, charged nothing, and its 422 is not stored, so
+    // the corrected payment goes through under the same key, charged once.
     let bad_body = r#"{"amount":0,"currency":"EUR"}"#;
     let refused = post_payment(&client, demo.addr, Some("bad-body-1"), bad_body).await;
     assert_eq!(
@@ -486,14 +487,14 @@ async fn invalid_requests_are_refused() {
         Some("application/problem+json")
     );
     assert!(!refused.replayed());
-    let replayed = post_payment(&client, demo.addr, Some("bad-body-1"), bad_body).await;
-    assert_eq!(
-        replayed.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{replayed:?}"
-    );
+    let again = post_payment(&client, demo.addr, Some("bad-body-1"), bad_body).await;
+    assert_eq!(again.status, StatusCode::UNPROCESSABLE_ENTITY, "{again:?}");
+    assert!(!again.replayed(), "{again:?}");
+    let corrected = post_payment(&client, demo.addr, Some("bad-body-1"), payment).await;
+    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
+    let replayed = post_payment(&client, demo.addr, Some("bad-body-1"), payment).await;
     assert!(replayed.replayed(), "{replayed:?}");
-    assert_eq!(replayed.body, refused.body);
+    assert_eq!(replayed.body, corrected.body);
 
     // Each of these is refused the same way, and charges nothing.
     let bad_bodies = [
@@ -526,10 +527,10 @@ async fn invalid_requests_are_refused() {
     assert_eq!(
         stats(&client, demo.addr).await,
         json!({
-            "handler_runs": 1 + bad_bodies.len(),
-            "psp_calls": 0,
-            "charges": 0,
-            "payments": 0
+            "handler_runs": 3 + bad_bodies.len(),
+            "psp_calls": 1,
+            "charges": 1,
+            "payments": 1
         })
     );
 }

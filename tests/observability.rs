@@ -135,7 +135,10 @@ async fn every_guarded_request_has_a_span_with_its_outcome() {
     let outcomes: Vec<_> = seen.iter().map(|f| f["outcome"].as_str()).collect();
     assert_eq!(outcomes, ["executed", "replayed", "mismatch"]);
     // The key is hashed by default: the same hash on each of its requests.
-    assert!(seen.iter().all(|f| f["key"].len() == 16 && f["key"] == seen[0]["key"]));
+    assert!(
+        seen.iter()
+            .all(|f| f["key"].len() == 16 && f["key"] == seen[0]["key"])
+    );
     assert!(seen.iter().all(|f| !f["key"].contains("order-42")));
     // The scope is recorded as a hash, never as the principal itself.
     assert!(seen.iter().all(|f| f["scope"].len() == 16));
@@ -201,7 +204,10 @@ impl std::io::Write for Sink {
 async fn the_default_fmt_output_never_prints_the_key() {
     let key = "order-7f3a9c2e-secret";
     let printed = printed_by_fmt(IdempotencyLayer::new(MemoryStore::new()), key).await;
-    assert!(!printed.contains(key), "the key in clear in the logs: {printed}");
+    assert!(
+        !printed.contains(key),
+        "the key in clear in the logs: {printed}"
+    );
     assert!(printed.contains("idempotency{key="), "{printed}");
     // Asked for, it is printed as sent.
     let layer = IdempotencyLayer::new(MemoryStore::new()).hash_keys_in_traces(false);
@@ -215,8 +221,7 @@ async fn a_hashed_key_is_in_no_event_either() {
     // Every completion fails: the layer warns of each attempt, then gives up after one
     // more lease with an error.
     let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
-    let layer = IdempotencyLayer::new(store)
-        .lease_duration(std::time::Duration::from_millis(100));
+    let layer = IdempotencyLayer::new(store).lease_duration(std::time::Duration::from_millis(100));
     let (router, _) = app(layer);
     assert_eq!(
         send(&router, post("alice@example.com", "{}")).await.status,

@@ -258,7 +258,8 @@ async fn a_waiter_registered_again_writes_nothing() {
         panic!("a new key");
     };
     let version = format!("SELECT xmin::text, waiters FROM {table} WHERE key = 'k'");
-    let row = |rows: Vec<tokio_postgres::Row>| -> (String, bool) { (rows[0].get(0), rows[0].get(1)) };
+    let row =
+        |rows: Vec<tokio_postgres::Row>| -> (String, bool) { (rows[0].get(0), rows[0].get(1)) };
     assert!(store.register_waiter(&scope, "k").await.unwrap());
     let (flagged, waiters) = row(schema.query(&version).await);
     assert!(waiters);
@@ -273,7 +274,12 @@ async fn a_waiter_registered_again_writes_nothing() {
         headers: Default::default(),
         body: "done".into(),
     };
-    assert!(store.complete(&lease, &stored, Duration::from_secs(60)).await.unwrap());
+    assert!(
+        store
+            .complete(&lease, &stored, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
     assert!(!store.register_waiter(&scope, "k").await.unwrap());
     assert!(!store.register_waiter(&scope, "absent").await.unwrap());
 }

@@ -36,14 +36,13 @@ use axum::{
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, default_storage_policy, store::MemoryStore,
-    transactional::TransactionHandle,
+    IdempotencyKey, IdempotencyLayer, NoStore, store::MemoryStore, transactional::TransactionHandle,
 };
 
 use backend::{Backend, Charged};
 
-/// A response the layer must not store: its key is released, so that a retry with the
-/// payment's first body can still complete it.
+/// The header on a response the layer does not store (marked [`NoStore`]): its key is
+/// released, so that a retry with the payment's first body can still complete it.
 const NOT_STORED: &str = "payments-demo-not-stored";
 
 struct Args {
@@ -162,9 +161,6 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     };
     let layer = layer
         .require_key(true)
-        .store_response_if(|status, headers| {
-            default_storage_policy(status, headers) && !headers.contains_key(NOT_STORED)
-        })
         .lease_duration(lease)
         .wait_for_running(Duration::from_millis(args.wait_ms));
     let shutdown = layer.shutdown_handle();
@@ -264,7 +260,9 @@ impl Termination {
     }
 }
 
-/// A 422 for a body the demo cannot accept.
+/// A 422 for a body the demo cannot accept. Not stored (the layer's default for a
+/// 422): nothing was charged, and the client may send the corrected payment under the
+/// same key.
 fn invalid(detail: impl Into<String>) -> Response {
     problem(
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -428,6 +426,7 @@ fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
         header::HeaderName::from_static(NOT_STORED),
         header::HeaderValue::from_static("true"),
     );
+    res.extensions_mut().insert(NoStore);
     res
 }
 

@@ -479,12 +479,16 @@ async fn create(
     if let Some(v) = headers.get("x-cache-control") {
         res.headers_mut().insert("cache-control", v.clone());
     }
+    if headers.contains_key("x-no-store") {
+        res.extensions_mut().insert(tower_idempotency::NoStore);
+    }
     res
 }
 
 /// `POST|PATCH|GET /payments` behind `layer`. Request headers steer the handler:
 /// `x-held` (it waits for [`Counter::let_go`]), `x-delay-ms`, `x-status`, `x-panic`,
-/// `x-cache-control` (answered as `Cache-Control`).
+/// `x-cache-control` (answered as `Cache-Control`), `x-no-store` (the answer is marked
+/// [`NoStore`](tower_idempotency::NoStore)).
 pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
     let counter = Counter::default();
     let router = Router::new()

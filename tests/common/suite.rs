@@ -118,12 +118,18 @@ macro_rules! layer_suite {
                 assert_eq!(dup.problem(), "in-progress");
                 assert_eq!(dup.outcome, Some(Outcome::Conflict));
                 let retry_after = |reply: &$crate::common::Reply| -> u64 {
-                    reply.header("retry-after").expect("retry-after").parse().unwrap()
+                    reply
+                        .header("retry-after")
+                        .expect("retry-after")
+                        .parse()
+                        .unwrap()
                 };
                 // A short hint by default, not the holder's 60 s lease.
                 assert_eq!(retry_after(&dup), 1);
                 // A hint of the app's own, on a layer over the same store.
-                let (hinted, _) = app(layer.clone().in_progress_retry_after(Duration::from_secs(7)));
+                let (hinted, _) = app(layer
+                    .clone()
+                    .in_progress_retry_after(Duration::from_secs(7)));
                 assert_eq!(retry_after(&send(&hinted, post("k", "{}")).await), 7);
                 // Never more than what is left of the holder's lease (renewed every 20 s).
                 let (long, _) = app(layer.in_progress_retry_after(Duration::from_secs(3600)));
@@ -434,18 +440,88 @@ macro_rules! layer_suite {
                 assert_eq!(send(&router, failing()).await.status, 503);
                 assert_eq!(send(&router, failing()).await.status, 503);
                 assert_eq!(counter.runs_of("k5"), 2);
-                let rejected = || post_with_headers("k4", &[("x-status", "400")]);
+                let rejected = || post_with_headers("k4", &[("x-status", "404")]);
                 let first = send(&router, rejected()).await;
                 let again = send(&router, rejected()).await;
-                assert_eq!(
-                    (first.status, again.status),
-                    (
-                        axum::http::StatusCode::BAD_REQUEST,
-                        axum::http::StatusCode::BAD_REQUEST
-                    )
-                );
+                assert_eq!((first.status.as_u16(), again.status.as_u16()), (404, 404));
                 assert_eq!(again.outcome, Some(Outcome::Replayed));
                 assert_eq!(counter.runs_of("k4"), 1);
+                // Refusals of a request the endpoint did not begin to process (a body
+                // that does not parse or validate, a wrong media type) are not stored:
+                // the client may correct the request and send it under the same key.
+                for status in ["400", "415", "422"] {
+                    let key = format!("k{status}");
+                    let refused = || post_with_headers(&key, &[("x-status", status)]);
+                    assert_eq!(send(&router, refused()).await.status.as_str(), status);
+                    let again = send(&router, refused()).await;
+                    assert_eq!(again.status.as_str(), status);
+                    assert_eq!(again.outcome, Some(Outcome::Executed));
+                    assert_eq!(counter.runs_of(&key), 2);
+                }
+            }
+
+            /// A request refused by axum's `Json` extractor (422, 400, 415), then sent
+            /// again corrected under the same key, runs the handler once: the refusal
+            /// is not stored.
+            #[tokio::test]
+            async fn a_corrected_request_after_a_validation_failure_runs_once() {
+                use axum::{Json, Router, routing::post as route_post};
+                #[derive(serde::Deserialize)]
+                struct Payment {
+                    amount: u64,
+                }
+                let (layer, _store, _g) = layer().await;
+                let charges = Arc::new(std::sync::atomic::AtomicU64::new(0));
+                let charged = charges.clone();
+                let router = Router::new()
+                    .route(
+                        "/payments",
+                        route_post(move |Json(payment): Json<Payment>| async move {
+                            charged.fetch_add(payment.amount, std::sync::atomic::Ordering::SeqCst);
+                            (axum::http::StatusCode::CREATED, "charged")
+                        }),
+                    )
+                    .layer(layer);
+                let payment = |content_type: &str, body: &str| {
+                    axum::http::Request::post("/payments")
+                        .header("idempotency-key", "order-1")
+                        .header("content-type", content_type)
+                        .body(Body::from(body.to_owned()))
+                        .unwrap()
+                };
+                let json = "application/json";
+                for (content_type, body, status) in [
+                    (json, r#"{"amount":"ten"}"#, 422),
+                    (json, r#"{"amount":"#, 400),
+                    ("text/plain", r#"{"amount":10}"#, 415),
+                ] {
+                    let refused = send(&router, payment(content_type, body)).await;
+                    assert_eq!(refused.status, status, "{body}");
+                }
+                let created = send(&router, payment(json, r#"{"amount":10}"#)).await;
+                assert_eq!(created.status, 201);
+                let replayed = send(&router, payment(json, r#"{"amount":10}"#)).await;
+                assert_eq!(replayed.outcome, Some(Outcome::Replayed));
+                assert_eq!(charges.load(std::sync::atomic::Ordering::SeqCst), 10);
+            }
+
+            /// A handler marks one answer as not to be stored, whatever the policy.
+            #[tokio::test]
+            async fn a_response_marked_no_store_releases_the_key() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer.store_response_if(|_, _| true));
+                let refused =
+                    || post_with_headers("k", &[("x-status", "409"), ("x-no-store", "1")]);
+                assert_eq!(send(&router, refused()).await.status, 409);
+                let again = send(&router, refused()).await;
+                assert_eq!(again.status, 409);
+                assert_eq!(again.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs_of("k"), 2);
+                // Unmarked, the same answer is stored.
+                let kept = || post_with_headers("k2", &[("x-status", "409")]);
+                assert_eq!(send(&router, kept()).await.status, 409);
+                assert_eq!(send(&router, kept()).await.outcome, Some(Outcome::Replayed));
+                assert_eq!(counter.runs_of("k2"), 1);
             }
 
             /// `Cache-Control: no-store` speaks to HTTP caches, and payment APIs send it
