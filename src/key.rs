@@ -265,11 +265,15 @@ impl fmt::Display for IdempotencyKey {
 /// of the key alone, or of the extensions into a request with another key (a call to an
 /// inner service), is guarded; so is the request by a layer of the other mode (a
 /// transactional route inside a router-wide lease-mode layer), which opens the
-/// transaction its handler needs.
+/// transaction its handler needs, unless the two keep their records in the same place
+/// (`location`, [`Store::records_location`](crate::store::Store::records_location)):
+/// the inner one would then claim the key the outer one holds, and it answers
+/// `500 misconfigured` instead.
 #[derive(Clone, Debug)]
 pub(crate) struct Guarded {
     pub(crate) key: Arc<str>,
     pub(crate) transactional: bool,
+    pub(crate) location: Option<Arc<str>>,
 }
 
 /// Left in a request's extensions by a layer that would have guarded it, had it carried

@@ -50,6 +50,9 @@ pub enum Problem {
     /// end within `response_body_timeout`, or (in lease mode, under a status the storage
     /// policy keeps) its body failed while it was read, so it cannot be replayed.
     ResponseNotStored,
+    /// 500: two layers of different modes guard the request over the same records (the
+    /// app's wiring); nothing was processed, and nothing is stored.
+    Misconfigured,
 }
 
 #[derive(Serialize)]
@@ -77,6 +80,7 @@ impl Problem {
             Self::HandlerFailed => "handler-failed",
             Self::NotCommitted => "not-committed",
             Self::ResponseNotStored => "response-not-stored",
+            Self::Misconfigured => "misconfigured",
         }
     }
 
@@ -101,7 +105,9 @@ impl Problem {
             Self::StoreUnavailable | Self::ShuttingDown | Self::NotCommitted => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            Self::HandlerFailed | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::HandlerFailed | Self::ResponseNotStored | Self::Misconfigured => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -120,6 +126,7 @@ impl Problem {
             Self::HandlerFailed => "Request failed",
             Self::NotCommitted => "Request not committed",
             Self::ResponseNotStored => "Response not replayable",
+            Self::Misconfigured => "Idempotency layers misconfigured",
         }
     }
 
@@ -194,7 +201,8 @@ mod tests {
             | Problem::ShuttingDown
             | Problem::HandlerFailed
             | Problem::NotCommitted
-            | Problem::ResponseNotStored => p,
+            | Problem::ResponseNotStored
+            | Problem::Misconfigured => p,
         };
         let all = [
             Problem::KeyMissing,
@@ -209,6 +217,7 @@ mod tests {
             Problem::HandlerFailed,
             Problem::NotCommitted,
             Problem::ResponseNotStored,
+            Problem::Misconfigured,
         ];
         let all = all.map(listed);
         let page = include_str!("../docs/problems.md");

@@ -218,14 +218,21 @@ where
         };
         // So is one an outer layer guards already under this key (a copy of it too):
         // guarded again, it would find its own claim running and answer 409, which the
-        // outer layer would store.
+        // outer layer would store. An outer layer of the other mode over the same
+        // records is the app's wiring gone wrong: claimed again here, the key would wait
+        // on the outer claim's row, or find it running.
         let transactional = config.is_transactional();
-        if req
-            .extensions()
-            .get::<crate::key::Guarded>()
-            .is_some_and(|g| *g.key == *key && g.transactional == transactional)
+        if let Some(outer) = req.extensions().get::<crate::key::Guarded>()
+            && *outer.key == *key
         {
-            return pass_through(self.inner.call(req));
+            if outer.transactional == transactional {
+                return pass_through(self.inner.call(req));
+            }
+            if outer.location.is_some()
+                && outer.location.as_deref() == config.store.records_location()
+            {
+                return answered(nested_on_one_table());
+            }
         }
         // A guarded request's future owns an instance of its own (it may finish in a task
         // of its own), and a fresh clone stays for the next call. The ready one is let
@@ -304,6 +311,21 @@ fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {
         problem.response(detail).map(ResponseBody::full),
         Outcome::Rejected,
     )
+}
+
+/// `500 misconfigured`: two layers of different modes guard the request over the same
+/// records. Marked [`NoStore`](crate::NoStore): the outer layer releases (or rolls back)
+/// its claim, whatever its policy.
+fn nested_on_one_table<B>() -> Response<ResponseBody<B>> {
+    tracing::error!(
+        "two idempotency layers of different modes (lease and transactional) guard this request over the same table; the inner one would claim the key the outer one holds. Give them different tables, or keep one of them on the route (in axum, a route_layer applies to every route added before it)"
+    );
+    let mut res = reject(
+        Problem::Misconfigured,
+        "this request is guarded by two idempotency layers of different modes over the same table; the server's configuration must change, nothing was processed",
+    );
+    res.extensions_mut().insert(crate::NoStore);
+    res
 }
 
 pub(crate) fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
@@ -419,6 +441,7 @@ where
     parts.extensions.insert(crate::key::Guarded {
         key,
         transactional: false,
+        location: config.store.records_location().map(Arc::from),
     });
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that

@@ -1253,3 +1253,59 @@ async fn a_commit_in_doubt_is_not_mistaken_for_another_takeover_of_the_same_expi
         "the first takeover's write is gone"
     );
 }
+
+/// Two layers of different modes on one route over one table, as
+/// `.route(a).route_layer(x).route(b).route_layer(y)` puts both on `a`: the inner one
+/// would claim the key the outer one holds (and wait on its row, or find it running).
+/// It answers a clear `500 misconfigured` at once, which neither layer stores; the
+/// handler does not run, and nothing is left under the key.
+#[tokio::test]
+async fn two_layers_of_different_modes_on_one_table_answer_500_misconfigured_at_once() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let counter = Counter::default();
+    let lease = || IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_secs(2));
+    let tx =
+        || IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_secs(2));
+    let state = App {
+        counter: counter.clone(),
+        table: table.clone(),
+    };
+    // Lease mode inside transactional mode, then the other way round.
+    let routers = [
+        Router::new()
+            .route("/payments", post(create))
+            .route_layer(lease())
+            .route("/other", post(create))
+            .route_layer(tx())
+            .with_state(state.clone()),
+        Router::new()
+            .route("/payments", post(create))
+            .route_layer(tx())
+            .route("/other", post(create))
+            .route_layer(lease())
+            .with_state(state),
+    ];
+    for (i, router) in routers.iter().enumerate() {
+        let key = format!("k{i}");
+        for _ in 0..2 {
+            let r = common::send_bounded(router, post_with(&key, &[])).await;
+            assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
+            assert_eq!(r.problem(), "misconfigured");
+            assert_eq!(r.header("idempotent-replayed"), None);
+        }
+        assert_eq!(counter.runs(), 0);
+        assert_eq!(records_of(&schema, &key).await, 0);
+    }
+    // Over another table of the same pool, the two serve the route together.
+    let other = store.clone().with_table_name("other_keys").unwrap();
+    other.migrate().await.unwrap();
+    let (router, counter) = app(tx(), &table);
+    let router = router.layer(IdempotencyLayer::new(other));
+    assert_eq!(send(&router, post_with("k", &[])).await.status, 201);
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    common::idle(&store).await;
+}

@@ -343,6 +343,16 @@ pub trait Store: Send + Sync + 'static {
         lease
     }
 
+    /// Where the store keeps its records, if another store may keep them in the same
+    /// place: two stores with the same location claim the same keys. Layers nested on
+    /// one route compare it, so that a layer of one mode inside a layer of the other over
+    /// the same records answers `500 misconfigured` at once, instead of claiming a key
+    /// its outer layer holds (docs/security.md). The default, `None`, is never the same
+    /// as another's.
+    fn records_location(&self) -> Option<&str> {
+        None
+    }
+
     /// Extends the lease to `lease` from now. `Ok(false)`: lease lost.
     fn renew<'a>(
         &'a self,

@@ -260,6 +260,9 @@ pub struct PostgresStore {
     tx_claims: Arc<tokio::sync::Semaphore>,
     /// Connections shared by claims, if any (`with_shared_claim_connections`).
     shared: Option<Arc<Shared>>,
+    /// The pool and the table: stores over one pool and one table claim the same keys
+    /// (`Store::records_location`).
+    location: Arc<str>,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -662,9 +665,15 @@ impl PostgresStore {
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
             (pool.status().max_size / 2).max(1),
         ));
+        let sql = Sql::new(&schema, &table);
+        // The pool's manager lives as long as the pool, at one address: it tells the
+        // pool from another over the same database, whose connections this store
+        // cannot see (a layer over it would wait on this one's rows as on anybody's).
+        let location = Arc::from(format!("{:p} {}", pool.manager(), sql.qualified));
         Self {
+            location,
             tx_claims,
-            sql: Arc::new(Sql::new(&schema, &table)),
+            sql: Arc::new(sql),
             listener: Arc::new(Listener::new(
                 listen_config.clone(),
                 channel,
@@ -1653,6 +1662,10 @@ impl Store for PostgresStore {
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         self.listener.changed(self.key_id(scope, key))
+    }
+
+    fn records_location(&self) -> Option<&str> {
+        Some(&self.location)
     }
 }
 
