@@ -1191,3 +1191,87 @@ async fn a_key_taken_over_after_it_completed_has_no_waiters() {
     );
     assert!(!schema.query(&waiters).await[0].get::<_, bool>(0));
 }
+
+/// Rows of `table` (qualified), counted.
+async fn rows_of(schema: &TestSchema, table: &str) -> i64 {
+    schema.query(&format!("SELECT count(*) FROM {table}")).await[0].get(0)
+}
+
+/// Polls until `table` holds `n` rows, at most ~10 s: a bounded wait, not a timing claim.
+async fn until_rows(schema: &TestSchema, table: &str, n: i64) {
+    for _ in 0..1000 {
+        if rows_of(schema, table).await == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{table} did not come to {n} rows");
+}
+
+/// A store a layer uses deletes its expired rows by itself; one built without the
+/// background purge keeps them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_in_use_purges_its_expired_rows_by_itself() {
+    let schema = TestSchema::new();
+    let purging = schema
+        .store()
+        .await
+        .with_background_purge(Some(Duration::from_millis(20)));
+    let keeping = schema
+        .store()
+        .await
+        .with_table_name("kept_keys")
+        .unwrap()
+        .with_background_purge(None);
+    keeping.migrate().await.unwrap();
+    let tables = [purging.table().to_owned(), keeping.table().to_owned()];
+    for store in [purging.clone(), keeping.clone()] {
+        let layer = IdempotencyLayer::new(store).ttl(Duration::from_millis(1));
+        let (router, _) = app(layer);
+        for key in ["a", "b", "c"] {
+            assert_eq!(send(&router, post(key, "{}")).await.status, 201);
+        }
+    }
+    until_rows(&schema, &tables[0], 0).await;
+    assert_eq!(rows_of(&schema, &tables[1]).await, 3);
+}
+
+/// Replicas purge in turn: while another holds the table's purge lock, a replica's
+/// rounds delete nothing; once it lets go, the next round does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_purge_in_turn() {
+    use sha2::Digest;
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema
+        .store_at(&proxy.url(), 4)
+        .await
+        .with_background_purge(Some(Duration::from_millis(20)));
+    let table = store.table().to_owned();
+    // The lock another replica's round holds while it deletes a batch.
+    let digest = sha2::Sha256::digest(format!("tower-idempotency purge {table}"));
+    let lock = i64::from_be_bytes(digest[..8].try_into().unwrap());
+    let other_replica = begin(&format!("SELECT pg_advisory_xact_lock({lock})")).await;
+
+    let (router, counter) = app(IdempotencyLayer::new(store).ttl(Duration::from_millis(1)));
+    for key in ["a", "b", "c"] {
+        assert_eq!(send(&router, post(key, "{}")).await.status, 201);
+    }
+    // A claim still running, however short its TTL, is never purged.
+    let held = post_with_headers("held", &[("x-held", "1")]);
+    let held = common::in_flight(&router, held, &counter).await;
+    // Rounds pass while the other replica holds the turn, and delete nothing (each
+    // is one statement through the proxy; nothing else runs meanwhile).
+    let rounds = || proxy.executes();
+    let before = rounds();
+    common::eventually(|| rounds() >= before + 3).await;
+    assert_eq!(rows_of(&schema, &table).await, 4);
+    other_replica.batch_execute("COMMIT").await.unwrap();
+    until_rows(&schema, &table, 1).await;
+    let before = rounds();
+    common::eventually(|| rounds() >= before + 3).await;
+    assert_eq!(rows_of(&schema, &table).await, 1);
+    counter.let_go(1);
+    assert_eq!(held.await.unwrap().status, 201);
+    until_rows(&schema, &table, 0).await;
+}

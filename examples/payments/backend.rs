@@ -3,6 +3,7 @@
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use tower_idempotency::{
@@ -11,6 +12,9 @@ use tower_idempotency::{
 };
 
 pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// How often the demo's store deletes keys past their TTL (the store's default).
+pub(crate) const PURGE_EVERY: Duration = Duration::from_secs(60);
 
 pub(crate) struct Stats {
     pub(crate) handler_runs: i64,
@@ -56,7 +60,10 @@ impl Backend {
         let pool = pool_for_url(url, 32)?;
         let store = PostgresStore::new(pool.clone())
             .with_schema_name(schema)?
-            .with_notifications(url.parse()?);
+            .with_notifications(url.parse()?)
+            // The default, said out loud: keys past their TTL are deleted in the
+            // background, by one demo process at a time.
+            .with_background_purge(Some(PURGE_EVERY));
         store.migrate().await?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;

@@ -140,7 +140,12 @@ async fn run(args: Args) -> Result<(), backend::Error> {
                 // whichever process runs it.
                 store.listen().await?;
             }
-            let name = format!("postgres (schema {}, table {})", args.schema, store.table());
+            let name = format!(
+                "postgres (schema {}, table {}; keys past their TTL purged every {} s)",
+                args.schema,
+                store.table(),
+                backend::PURGE_EVERY.as_secs()
+            );
             let layer = if args.transactional {
                 IdempotencyLayer::transactional(store)
             } else {

@@ -1,6 +1,7 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
 mod listener;
+mod purge;
 mod shared;
 mod tls;
 
@@ -26,6 +27,7 @@ use tokio_postgres::{
 };
 
 use listener::Listener;
+use purge::BackgroundPurge;
 use sha2::{Digest, Sha256};
 use shared::Shared;
 use tls::Connector;
@@ -263,6 +265,19 @@ pub struct PostgresStore {
     /// The pool and the table: stores over one pool and one table claim the same keys
     /// (`Store::records_location`).
     location: Arc<str>,
+    /// Deletes expired rows in the background, once started by a claim.
+    purge: Arc<BackgroundPurge>,
+}
+
+/// What a [`PostgresStore`] is built with besides its pool (see `PostgresStore::build`).
+struct Options {
+    schema: String,
+    table: String,
+    listen_config: Option<tokio_postgres::Config>,
+    connector: Connector,
+    /// Shared claim connections; 0: none.
+    shared: usize,
+    purge_every: Option<Duration>,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -310,6 +325,7 @@ struct Sql {
     in_doubt_wait: String,
     in_doubt_read: String,
     purge: String,
+    purge_in_turn: String,
     qualified: String,
     expires_index: String,
     migrations_table: String,
@@ -405,6 +421,17 @@ impl Sql {
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
                     SELECT ctid FROM {t}
                     WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                    LIMIT $1 FOR UPDATE SKIP LOCKED))
+                 AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+            ),
+            // The background purge's batch: the same, in this replica's turn only (an
+            // advisory lock of the table's own, `$2`, tried once per statement and held
+            // until it commits; another replica's batch holding it deletes nothing).
+            purge_in_turn: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                    SELECT ctid FROM {t}
+                    WHERE (SELECT pg_try_advisory_xact_lock($2))
+                      AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())
                     LIMIT $1 FOR UPDATE SKIP LOCKED))
                  AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
             ),
@@ -602,13 +629,16 @@ impl PostgresStore {
     /// or build the store with [`connect`](Self::connect), which does. Without one, a
     /// waiter looks again every 250 ms.
     pub fn new(pool: Pool) -> Self {
-        Self::with_names(
+        Self::build(
             pool,
-            "public".into(),
-            "idempotency_keys".into(),
-            None,
-            Connector::default(),
-            0,
+            Options {
+                schema: "public".into(),
+                table: "idempotency_keys".into(),
+                listen_config: None,
+                connector: Connector::default(),
+                shared: 0,
+                purge_every: Some(purge::DEFAULT_EVERY),
+            },
         )
     }
 
@@ -653,14 +683,29 @@ impl PostgresStore {
             .with_tls(tls))
     }
 
-    fn with_names(
-        pool: Pool,
-        schema: String,
-        table: String,
-        listen_config: Option<tokio_postgres::Config>,
-        connector: Connector,
-        shared: usize,
-    ) -> Self {
+    /// The settings this store was built with, to build it again with one changed.
+    fn options(&self) -> Options {
+        Options {
+            schema: self.schema.clone(),
+            table: self.table.clone(),
+            listen_config: self.listen_config.clone(),
+            connector: self.connector.clone(),
+            shared: self.shared.as_ref().map_or(0, |s| s.len()),
+            purge_every: self.purge.every(),
+        }
+    }
+
+    /// A store over `pool` with `options`: every setting at once, so that a builder
+    /// method that changes one keeps the others.
+    fn build(pool: Pool, options: Options) -> Self {
+        let Options {
+            schema,
+            table,
+            listen_config,
+            connector,
+            shared,
+            purge_every,
+        } = options;
         let channel = format!("{table}_done");
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
             (pool.status().max_size / 2).max(1),
@@ -670,8 +715,15 @@ impl PostgresStore {
         // pool from another over the same database, whose connections this store
         // cannot see (a layer over it would wait on this one's rows as on anybody's).
         let location = Arc::from(format!("{:p} {}", pool.manager(), sql.qualified));
+        let purge = Arc::new(BackgroundPurge::new(
+            purge_every,
+            pool.clone(),
+            sql.purge_in_turn.clone(),
+            purge::lock_id(&sql.qualified),
+        ));
         Self {
             location,
+            purge,
             tx_claims,
             sql: Arc::new(sql),
             listener: Arc::new(Listener::new(
@@ -689,36 +741,24 @@ impl PostgresStore {
         }
     }
 
-    fn shared_connections(&self) -> usize {
-        self.shared.as_ref().map_or(0, |s| s.len())
-    }
-
     /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
     pub fn with_schema_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("schema", name)?;
-        let shared = self.shared_connections();
-        Ok(Self::with_names(
-            self.pool,
-            name.to_owned(),
-            self.table,
-            self.listen_config,
-            self.connector,
-            shared,
-        ))
+        let options = Options {
+            schema: name.to_owned(),
+            ..self.options()
+        };
+        Ok(Self::build(self.pool, options))
     }
 
     /// Uses the table `name`.
     pub fn with_table_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("table", name)?;
-        let shared = self.shared_connections();
-        Ok(Self::with_names(
-            self.pool,
-            self.schema,
-            name.to_owned(),
-            self.listen_config,
-            self.connector,
-            shared,
-        ))
+        let options = Options {
+            table: name.to_owned(),
+            ..self.options()
+        };
+        Ok(Self::build(self.pool, options))
     }
 
     /// Listens for completions on a connection made with `config`, so that requests
@@ -733,15 +773,11 @@ impl PostgresStore {
     /// may still pass, when the pooler hands back the server connection that listens,
     /// so it does not make such a connection safe to use.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
-        let shared = self.shared_connections();
-        Self::with_names(
-            self.pool,
-            self.schema,
-            self.table,
-            Some(config),
-            self.connector,
-            shared,
-        )
+        let options = Options {
+            listen_config: Some(config),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
     }
 
     /// Makes the connections the store opens outside its pool with `tls`: the
@@ -777,15 +813,11 @@ impl PostgresStore {
         T::TlsConnect: Send + Sync,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        let shared = self.shared_connections();
-        Self::with_names(
-            self.pool,
-            self.schema,
-            self.table,
-            self.listen_config,
-            Connector::with(tls),
-            shared,
-        )
+        let options = Options {
+            connector: Connector::with(tls),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
     }
 
     /// Runs lease mode's claims (and so its replays, 409s and 422s) on `n` connections
@@ -824,14 +856,39 @@ impl PostgresStore {
     /// # Ok::<(), tower_idempotency::store::ConfigError>(())
     /// ```
     pub fn with_shared_claim_connections(self, n: usize) -> Self {
-        Self::with_names(
-            self.pool,
-            self.schema,
-            self.table,
-            self.listen_config,
-            self.connector,
-            n,
-        )
+        let options = Options {
+            shared: n,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// How often this store deletes its expired rows in the background (default every
+    /// 60 s, give or take a fifth; at least 10 ms); `None` turns it off.
+    ///
+    /// The purger starts with the store's first claim (a layer's or a `JobRunner`'s),
+    /// runs on the runtime that made it, and ends with the last clone of the store. Each
+    /// round deletes expired rows in batches of 1 000, one statement each, until a batch
+    /// comes back short. Replicas take turns: a batch first tries an advisory lock of
+    /// the table's own, held until it commits, and deletes nothing while another
+    /// replica's batch holds it. Turn it off where something else purges the table
+    /// (a cron job calling [`purge_expired`](Self::purge_expired), a partition drop).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_background_purge(Some(Duration::from_secs(300)));
+    /// # Ok::<(), tower_idempotency::store::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub fn with_background_purge(self, every: Option<Duration>) -> Self {
+        let options = Options {
+            purge_every: every,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
     }
 
     /// Counters of what this store has done, for tests and dashboards.
@@ -1287,6 +1344,8 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: i64,
     ) -> Result<Claim, StoreError> {
+        // A store in use purges what it expires (`with_background_purge`).
+        self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
             if let Some(claim) = self.claim_once(client, req, token).await? {
                 return Ok(claim);

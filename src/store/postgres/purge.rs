@@ -1,0 +1,153 @@
+//! The background purge: expired rows deleted without the app having to ask.
+//!
+//! A store used by a layer (or a `JobRunner`) starts one purger at its first claim,
+//! shared by its clones. Every `every` (± 20 %, so that replicas started together spread
+//! out) it deletes expired rows in batches until a batch comes back short. Each batch is
+//! one statement that first tries a transaction-scoped advisory lock of the table's
+//! own: while one replica purges, the others' batches delete nothing and wait for their
+//! next turn, so replicas never purge side by side. The purger ends with the last clone
+//! of its store.
+
+use std::{
+    sync::{
+        Arc, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use deadpool_postgres::Pool;
+use tracing::Instrument;
+
+/// How often a store purges by default.
+pub(super) const DEFAULT_EVERY: Duration = Duration::from_secs(60);
+
+/// Rows deleted per statement.
+const BATCH: i64 = 1000;
+
+/// The shortest period accepted.
+const SHORTEST: Duration = Duration::from_millis(10);
+
+/// One store's background purge: its settings, and whether it has started. Held in an
+/// `Arc` by every clone of the store; the purger holds it weakly, and stops once it is
+/// gone.
+pub(super) struct BackgroundPurge {
+    every: Option<Duration>,
+    started: AtomicBool,
+    pool: Pool,
+    /// The batch statement, with the advisory lock (`Sql::purge_in_turn`).
+    statement: String,
+    /// The table's advisory lock id.
+    lock: i64,
+}
+
+impl BackgroundPurge {
+    /// A purge every `every` (`None`: never) with `statement`, which takes the batch
+    /// size and the lock id.
+    pub(super) fn new(every: Option<Duration>, pool: Pool, statement: String, lock: i64) -> Self {
+        Self {
+            every: every.map(|e| e.clamp(SHORTEST, crate::layer::TEN_YEARS)),
+            started: AtomicBool::new(false),
+            pool,
+            statement,
+            lock,
+        }
+    }
+
+    /// The period, if purging is on.
+    pub(super) fn every(&self) -> Option<Duration> {
+        self.every
+    }
+
+    /// Starts the purger, once, on the current runtime (a no-op outside one, or with
+    /// purging off).
+    pub(super) fn start(self: &Arc<Self>) {
+        let Some(every) = self.every else {
+            return;
+        };
+        if self.started.load(Ordering::Relaxed) || self.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.started.store(false, Ordering::Release);
+            return;
+        };
+        let purge = Arc::downgrade(self);
+        runtime.spawn(run(purge, every).instrument(tracing::info_span!("idempotency_purge")));
+    }
+
+    /// Deletes expired rows batch after batch while this replica holds the turn;
+    /// returns how many.
+    async fn round(&self) -> Result<u64, tokio_postgres::Error> {
+        let client = match self.pool.get().await {
+            Ok(client) => client,
+            Err(e) => {
+                tracing::debug!(error = %e, "no connection to purge with; trying next time");
+                return Ok(0);
+            }
+        };
+        let statement = client.prepare_cached(&self.statement).await?;
+        let mut purged = 0;
+        loop {
+            let deleted = client.execute(&statement, &[&BATCH, &self.lock]).await?;
+            purged += deleted;
+            if deleted < BATCH as u64 {
+                return Ok(purged);
+            }
+        }
+    }
+}
+
+/// The purger's loop: a round every `every`, jittered, for as long as its store lives.
+async fn run(purge: Weak<BackgroundPurge>, every: Duration) {
+    loop {
+        tokio::time::sleep(jittered(every, crate::store::random_u64())).await;
+        let Some(purge) = purge.upgrade() else {
+            return;
+        };
+        match purge.round().await {
+            Ok(0) => {}
+            Ok(purged) => tracing::debug!(purged, "purged expired idempotency records"),
+            Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
+        }
+    }
+}
+
+/// `every`, give or take a fifth, by `random`.
+fn jittered(every: Duration, random: u64) -> Duration {
+    // 0.8 to 1.2 times the period, in thousandths.
+    let per_mille = 800 + random % 401;
+    every.mul_f64(per_mille as f64 / 1000.0)
+}
+
+/// The advisory lock id of the purge of `table`: the first 8 bytes of its SHA-256.
+pub(super) fn lock_id(table: &str) -> i64 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("tower-idempotency purge {table}"));
+    let mut id = [0; 8];
+    id.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_are_spread_around_the_period() {
+        let every = Duration::from_secs(60);
+        assert_eq!(jittered(every, 0), Duration::from_secs(48));
+        assert_eq!(jittered(every, 400), Duration::from_secs(72));
+        assert_eq!(jittered(every, 401), Duration::from_secs(48));
+        for random in [1, 77, 12_345, u64::MAX] {
+            let wait = jittered(every, random);
+            assert!(wait >= Duration::from_secs(48) && wait <= Duration::from_secs(72));
+        }
+    }
+
+    #[test]
+    fn tables_have_locks_of_their_own() {
+        assert_ne!(lock_id("\"a\".\"t\""), lock_id("\"b\".\"t\""));
+        assert_eq!(lock_id("\"a\".\"t\""), lock_id("\"a\".\"t\""));
+    }
+}
