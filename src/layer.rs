@@ -201,7 +201,9 @@ impl IdempotencyLayer {
     /// Each renewal is given up after a third of the lease: keep the lease many times
     /// the store's round trip (seconds, not milliseconds). A lease too short for its
     /// renewals lapses under a live handler, and a retry then takes the key over and
-    /// runs the handler a second time.
+    /// runs the handler a second time. (`PostgresStore` does not make renewals wait
+    /// for a pooled connection behind the handlers: with none idle, they go over
+    /// connections it keeps outside the pool.)
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
         self.config().lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);
