@@ -41,6 +41,7 @@ use crate::layer::LONGEST_LOCK_TIMEOUT;
 use crate::{
     Fingerprint, IdempotencyKey, Scope, ShutdownHandle, StoredResponse,
     layer::TEN_YEARS,
+    renewal::Renewal,
     shutdown::InFlight,
     store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
 };
@@ -370,9 +371,8 @@ impl JobRunner {
         task: tokio::task::JoinHandle<Result<Bytes, E>>,
         in_flight: InFlight,
     ) -> Result<JobOutcome, JobError<E>> {
-        let renewing = crate::service::Renewing::Work;
-        let joined =
-            crate::service::renew_while(&self.store, &lease, self.lease, renewing, task).await;
+        let mut renewal = Renewal::start(&self.store, &lease, self.lease);
+        let joined = renewal.watch(task).await;
         match joined {
             Ok(Ok(result)) => {
                 // As the layer stores a response: renewed while the first attempt runs,
@@ -384,7 +384,10 @@ impl JobRunner {
                     store_timeout: self.store_timeout,
                     ttl: self.ttl,
                 };
-                match storing.store(&lease, stored(&result), in_flight).await {
+                match storing
+                    .store(&lease, stored(&result), in_flight, renewal)
+                    .await
+                {
                     crate::service::Completed::Fenced => Err(JobError::TakenOver(result)),
                     crate::service::Completed::Stored | crate::service::Completed::Pending => {
                         Ok(JobOutcome::Ran(result))
@@ -392,10 +395,12 @@ impl JobRunner {
                 }
             }
             Ok(Err(e)) => {
+                drop(renewal);
                 self.release(&lease).await;
                 Err(JobError::Failed(e))
             }
             Err(_) => {
+                drop(renewal);
                 self.release(&lease).await;
                 Err(JobError::Panicked)
             }

@@ -194,10 +194,18 @@ impl IdempotencyLayer {
     /// every third of this, so it bounds how long a crashed request blocks its key, not
     /// how long a handler may run.
     ///
-    /// That holds only while a renewal reaches the store within a third of the lease:
-    /// keep the lease many times the store's round trip (seconds, not milliseconds).
-    /// A lease too short for its renewals lapses under a live handler, and a retry
-    /// then takes the key over and runs the handler a second time.
+    /// The renewals run in a task of their own, not in the future that polls the
+    /// handler: a handler that blocks its thread for a while (a blocking SDK call,
+    /// bcrypt, `block_in_place`) keeps its lease too, as long as the runtime has
+    /// another worker thread to renew on (on a current-thread runtime nothing else
+    /// runs while a handler blocks, renewals included).
+    ///
+    /// Each renewal is given up after a third of the lease: keep the lease many times
+    /// the store's round trip (seconds, not milliseconds). A lease too short for its
+    /// renewals lapses under a live handler, and a retry then takes the key over and
+    /// runs the handler a second time. (`PostgresStore` does not make renewals wait
+    /// for a pooled connection behind the handlers: with none idle, they go over
+    /// connections it keeps outside the pool.)
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
         self.config().lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);

@@ -26,6 +26,7 @@ use crate::{
     key::{KeyError, key_from_headers},
     layer::{Config, IDEMPOTENT_REPLAYED},
     rejection::Problem,
+    renewal::Renewal,
     shutdown::InFlight,
     store::{BoxFuture, Claim, ClaimRequest, Lease},
 };
@@ -798,11 +799,14 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    // Polled inline, not spawned: no second task to hand the result over.
-    let handler = run_inner(inner, req, &config);
-    let produced = renew_while(&config.store, &lease, config.lease, Renewing::Work, handler).await;
+    // The handler is polled inline, not spawned: no second task to hand the result
+    // over. Its lease is renewed in a task of its own, so that a handler that blocks
+    // its thread keeps it too, through the first attempt to store its result.
+    let mut renewal = Renewal::start(&config.store, &lease, config.lease);
+    let produced = renewal.watch(run_inner(inner, req, &config)).await;
     match produced {
         Produced::ServiceFailed(e) => {
+            drop(renewal);
             release(&config, &lease).await;
             Err(e)
         }
@@ -818,13 +822,14 @@ where
                 );
                 let stored = not_stored_problem(&config, Unbuffered::Failed);
                 let answer = stored.clone();
-                store_result(&config, &lease, stored, in_flight).await;
+                store_result(&config, &lease, stored, in_flight, renewal).await;
                 let mut res = Response::new(ResponseBody::full(answer.body));
                 *res.status_mut() = answer.status;
                 *res.headers_mut() = answer.headers;
                 Ok(with_outcome(res, Outcome::Executed))
             } else {
                 tracing::error!(error = %e, "the response body failed; releasing the key");
+                drop(renewal);
                 release(&config, &lease).await;
                 Ok(handler_failed())
             }
@@ -832,8 +837,9 @@ where
         Produced::Buffered(parts, body) => {
             if crate::policy::is_stored(&config.policy, &parts) {
                 let stored = to_store(&config, &parts, &body);
-                store_result(&config, &lease, stored, in_flight).await;
+                store_result(&config, &lease, stored, in_flight, renewal).await;
             } else {
+                drop(renewal);
                 release(&config, &lease).await;
             }
             let mut res = Response::from_parts(parts, ResponseBody::full(body));
@@ -847,9 +853,10 @@ where
                     "the response could not be read whole; retries will get response-not-stored"
                 );
                 let stored = not_stored_problem(&config, why);
-                store_result(&config, &lease, stored, in_flight).await;
+                store_result(&config, &lease, stored, in_flight, renewal).await;
             } else {
                 // Not to be stored in any size: the key is free for a retry.
+                drop(renewal);
                 release(&config, &lease).await;
             }
             let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
@@ -857,85 +864,6 @@ where
         }
     }
 }
-
-/// What [`renew_while`] keeps the lease for, which says what a lost lease means.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Renewing {
-    /// The handler or the job's work: a lost lease means its result will not be stored.
-    Work,
-    /// The first attempt to store the result: a renewal that finds the lease gone may
-    /// only have come after that attempt landed, which the attempt itself reports.
-    Completion,
-}
-
-/// Awaits `handler`, renewing `lease` every third of `duration` meanwhile.
-///
-/// The handler is polled all along, a renewal in flight included: a slow or stalled
-/// store delays the renewal, never the handler.
-pub(crate) async fn renew_while<F: Future>(
-    store: &Arc<dyn crate::store::Store>,
-    lease: &Lease,
-    duration: Duration,
-    renewing: Renewing,
-    handler: F,
-) -> F::Output {
-    let mut handler = std::pin::pin!(handler);
-    let period = duration / 3;
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut renewal: Option<Renewal> = None;
-    let mut lost = false;
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(output) = handler.as_mut().poll(cx) {
-            // A renewal on its way finishes on its own: dropped, it would close (and
-            // cancel on) a connection that is fine.
-            if let (Some(running), Ok(runtime)) =
-                (renewal.take(), tokio::runtime::Handle::try_current())
-            {
-                drop(runtime.spawn(running));
-            }
-            return Poll::Ready(output);
-        }
-        loop {
-            if let Some(running) = renewal.as_mut() {
-                let Poll::Ready(renewed) = running.as_mut().poll(cx) else {
-                    return Poll::Pending;
-                };
-                renewal = None;
-                match renewed {
-                    Ok(Ok(true)) => {}
-                    Ok(Ok(false)) => {
-                        lost = true;
-                        match renewing {
-                            Renewing::Work => tracing::warn!(
-                                token = lease.token,
-                                "the lease was lost while the handler ran; its result will not be stored"
-                            ),
-                            Renewing::Completion => tracing::debug!(
-                                token = lease.token,
-                                "a renewal found the lease gone while the result was being stored (the result may just have landed)"
-                            ),
-                        }
-                    }
-                    Ok(Err(e)) => tracing::warn!(error = %e, "lease renewal failed"),
-                    Err(_) => tracing::warn!("lease renewal timed out"),
-                }
-            }
-            if lost || ticker.poll_tick(cx).is_pending() {
-                return Poll::Pending;
-            }
-            let (store, lease) = (store.clone(), lease.clone());
-            renewal = Some(Box::pin(async move {
-                tokio::time::timeout(period, store.renew(&lease, duration)).await
-            }));
-        }
-    })
-    .await
-}
-
-/// A lease renewal on its way, bounded by the renewal period.
-type Renewal =
-    BoxFuture<'static, Result<Result<bool, crate::store::StoreError>, tokio::time::error::Elapsed>>;
 
 /// What storing a result needs: the store, and the lease, timeout and TTL to store it
 /// with (the layer's, or a `JobRunner`'s).
@@ -963,17 +891,20 @@ async fn store_result(
     lease: &Lease,
     stored: StoredResponse,
     in_flight: InFlight,
+    renewal: Renewal,
 ) {
-    Storing::of(config).store(lease, stored, in_flight).await;
+    Storing::of(config)
+        .store(lease, stored, in_flight, renewal)
+        .await;
 }
 
 impl Storing {
     /// Stores the result. The first attempt is made before answering, with the lease
-    /// renewed as it was while the handler ran; if it fails or outlasts the store
-    /// timeout, the caller gets its answer then, and the attempts go on in the
-    /// background, with backoff, for one more lease, holding `keep` meanwhile:
-    /// completion is token-checked, so a late attempt can never overwrite a successor's
-    /// result.
+    /// still renewed by `renewal`, the one that renewed it while the handler ran; if it
+    /// fails or outlasts the store timeout, the caller gets its answer then, and the
+    /// attempts go on in the background, with backoff, for one more lease, holding
+    /// `keep` meanwhile: completion is token-checked, so a late attempt can never
+    /// overwrite a successor's result.
     ///
     /// `Fenced` when the first attempt found the lease taken over: another run holds
     /// the key, and this result is not stored.
@@ -982,11 +913,15 @@ impl Storing {
         lease: &Lease,
         stored: StoredResponse,
         keep: impl Send + 'static,
+        mut renewal: Renewal,
     ) -> Completed {
         // A slow store must not let the lease lapse under a result about to be stored:
         // a retry would take the key over and run the handler again.
-        let first = self.try_complete(lease, &stored, 1);
-        match renew_while(&self.store, lease, self.lease, Renewing::Completion, first).await {
+        renewal.storing();
+        let first = renewal.watch(self.try_complete(lease, &stored, 1)).await;
+        // The attempts in the background renew the lease themselves, one at a time.
+        drop(renewal);
+        match first {
             Attempt::Stored => return Completed::Stored,
             Attempt::Fenced => return Completed::Fenced,
             Attempt::Failed => {}

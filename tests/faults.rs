@@ -669,6 +669,61 @@ async fn graceful_shutdown_refuses_new_claims_and_waits_for_running_ones() {
     assert_eq!(other_counter.runs(), 0);
 }
 
+/// Renewals, completions and releases of running claims do not queue behind the app's
+/// checkouts: with every connection of a replica's pool held by other work (long
+/// handlers, transactional ones, the app's own queries) while two of its handlers run
+/// for several leases, their leases hold, so retries on another replica get 409; then
+/// one's response is stored and the other's key released, so the retries replay and
+/// run, each key's handler once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_held_by_other_work_does_not_starve_running_claims() {
+    let schema = TestSchema::new();
+    // Renewed every 100 ms.
+    let lease = Duration::from_millis(300);
+    let store_a = schema.store_at(&common::database_url(), 4).await;
+    let (router_a, runs_a) = app(IdempotencyLayer::new(store_a.clone()).lease_duration(lease));
+    let (router_b, runs_b) = app(IdempotencyLayer::new(schema.store().await).lease_duration(lease));
+    let stored = in_flight(
+        &router_a,
+        post_with_headers("k", &[("x-held", "1")]),
+        &runs_a,
+    )
+    .await;
+    let failing = post_with_headers("k2", &[("x-held", "1"), ("x-status", "503")]);
+    let released = in_flight(&router_a, failing, &runs_a).await;
+    // Other work takes every connection of A's pool, and holds them.
+    let mut held = Vec::new();
+    for _ in 0..store_a.pool().status().max_size {
+        held.push(store_a.pool().get().await.expect("a connection"));
+    }
+    assert_eq!(store_a.pool().status().available, 0);
+    // Past three leases: had no renewal landed, both keys would be free to take over.
+    tokio::time::sleep(3 * lease).await;
+    for key in ["k", "k2"] {
+        let retry = send(&router_b, post(key, "{}")).await;
+        assert_eq!(
+            (key, retry.status.as_u16()),
+            (key, 409),
+            "the retry took the key over"
+        );
+    }
+    runs_a.let_go(2);
+    let stored = stored.await.unwrap();
+    assert_eq!(stored.status, 201);
+    assert_eq!(released.await.unwrap().status, 503);
+    // Stored and released over the held pool.
+    let replay = send(&router_b, post("k", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, stored.body);
+    let rerun = send(&router_b, post("k2", "{}")).await;
+    assert_eq!(rerun.outcome, Some(Outcome::Executed));
+    assert_eq!((runs_a.runs_of("k"), runs_a.runs_of("k2")), (1, 1));
+    assert_eq!((runs_b.runs_of("k"), runs_b.runs_of("k2")), (0, 1));
+    // Over connections the store keeps outside its pool.
+    assert!(store_a.metrics().reserve_statements >= 2);
+    drop(held);
+}
+
 #[tokio::test]
 async fn an_exhausted_pool_is_a_bounded_503_not_a_hang() {
     let schema = TestSchema::new();

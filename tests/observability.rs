@@ -309,3 +309,31 @@ async fn a_completion_that_lands_before_its_answer_raises_no_false_alarm() {
         "{messages:?}"
     );
 }
+
+/// The lease is renewed in a task of its own, whose warnings are still the request's:
+/// in its span, with its key.
+#[tokio::test]
+async fn a_failed_renewal_is_logged_in_the_request_s_span() {
+    let (_spans, events, _guard) = recording();
+    let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::RenewalsFail);
+    // Renewed every 20 ms; the key in clear, to tell the request's span.
+    let layer = IdempotencyLayer::new(store)
+        .lease_duration(std::time::Duration::from_millis(60))
+        .hash_keys_in_traces(false);
+    let (router, counter) = app(layer);
+    let held = common::post_with_headers("order-7", &[("x-held", "1")]);
+    let request = common::in_flight(&router, held, &counter).await;
+    let failed = || {
+        let events = events.0.lock().unwrap();
+        events
+            .iter()
+            .find(|e| e["message"] == "lease renewal failed")
+            .cloned()
+    };
+    eventually(|| failed().is_some()).await;
+    counter.let_go(1);
+    request.await.unwrap();
+    let event = failed().unwrap();
+    assert_eq!(event.get("span").map(String::as_str), Some("idempotency"));
+    assert_eq!(event.get("span.key").map(String::as_str), Some("order-7"));
+}

@@ -2,6 +2,7 @@
 
 mod listener;
 mod purge;
+mod reserve;
 mod shared;
 mod tls;
 
@@ -29,7 +30,7 @@ use tokio_postgres::{
 use listener::Listener;
 use purge::BackgroundPurge;
 use sha2::{Digest, Sha256};
-use shared::Shared;
+use shared::{Opened, Shared};
 use tls::Connector;
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
@@ -234,6 +235,15 @@ mod col {
 /// | completion | 1 (`UPDATE … WHERE token = $lease`) |
 /// | takeover of a lapsed lease | 2 (the claim, then a token-checked `UPDATE`) |
 ///
+/// The statements of a running claim (its lease renewals, its completion, its release)
+/// never queue for a connection behind the handlers' checkouts, which would let its
+/// lease lapse under a live handler and a retry run the handler again: they take an
+/// idle pooled connection if there is one, without waiting, and otherwise go over a
+/// reserve of two connections that the store makes with the pool's manager, outside
+/// its `max_size` (up to four while broken ones are replaced), and shares among them,
+/// pipelined. Count them against the server's `max_connections`
+/// ([`StoreMetrics::reserve_statements`] says how often they serve).
+///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
 ///
@@ -267,6 +277,9 @@ pub struct PostgresStore {
     location: Arc<str>,
     /// Deletes expired rows in the background, once started by a claim.
     purge: Arc<BackgroundPurge>,
+    /// Connections outside the pool for the statements of running claims when the
+    /// pool has no idle one (`reserve`).
+    reserve: Arc<Shared>,
 }
 
 /// What a [`PostgresStore`] is built with besides its pool (see `PostgresStore::build`).
@@ -301,6 +314,10 @@ pub struct StoreMetrics {
     pub shared_claims: u64,
     /// Of those, claims that met a row lock there and ran again on a pooled connection.
     pub shared_claims_moved: u64,
+    /// Renewals, completions and releases of running claims sent over the store's
+    /// reserve connections because the pool had no idle connection for them (see
+    /// [`PostgresStore`]); those that then failed or were given up on included.
+    pub reserve_statements: u64,
 }
 
 /// A rejected store setting.
@@ -737,7 +754,8 @@ impl PostgresStore {
             schema,
             table,
             statements: Arc::default(),
-            shared: (shared > 0).then(|| Arc::new(Shared::new(shared))),
+            shared: (shared > 0).then(|| Arc::new(Shared::new(shared, Opened::ForClaims))),
+            reserve: Arc::new(Shared::new(reserve::RESERVE, Opened::Reserve)),
         }
     }
 
@@ -841,8 +859,9 @@ impl PostgresStore {
     /// used, with at most `2n` shared connections open at once. A claim that would wait there
     /// on a row lock gives up after 50 ms (`lock_timeout`), having changed nothing, and
     /// runs again on a pooled connection of its own, so that it does not hold up the
-    /// claims queued behind it. Completions, releases, renewals, purges, migrations and
-    /// all of transactional mode use pooled connections.
+    /// claims queued behind it. Purges, migrations and all of transactional mode use
+    /// pooled connections, and so do completions, releases and renewals, or the
+    /// store's reserve when the pool has no idle connection (see [`PostgresStore`]).
     ///
     /// The `lock_timeout` is a session setting: connect directly or through session
     /// pooling. Behind PgBouncer's transaction pooling it would leak to other clients'
@@ -898,7 +917,8 @@ impl PostgresStore {
             notifications: self.listener.notifications.load(Ordering::Relaxed),
             notified_wakeups: self.listener.notified_wakeups.load(Ordering::Relaxed),
             timer_wakeups: self.listener.timer_wakeups.load(Ordering::Relaxed),
-            shared_claims: self.shared.as_ref().map_or(0, |s| s.claims()),
+            shared_claims: self.shared.as_ref().map_or(0, |s| s.dealt_count()),
+            reserve_statements: self.reserve.dealt_count(),
             shared_claims_moved: self.shared.as_ref().map_or(0, |s| s.moved()),
         }
     }
@@ -1159,9 +1179,12 @@ impl PostgresStore {
     /// gave up on it is finished in a task of its own, and under overload such tasks
     /// would otherwise queue for a connection without end, ahead of new requests.
     pub(crate) async fn client(&self) -> Result<Checkout, StoreError> {
-        pooled(&self.pool)
-            .await
-            .map(|conn| Checkout(Some(conn), self.connector.clone()))
+        pooled(&self.pool).await.map(|conn| self.checkout(conn))
+    }
+
+    /// `conn`, checked out of the pool (see `Checkout`).
+    fn checkout(&self, conn: Client) -> Checkout {
+        Checkout(Some(conn), self.connector.clone())
     }
 
     /// Runs `sql` on a pooled connection, again after a lost race, then gives the
@@ -1640,10 +1663,11 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let client = self.client().await?;
-            let completed =
-                again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl)).await;
-            client.done();
+            let client = self.running_client().await?;
+            let completing =
+                again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl));
+            let completed = client.answer(completing).await;
+            client.done(&completed);
             completed
         })
     }
@@ -1651,7 +1675,7 @@ impl Store for PostgresStore {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
         let id = self.key_id(&lease.scope, &lease.key);
         Box::pin(async move {
-            let client = self.client().await?;
+            let client = self.running_client().await?;
             let params: [&(dyn ToSql + Sync); 5] = [
                 &lease.scope.as_str(),
                 &&*lease.key,
@@ -1660,10 +1684,10 @@ impl Store for PostgresStore {
                 &id,
             ];
             // A query: the notification comes back as a row.
-            let released =
-                again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params))
-                    .await;
-            client.done();
+            let releasing =
+                again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params));
+            let released = client.answer(releasing).await;
+            client.done(&released);
             released.map(|rows| rows.len() == 1)
         })
     }
@@ -1680,7 +1704,11 @@ impl Store for PostgresStore {
                 &lease.token,
                 &ms(duration),
             ];
-            let renewed = self.execute_pooled(&self.sql.renew, &params).await;
+            let client = self.running_client().await?;
+            let renewing =
+                again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params));
+            let renewed = client.answer(renewing).await;
+            client.done(&renewed);
             renewed.map(|n| n == 1)
         })
     }

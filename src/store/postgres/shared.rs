@@ -1,4 +1,4 @@
-//! Connections shared by concurrent claims, which tokio-postgres pipelines.
+//! Connections shared by concurrent statements, which tokio-postgres pipelines.
 //!
 //! A claim is one autocommit statement on the primary key, and for a key that exists
 //! (a replay, a 409, a 422) a read. It needs no connection of its own: concurrent
@@ -13,6 +13,10 @@
 //! its own, where it may wait. A connection that closes is replaced on its next use.
 //! Statements that always write (completions, releases, renewals) stay on pooled
 //! connections, where their commits overlap.
+//!
+//! The same dealing serves the store's reserve ([`Opened::Reserve`], see `reserve`):
+//! connections made outside the pool for the statements of running claims, when the
+//! pool has no idle connection for them.
 
 use std::{
     sync::{
@@ -25,7 +29,7 @@ use std::{
 use deadpool_postgres::{ClientWrapper, Object, Pool};
 
 use super::classify;
-use crate::store::StoreError;
+use crate::store::{StoreError, StoreErrorKind};
 
 /// The `lock_timeout` of a shared connection: how long one claim may hold up the
 /// claims queued behind it before it moves to a connection of its own.
@@ -43,20 +47,33 @@ pub(super) const STALLED: Duration = Duration::from_secs(1);
 /// queues slowly, and the pool's connections overlap their commits.
 const MAX_QUEUED: usize = 8;
 
+/// Where shared connections come from, and what they are set up for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Opened {
+    /// Claims: taken out of the pool for good (the pool may open others in their
+    /// place), with a short `lock_timeout` (`LOCK_TIMEOUT`).
+    ForClaims,
+    /// The reserve: made by the pool's manager (its configuration, its TLS) outside the
+    /// pool's `max_size`, so that they open while every pooled connection is checked
+    /// out, with no session setting (safe behind any pooler).
+    Reserve,
+}
+
 /// `n` connections, taken from the pool when first used and kept; each claim is dealt
 /// to the one with the fewest claims in flight, so that claims queue behind a commit
 /// as little as they can, and among those to the first: under light load claims stay
 /// on one connection (one backend, its caches warm), and the others open only when
 /// concurrent claims need them.
 pub(super) struct Shared {
+    opened: Opened,
     slots: Box<[Slot]>,
     /// Shared connections open, in use or forgotten and still closing: at most two per
     /// slot, so that a database slow to answer (a synchronous standby gone, a disk
     /// stalled), whose connections are forgotten one after the other, is not flooded
     /// with new ones.
     open: Arc<AtomicUsize>,
-    /// Claims dealt to a shared connection, and those of them moved off it.
-    claims: AtomicU64,
+    /// Statements dealt to a shared connection, and those of them moved off it.
+    dealt: AtomicU64,
     moved: AtomicU64,
 }
 
@@ -143,6 +160,13 @@ impl<'a> SharedClient<'a> {
         self.answered = true;
     }
 
+    /// Forgets this connection after it lost its connection or stopped answering: see
+    /// [`Shared::evict`].
+    pub(super) fn evict(&self) {
+        self.forget();
+        self.queued.uncount();
+    }
+
     /// Empties the slot if it still holds this connection.
     fn forget(&self) {
         let mut current = self
@@ -194,11 +218,14 @@ impl Drop for Counted {
     }
 }
 
-/// A connection for a slot, taken out of the pool for good: the pool may open another
-/// in its place, and this one, with its own `lock_timeout`, never goes back to serve a
-/// transaction. `None` when as many shared connections as allowed are open.
+/// A connection for a slot, `opened` so. One for claims is taken out of the pool for
+/// good: the pool may open another in its place, and this one, with its own
+/// `lock_timeout`, never goes back to serve a transaction. One for the reserve is made
+/// by the pool's manager, the pool never knowing of it. `None` when as many shared
+/// connections as allowed are open.
 async fn connect(
     pool: &Pool,
+    opened: Opened,
     open: &Arc<AtomicUsize>,
     limit: usize,
 ) -> Result<Option<Connection>, StoreError> {
@@ -210,25 +237,53 @@ async fn connect(
         return Ok(None);
     }
     let counted = Counted(open.clone());
+    let client = match opened {
+        Opened::ForClaims => Object::take(super::pooled(pool).await?),
+        Opened::Reserve => made(pool).await?,
+    };
     let connection = Connection {
-        client: Object::take(super::pooled(pool).await?),
+        client,
         _counted: counted,
     };
-    let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
-    connection
-        .client
-        .batch_execute(&set)
-        .await
-        .map_err(classify)?;
+    if opened == Opened::ForClaims {
+        let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
+        connection
+            .client
+            .batch_execute(&set)
+            .await
+            .map_err(classify)?;
+    }
     Ok(Some(connection))
 }
 
+/// A new connection made by `pool`'s manager, as the pool makes its own, but outside
+/// it: however many pooled connections are checked out. Bounded by the pool's create
+/// timeout, or `POOL_WAIT` if it sets none. Its statement cache is detached from the
+/// manager's, as those of connections taken out of the pool are.
+async fn made(pool: &Pool) -> Result<ClientWrapper, StoreError> {
+    use deadpool::managed::Manager as _;
+    let bound = pool.timeouts().create.unwrap_or(super::POOL_WAIT);
+    let mut client = match tokio::time::timeout(bound, pool.manager().create()).await {
+        Ok(made) => made.map_err(classify)?,
+        Err(_) => {
+            return Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "a reserve connection did not open within the pool's create timeout",
+            ));
+        }
+    };
+    pool.manager().detach(&mut client);
+    Ok(client)
+}
+
 impl Shared {
-    pub(super) fn new(n: usize) -> Self {
+    /// `n` connections, `opened` so.
+    pub(super) fn new(n: usize, opened: Opened) -> Self {
         Self {
+            opened,
             slots: (0..n).map(|_| Slot::default()).collect(),
             open: Arc::default(),
-            claims: AtomicU64::new(0),
+            dealt: AtomicU64::new(0),
             moved: AtomicU64::new(0),
         }
     }
@@ -272,7 +327,7 @@ impl Shared {
         if slot.failures.load(Ordering::Relaxed) != failures {
             return Ok(None);
         }
-        let connected = connect(pool, &self.open, 2 * self.slots.len()).await;
+        let connected = connect(pool, self.opened, &self.open, 2 * self.slots.len()).await;
         let client = match connected.inspect_err(|_| {
             slot.failures.fetch_add(1, Ordering::Relaxed);
         })? {
@@ -283,9 +338,9 @@ impl Shared {
         Ok(Some(self.dealt(queued, client)))
     }
 
-    /// `client` for the claim `queued`, counted among the shared claims.
+    /// `client` for the statement `queued`, counted among those dealt.
     fn dealt<'a>(&self, queued: Queued<'a>, client: Arc<Connection>) -> SharedClient<'a> {
-        self.claims.fetch_add(1, Ordering::Relaxed);
+        self.dealt.fetch_add(1, Ordering::Relaxed);
         SharedClient::dealt(queued, client)
     }
 
@@ -298,8 +353,7 @@ impl Shared {
     /// may wait for many minutes, and claims stuck so must not keep the slot looking
     /// full, so that no new connection opens in it.
     pub(super) fn evict(&self, client: &SharedClient<'_>) {
-        client.forget();
-        client.queued.uncount();
+        client.evict();
     }
 
     /// How many connections are shared.
@@ -312,8 +366,9 @@ impl Shared {
         self.moved.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(super) fn claims(&self) -> u64 {
-        self.claims.load(Ordering::Relaxed)
+    /// Statements dealt a shared connection.
+    pub(super) fn dealt_count(&self) -> u64 {
+        self.dealt.load(Ordering::Relaxed)
     }
 
     pub(super) fn moved(&self) -> u64 {
@@ -340,7 +395,7 @@ mod tests {
 
     #[tokio::test]
     async fn claims_go_to_the_least_busy_connection_then_to_the_pool() {
-        let (pool, shared) = (pool(), Shared::new(2));
+        let (pool, shared) = (pool(), Shared::new(2, Opened::ForClaims));
         let mut held = Vec::new();
         for _ in 0..2 * MAX_QUEUED {
             let client = shared.get(&pool).await.expect("connects");
@@ -367,12 +422,12 @@ mod tests {
         assert_eq!(in_flight(&shared), [MAX_QUEUED, MAX_QUEUED - 1]);
         let next = shared.get(&pool).await.expect("connects").expect("room");
         assert!(Arc::ptr_eq(&next.client, &connection));
-        assert_eq!(shared.claims(), 2 * MAX_QUEUED as u64 + 1);
+        assert_eq!(shared.dealt_count(), 2 * MAX_QUEUED as u64 + 1);
     }
 
     #[tokio::test]
     async fn forgotten_connections_still_open_count_against_the_limit() {
-        let (pool, shared) = (pool(), Shared::new(1));
+        let (pool, shared) = (pool(), Shared::new(1, Opened::ForClaims));
         let first = shared.get(&pool).await.expect("connects").expect("room");
         // Forgotten (it stopped answering), and still open for the claim on it.
         shared.evict(&first);
@@ -391,7 +446,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_claim_cancelled_while_its_connection_opens_gives_its_count_back() {
-        let (pool, shared) = (pool(), Shared::new(1));
+        let (pool, shared) = (pool(), Shared::new(1, Opened::ForClaims));
         // Polled once (counted, then waiting for the pool's new connection), dropped.
         let pending = {
             let mut get = std::pin::pin!(shared.get(&pool));
@@ -404,7 +459,7 @@ mod tests {
 
     #[tokio::test]
     async fn claims_one_at_a_time_stay_on_the_first_connection() {
-        let (pool, shared) = (pool(), Shared::new(4));
+        let (pool, shared) = (pool(), Shared::new(4, Opened::ForClaims));
         let mut first = shared.get(&pool).await.expect("connects").expect("room");
         let connection = first.client.clone();
         first.answered();
@@ -428,7 +483,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_claim_given_up_before_its_answer_leaves_its_connection_behind() {
-        let (pool, shared) = (pool(), Shared::new(1));
+        let (pool, shared) = (pool(), Shared::new(1, Opened::ForClaims));
         let mut other = shared.get(&pool).await.expect("connects").expect("room");
         let given_up = shared.get(&pool).await.expect("connects").expect("room");
         assert!(Arc::ptr_eq(&other.client, &given_up.client));
@@ -456,7 +511,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lost_connection_is_replaced_and_a_late_eviction_spares_its_successor() {
-        let (pool, shared) = (pool(), Shared::new(1));
+        let (pool, shared) = (pool(), Shared::new(1, Opened::ForClaims));
         let first = shared.get(&pool).await.expect("connects").expect("room");
         shared.evict(&first);
         let second = shared.get(&pool).await.expect("connects").expect("room");
@@ -492,7 +547,7 @@ mod tests {
             .create_timeout(Some(Duration::from_millis(200)))
             .build()
             .expect("pool");
-        let shared = Shared::new(1);
+        let shared = Shared::new(1, Opened::ForClaims);
         let get = || shared.get(&pool);
         let (a, b, c, d) = tokio::join!(get(), get(), get(), get());
         let claims = [a, b, c, d];
@@ -502,12 +557,35 @@ mod tests {
         let to_the_pool = claims.iter().filter(|c| matches!(c, Ok(None))).count();
         assert_eq!((failed, to_the_pool), (1, 3));
         assert_eq!(in_flight(&shared), [0]);
-        assert_eq!(shared.claims(), 0, "no claim was given a shared connection");
+        assert_eq!(
+            shared.dealt_count(),
+            0,
+            "no claim was given a shared connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn reserve_connections_open_outside_a_pool_that_is_all_checked_out() {
+        let (pool, reserve) = (pool(), Shared::new(1, Opened::Reserve));
+        let mut held = Vec::new();
+        for _ in 0..pool.status().max_size {
+            held.push(pool.get().await.expect("a pooled connection"));
+        }
+        let mut client = reserve.get(&pool).await.expect("connects").expect("room");
+        let show = "SHOW lock_timeout";
+        let reserved = client.query_one(show, &[]).await.expect("answers");
+        let pooled = held[0].query_one(show, &[]).await.expect("answers");
+        // No session setting of its own: safe behind a transaction pooler.
+        assert_eq!(reserved.get::<_, &str>(0), pooled.get::<_, &str>(0));
+        client.answered();
+        let status = pool.status();
+        assert_eq!((status.size, status.available), (status.max_size, 0));
+        assert_eq!(reserve.dealt_count(), 1);
     }
 
     #[tokio::test]
     async fn a_claim_cancelled_while_its_connection_opens_is_not_counted_in_flight() {
-        let (pool, shared) = (pool(), Shared::new(1));
+        let (pool, shared) = (pool(), Shared::new(1, Opened::ForClaims));
         // Polled once: the connection is still opening when the claim is dropped.
         let cancelled = tokio::time::timeout(Duration::ZERO, shared.get(&pool)).await;
         assert!(cancelled.is_err(), "the connection opened at once");
