@@ -1082,7 +1082,7 @@ async fn a_waiting_duplicate_gives_up_at_its_bound_with_409() {
 }
 
 /// Posts `payment` under `key` while the demo cannot record payments: the provider
-/// charges, and the answer is the 500 problem, naming no internals.
+/// charges, and the answer is the 503 problem, naming no internals, with `Retry-After`.
 async fn charged_but_not_recorded(
     schema: &Schema,
     client: &HttpClient,
@@ -1097,9 +1097,10 @@ async fn charged_but_not_recorded(
     .await;
     let failed = post_payment(client, addr, Some(key), payment).await;
     failed.assert_problem(
-        StatusCode::INTERNAL_SERVER_ERROR,
+        StatusCode::SERVICE_UNAVAILABLE,
         "payments-demo-payment-failed",
     );
+    assert_eq!(failed.header("retry-after"), Some("1"));
     let body = String::from_utf8_lossy(&failed.body).into_owned();
     assert!(!body.contains("demo_payments"), "{body}");
     query(&format!(
@@ -1109,11 +1110,11 @@ async fn charged_but_not_recorded(
     .await;
 }
 
-/// A payment the backend cannot complete gets a 500 problem document that names no
-/// internals; the key is released, and the retry completes it with the charge the
-/// provider already made for that key.
+/// A payment the backend cannot complete gets a 503 problem document that names no
+/// internals, which clients retry; the key is released, and the retry completes it
+/// with the charge the provider already made for that key.
 #[tokio::test]
-async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_charges_once() {
+async fn a_payment_the_backend_cannot_record_is_a_503_problem_and_its_retry_charges_once() {
     let schema = Schema::new();
     let mut demo = Demo::start(Some(&schema));
     let client = client();
@@ -1129,10 +1130,10 @@ async fn a_payment_the_backend_cannot_record_is_a_500_problem_and_its_retry_char
     );
 }
 
-/// `GET /stats` on a database that cannot answer: the 500 problem document the README
+/// `GET /stats` on a database that cannot answer: the 503 problem document the README
 /// names, saying what failed, naming no internals, and no retry advice for a payment.
 #[tokio::test]
-async fn stats_the_database_cannot_read_are_a_500_problem() {
+async fn stats_the_database_cannot_read_are_a_503_problem() {
     let schema = Schema::new();
     let mut demo = Demo::start(Some(&schema));
     let client = client();
@@ -1146,7 +1147,7 @@ async fn stats_the_database_cannot_read_are_a_500_problem() {
         .await
         .expect("GET /stats");
     failed.assert_problem(
-        StatusCode::INTERNAL_SERVER_ERROR,
+        StatusCode::SERVICE_UNAVAILABLE,
         "payments-demo-payment-failed",
     );
     let detail = failed.json()["detail"]

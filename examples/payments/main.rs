@@ -435,7 +435,7 @@ fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
     res
 }
 
-/// A 500 for a payment the backend could not complete. The cause goes to the log, not
+/// A 503 for a payment the backend could not complete. The cause goes to the log, not
 /// to the client; the key is released (a 5xx is not stored), so a retry with it runs
 /// again, and the provider, given the same derived key, charges once.
 fn internal(e: backend::Error) -> Response {
@@ -443,14 +443,19 @@ fn internal(e: backend::Error) -> Response {
     backend_failed("the payment could not be completed; retry with the same Idempotency-Key")
 }
 
-/// The 500 problem document of a backend failure, saying `detail`.
+/// The problem document of a backend failure, saying `detail`: a 503 with
+/// `Retry-After: 1`, since the database failed (every failure of the backend is one),
+/// which a client retries as it retries the layer's own 503s.
 fn backend_failed(detail: &str) -> Response {
-    problem(
-        StatusCode::INTERNAL_SERVER_ERROR,
+    let mut res = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
         "payments-demo-payment-failed",
         "Payment failed",
         detail,
-    )
+    );
+    res.headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    res
 }
 
 async fn store_stats(State(backend): State<Backend>) -> Response {
