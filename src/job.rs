@@ -309,8 +309,7 @@ impl JobRunner {
                 let runner = self.clone();
                 let _ = tokio::spawn(
                     async move {
-                        let _in_flight = in_flight;
-                        runner.release(&lease).await;
+                        runner.release(&lease, in_flight).await;
                     }
                     .in_current_span(),
                 )
@@ -349,8 +348,7 @@ impl JobRunner {
                             );
                             work_handle.abort();
                             let _ = work_ended.await;
-                            runner.release(&held).await;
-                            drop(holding);
+                            runner.release(&held, holding).await;
                             Err(JobError::Panicked)
                         }
                     }
@@ -396,19 +394,26 @@ impl JobRunner {
             }
             Ok(Err(e)) => {
                 drop(renewal);
-                self.release(&lease).await;
+                self.release(&lease, in_flight).await;
                 Err(JobError::Failed(e))
             }
             Err(_) => {
                 drop(renewal);
-                self.release(&lease).await;
+                self.release(&lease, in_flight).await;
                 Err(JobError::Panicked)
             }
         }
     }
 
-    async fn release(&self, lease: &Lease) {
-        let _ = tokio::time::timeout(self.store_timeout, self.store.release(lease)).await;
+    /// Releases the key, as the layer does: again in the background while the store is
+    /// away, counted in flight (`keep`) meanwhile.
+    async fn release(&self, lease: &Lease, keep: InFlight) {
+        let releasing = crate::release::Releasing {
+            store: self.store.clone(),
+            store_timeout: self.store_timeout,
+            lease: self.lease,
+        };
+        releasing.release(lease, keep).await;
     }
 
     #[cfg(feature = "postgres")]

@@ -11,6 +11,7 @@ mod outcome;
 mod policy;
 mod record;
 pub mod rejection;
+mod release;
 mod renewal;
 mod scope;
 mod service;

@@ -461,8 +461,7 @@ where
                 panic = crate::catch_panic::message(&panic),
                 "the request panicked; releasing the key"
             );
-            release(&config, &held).await;
-            drop(counted);
+            release(&config, &held, counted).await;
             Ok(handler_failed())
         }
     }
@@ -807,7 +806,7 @@ where
     match produced {
         Produced::ServiceFailed(e) => {
             drop(renewal);
-            release(&config, &lease).await;
+            release(&config, &lease, in_flight).await;
             Err(e)
         }
         Produced::BodyFailed(parts, e) => {
@@ -830,7 +829,7 @@ where
             } else {
                 tracing::error!(error = %e, "the response body failed; releasing the key");
                 drop(renewal);
-                release(&config, &lease).await;
+                release(&config, &lease, in_flight).await;
                 Ok(handler_failed())
             }
         }
@@ -840,7 +839,7 @@ where
                 store_result(&config, &lease, stored, in_flight, renewal).await;
             } else {
                 drop(renewal);
-                release(&config, &lease).await;
+                release(&config, &lease, in_flight).await;
             }
             let mut res = Response::from_parts(parts, ResponseBody::full(body));
             res.headers_mut().remove(header::CONTENT_LENGTH);
@@ -857,7 +856,7 @@ where
             } else {
                 // Not to be stored in any size: the key is free for a retry.
                 drop(renewal);
-                release(&config, &lease).await;
+                release(&config, &lease, in_flight).await;
             }
             let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
             Ok(with_outcome(res, Outcome::Executed))
@@ -1014,12 +1013,13 @@ pub(crate) enum Completed {
     Pending,
 }
 
-async fn release(config: &Config, lease: &Lease) {
-    match tokio::time::timeout(config.store_timeout, config.store.release(lease)).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "releasing the key failed; it frees when its lease lapses")
-        }
-        Err(_) => tracing::warn!("releasing the key timed out; it frees when its lease lapses"),
-    }
+/// Releases the key (see [`Releasing`](crate::release::Releasing)), counted in flight
+/// (`keep`) until it is released or given up on.
+async fn release(config: &Config, lease: &Lease, keep: InFlight) {
+    let releasing = crate::release::Releasing {
+        store: config.store.clone(),
+        store_timeout: config.store_timeout,
+        lease: config.lease,
+    };
+    releasing.release(lease, keep).await;
 }

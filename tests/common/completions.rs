@@ -36,6 +36,9 @@ pub enum Completion {
     SlowRenew(Duration),
     /// Renewals fail as an unreachable store's would; the rest reach the store.
     RenewalsFail,
+    /// The first this many releases fail as an unreachable store's would; the others,
+    /// and the rest, reach the store.
+    ReleasesFailFirst(usize),
     /// Renewals wait for [`Counts::let_renewals_go`] (counted as started meanwhile);
     /// the rest reach the store at once.
     HeldRenew,
@@ -205,6 +208,7 @@ impl Store for AlteredCompletions {
             | Completion::HeldRenew
             | Completion::RenewalsPanic
             | Completion::RenewalsFail
+            | Completion::ReleasesFailFirst(_)
             | Completion::Unaltered => self.inner.complete(lease, response, ttl),
             Completion::AnsweredLate(delay) => Box::pin(async move {
                 let landed = self.inner.complete(lease, response, ttl).await;
@@ -218,6 +222,13 @@ impl Store for AlteredCompletions {
         let delay = match self.completion {
             Completion::SlowRelease(delay) => delay,
             Completion::SlowClaimThenSilent(_) => return Box::pin(std::future::pending()),
+            Completion::ReleasesFailFirst(n) => {
+                if self.releases.fetch_add(1, Ordering::SeqCst) < n {
+                    return Box::pin(std::future::ready(Err(refused())));
+                }
+                // Counted above.
+                return self.inner.release(lease);
+            }
             _ => Duration::ZERO,
         };
         Box::pin(async move {

@@ -505,6 +505,25 @@ macro_rules! layer_suite {
                 assert_eq!(charges.load(std::sync::atomic::Ordering::SeqCst), 10);
             }
 
+            /// A release that fails while the store is away is tried again in the
+            /// background: the key frees as soon as the store answers, not when its lease
+            /// lapses, so the client's retry runs instead of meeting 409 for a lease.
+            #[tokio::test]
+            async fn a_release_that_fails_is_tried_again_until_the_store_answers() {
+                let (_, store, _g) = layer().await;
+                let (store, releases) =
+                    AlteredCompletions::counting_releases(store, Completion::ReleasesFailFirst(3));
+                let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
+                let (router, counter) = app(layer);
+                let failing = post_with_headers("k", &[("x-status", "503")]);
+                assert_eq!(send(&router, failing).await.status, 503);
+                // Without retries, 409 for the whole 60 s lease, and this gives up first.
+                let created = retry_until_created(&router, "k", &[409]).await;
+                assert_eq!(created.status, 201);
+                assert_eq!(counter.runs_of("k"), 2);
+                assert!(releases.load(std::sync::atomic::Ordering::SeqCst) >= 4);
+            }
+
             /// A handler marks one answer as not to be stored, whatever the policy.
             #[tokio::test]
             async fn a_response_marked_no_store_releases_the_key() {
