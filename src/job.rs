@@ -187,8 +187,10 @@ impl JobRunner {
     /// the run fails with [`JobError::Store`] and the work does not run), and in lease
     /// mode on each attempt to store the result (the lease is renewed meanwhile; `run`
     /// returns after the first, and the others go on in the background for one more
-    /// lease) and on a release; in transactional mode, on opening the transaction (its
-    /// commit is not bounded). A claim that lands after the bound,
+    /// lease) and on a release; in transactional mode, on every statement the runner
+    /// sends in the transaction (opening it with the claim, the completion with its
+    /// `COMMIT`, which is checked on another connection if no answer comes in time, a
+    /// `ROLLBACK`). A claim that lands after the bound,
     /// or after the run was dropped, is released at once, so that a redelivery can run
     /// the work rather than wait out the lease; on a pooled PostgreSQL connection it
     /// is waited for 5 s more, then its connection is closed and it is released in
@@ -421,7 +423,10 @@ impl JobRunner {
         Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
         E: Send + 'static,
     {
-        use crate::transactional::{Committed, Opened, TransactionHandle, commit, open, rollback};
+        use crate::{
+            store::rollback,
+            transactional::{Committed, Opened, TransactionHandle, commit, open},
+        };
 
         let (conn, lease) = match open(
             store,
@@ -435,7 +440,7 @@ impl JobRunner {
             // A run that waited on another worker's row may get it after `close()`:
             // nothing is claimed after the close, so it lets the row go.
             Opened::Acquired(conn, _) if self.shutdown.is_closed() => {
-                rollback(conn).await;
+                rollback(conn, self.store_timeout).await;
                 return Err(JobError::ShuttingDown);
             }
             Opened::Acquired(conn, lease) => (conn, lease),
@@ -489,7 +494,7 @@ impl JobRunner {
             }
             None => {
                 if let Some(conn) = TransactionHandle::take(&slot, store_timeout).await {
-                    rollback(conn).await;
+                    rollback(conn, store_timeout).await;
                 }
                 return Err(JobError::Panicked);
             }
@@ -508,7 +513,7 @@ impl JobRunner {
                 // A work that succeeded although one of its statements failed (and so
                 // aborted the transaction) has had no effect either.
                 let sent = stored(&result);
-                let timeouts = (lock_timeout, self.store_timeout);
+                let timeouts = (lock_timeout, store_timeout);
                 match commit(store, conn, &lease, request, &sent, timeouts.0, timeouts.1).await {
                     Committed::Yes => Ok(JobOutcome::Ran(result)),
                     Committed::Aborted | Committed::No | Committed::Unknown => {
@@ -517,11 +522,11 @@ impl JobRunner {
                 }
             }
             Ok(Err(e)) => {
-                rollback(conn).await;
+                rollback(conn, store_timeout).await;
                 Err(JobError::Failed(e))
             }
             Err(_) => {
-                rollback(conn).await;
+                rollback(conn, store_timeout).await;
                 Err(JobError::Panicked)
             }
         }

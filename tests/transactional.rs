@@ -1253,3 +1253,134 @@ async fn a_commit_in_doubt_is_not_mistaken_for_another_takeover_of_the_same_expi
         "the first takeover's write is gone"
     );
 }
+
+/// Lets the held request go, closes the layer and drains it, bounded: a drain that
+/// waits on a statement the database never answers fails the test rather than hangs.
+async fn drain_while_held(
+    shutdown: &tower_idempotency::ShutdownHandle,
+    counter: &Counter,
+    request: tokio::task::JoinHandle<common::Reply>,
+) -> common::Reply {
+    counter.let_go(1);
+    shutdown.close();
+    tokio::time::timeout(Duration::from_secs(30), shutdown.drain())
+        .await
+        .expect("the drain hangs");
+    tokio::time::timeout(Duration::from_secs(30), request)
+        .await
+        .expect("no answer within 30 s: the request hangs")
+        .unwrap()
+}
+
+/// A `COMMIT` that the database never answers (the link holds it: a partition, a
+/// frozen server) is given up on after `store_timeout`, then checked on another
+/// connection: the client gets a bounded `503 not-committed` saying the outcome is
+/// unknown (the transaction, still open on the server, holds the row past the check's
+/// wait), and a drain returns. Once the link lets the `COMMIT` through, the retry
+/// replays what committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_the_database_never_answers_is_a_bounded_503_unknown() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 3).await;
+    let layer = |store| {
+        IdempotencyLayer::transactional(store)
+            .store_timeout(Duration::from_millis(500))
+            .lock_timeout(Duration::from_millis(500))
+    };
+    let first_layer = layer(store.clone());
+    let shutdown = first_layer.shutdown_handle();
+    let (router, counter) = app(first_layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    proxy.hold_next_commit();
+    let first = drain_while_held(&shutdown, &counter, first).await;
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    assert_eq!(first.problem(), "not-committed");
+    let detail = first.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("could not be checked"), "{detail}");
+    assert_eq!(proxy.held(), 1);
+    proxy.release_held();
+    // Another replica, not shut down: the COMMIT went through once let go.
+    let (other, other_counter) = app(layer(store), &table);
+    let retry = common::retry_until_created_with(&other, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.json()["run"], 1);
+    assert_eq!(counter.runs() + other_counter.runs(), 1);
+}
+
+/// A `COMMIT` that reaches the database, whose answer never comes back: the check on
+/// another connection finds it committed, and the client gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_whose_answer_never_comes_is_checked_and_answered() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 3).await;
+    let layer = IdempotencyLayer::transactional(store).store_timeout(Duration::from_millis(500));
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    proxy.hold_after_next_commit();
+    let first = drain_while_held(&shutdown, &counter, first).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.held(), 1);
+    assert_eq!(rows_in(&schema, &table).await, 1);
+    let completed = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed'",
+        schema.name
+    );
+    assert_eq!(count(&schema, &completed).await, 1);
+    assert_eq!(counter.runs(), 1);
+    proxy.release_held();
+}
+
+/// A `ROLLBACK` the database never answers (the handler's 503, which the storage
+/// policy does not keep) is given up on after `store_timeout`: its connection is
+/// closed, the client gets the handler's answer, and a drain returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rollback_the_database_never_answers_is_given_up_on() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 3).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(
+        &router,
+        post_with("k", &[("x-held", "1"), ("x-status", "503")]),
+        &counter,
+    )
+    .await;
+    proxy.hold_next_rollback();
+    let first = drain_while_held(&shutdown, &counter, first).await;
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.held(), 1);
+    proxy.release_held();
+    assert_eq!(rows_in(&schema, &table).await, 0);
+}
+
+/// The `ROLLBACK` of a replay's transaction runs in the background; one the database
+/// never answers is given up on after `store_timeout` too, and its connection closed,
+/// so it does not keep a pooled connection for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_background_rollback_the_database_never_answers_gives_its_connection_back() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 1).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let (router, counter) = app(layer, &table);
+    assert_eq!(send(&router, post_with("k", &[])).await.status, 201);
+    proxy.hold_next_rollback();
+    let replay = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    // The pool's one connection is held by the replay's ROLLBACK until it is given up.
+    let next = tokio::time::timeout(
+        Duration::from_secs(20),
+        common::retry_until_created_with(&router, || post_with("other", &[]), &[503]),
+    )
+    .await
+    .expect("the pool's connection never came back");
+    assert_eq!(next.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.held(), 1);
+    assert_eq!(counter.runs(), 2);
+    proxy.release_held();
+}

@@ -3,6 +3,7 @@
 mod listener;
 mod shared;
 mod tls;
+mod tx;
 
 use std::{
     fmt,
@@ -29,6 +30,7 @@ use listener::Listener;
 use sha2::{Digest, Sha256};
 use shared::Shared;
 use tls::Connector;
+pub(crate) use tx::{begin, commit_on, rollback};
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -1264,59 +1266,6 @@ impl PostgresStore {
             StoreErrorKind::Timeout,
             "the key kept changing while it was being claimed",
         ))
-    }
-
-    /// Prepares the completion statement on `client` (a no-op once cached), so that its
-    /// execution can be pipelined with a `COMMIT`.
-    pub(crate) async fn prepare_completion(
-        &self,
-        client: &ClientWrapper,
-    ) -> Result<(), StoreError> {
-        client
-            .prepare_cached(&self.sql.complete)
-            .await
-            .map(drop)
-            .map_err(classify)
-    }
-
-    /// Whether the transaction that claimed `lease` for `fingerprint` and sent `sent` as
-    /// its completion committed, once it has ended: for a `COMMIT` whose answer was lost.
-    /// `client` is in a read committed transaction of its own, which the caller rolls
-    /// back.
-    ///
-    /// The row then carries that claim's token, completed with that response, only if
-    /// it committed. A duplicate's claim cannot be taken for it: a fresh claim's token is
-    /// drawn at random, and the read sees the row as the transaction left it unless a
-    /// duplicate that was waiting on it has taken it and committed in the moment since.
-    /// Only a takeover of an expired row gets the same token (one more than the row's);
-    /// that duplicate would also need the same input and the same stored response. The
-    /// check relies on the record outliving it: a TTL of milliseconds, with a purge or a
-    /// takeover in between, reads as not committed.
-    pub(crate) async fn committed_on(
-        &self,
-        client: &ClientWrapper,
-        lease: &Lease,
-        fingerprint: &Fingerprint,
-        sent: &StoredResponse,
-    ) -> Result<bool, StoreError> {
-        let (scope, key) = (lease.scope.as_str(), &*lease.key);
-        let fp: &[u8] = fingerprint.as_bytes();
-        self.query_on(client, &self.sql.in_doubt_wait, &[&scope, &key, &fp])
-            .await?;
-        let rows = self
-            .query_on(client, &self.sql.in_doubt_read, &[&scope, &key])
-            .await?;
-        let Some(row) = rows.first() else {
-            return Ok(false);
-        };
-        let ours = row.get::<_, i64>(0) == lease.token
-            && row.get::<_, &str>(1) == "completed"
-            && row.get::<_, &[u8]>(2) == fp
-            && row.get::<_, Option<i16>>(3) == Some(sent.status.as_u16() as i16)
-            && row.get::<_, Option<&[u8]>>(4)
-                == Some(&StoredResponse::encode_headers(&sent.headers)[..])
-            && row.get::<_, Option<&[u8]>>(5) == Some(&sent.body[..]);
-        Ok(ours)
     }
 
     /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
