@@ -91,8 +91,9 @@ pub enum JobOutcome {
 /// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
 /// redelivery can fix, and [`TakenOver`](Self::TakenOver), where the work ran, the work
 /// either did not run, or its claim was released
-/// (transactional mode: rolled back, once anything the work spawned has let go of its
-/// client), or it may have committed ([`NotCommitted`] when the check could not tell):
+/// (transactional mode: rolled back, or, if something the work spawned still holds its
+/// client `store_timeout` after the work returned, ended on the server), or it may
+/// have committed ([`NotCommitted`] when the check could not tell):
 /// a later delivery runs it, or finds it done.
 ///
 /// [`NotCommitted`]: Self::NotCommitted
@@ -190,7 +191,8 @@ impl JobRunner {
     /// lease) and on a release; in transactional mode, on every statement the runner
     /// sends in the transaction (opening it with the claim, the completion with its
     /// `COMMIT`, which is checked on another connection if no answer comes in time, a
-    /// `ROLLBACK`). A claim that lands after the bound,
+    /// `ROLLBACK`), and on the work's hold on its client once it has returned (then
+    /// its transaction is ended on the server). A claim that lands after the bound,
     /// or after the run was dropped, is released at once, so that a redelivery can run
     /// the work rather than wait out the lease; on a pooled PostgreSQL connection it
     /// is waited for 5 s more, then its connection is closed and it is released in
@@ -428,7 +430,7 @@ impl JobRunner {
             transactional::{Committed, Opened, TransactionHandle, commit, open},
         };
 
-        let (conn, lease) = match open(
+        let (conn, claimed) = match open(
             store,
             request,
             lock_timeout,
@@ -443,7 +445,7 @@ impl JobRunner {
                 rollback(conn, self.store_timeout).await;
                 return Err(JobError::ShuttingDown);
             }
-            Opened::Acquired(conn, lease) => (conn, lease),
+            Opened::Acquired(conn, claimed) => (conn, claimed),
             Opened::Found(claim) => {
                 return match found(claim, request)? {
                     Ok(_) => Err(JobError::Store(StoreError::new(
@@ -480,20 +482,26 @@ impl JobRunner {
                 // output, which rolls back, whatever copies of the handle live on.
                 // A panic is caught there too, so that it is taken back then as well.
                 let counted = in_flight.clone();
-                let taken = slot.clone();
+                let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
                 let work = async move {
                     let _counted = counted;
                     let result = crate::catch_panic::CatchPanic::new(work).await.ok();
-                    (result, TransactionHandle::take(&taken, store_timeout).await)
+                    let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
+                    (result, conn.await)
                 };
                 match tokio::spawn(work.in_current_span()).await {
                     Ok((result, conn)) => (result.ok_or(()), conn),
                     // The task itself was cancelled (the runtime shutting down).
-                    Err(_) => (Err(()), TransactionHandle::take(&slot, store_timeout).await),
+                    Err(_) => {
+                        let conn =
+                            TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                        (Err(()), conn.await)
+                    }
                 }
             }
             None => {
-                if let Some(conn) = TransactionHandle::take(&slot, store_timeout).await {
+                let conn = TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                if let Some(conn) = conn.await {
                     rollback(conn, store_timeout).await;
                 }
                 return Err(JobError::Panicked);
@@ -514,7 +522,11 @@ impl JobRunner {
                 // aborted the transaction) has had no effect either.
                 let sent = stored(&result);
                 let timeouts = (lock_timeout, store_timeout);
-                match commit(store, conn, &lease, request, &sent, timeouts.0, timeouts.1).await {
+                match commit(
+                    store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
+                )
+                .await
+                {
                     Committed::Yes => Ok(JobOutcome::Ran(result)),
                     Committed::Aborted | Committed::No | Committed::Unknown => {
                         Err(JobError::NotCommitted)

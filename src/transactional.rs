@@ -29,7 +29,15 @@
 //!   connection failed (`503 not-committed`, saying the outcome is unknown, if the check
 //!   cannot tell); a `ROLLBACK` with none closes its connection, which rolls back. A
 //!   database that stops answering holds neither the request nor
-//!   [`ShutdownHandle::drain`](crate::ShutdownHandle::drain).
+//!   [`ShutdownHandle::drain`](crate::ShutdownHandle::drain);
+//! - work that keeps the [`TransactionClient`] past the response (a task the handler
+//!   spawned) has `store_timeout` to let go of it; then the layer ends the transaction
+//!   on the server from another connection (`pg_terminate_backend` on the session
+//!   running it, only while it still runs that transaction), so that nothing of it
+//!   commits and its key is free, and answers `500 handler-failed`.
+//!
+//! Transactional mode needs an app role that may signal its own sessions (any role
+//! may, unless its connections run as another role).
 //!
 //! ```no_run
 //! use axum::{Router, http::StatusCode, routing::post};
@@ -86,7 +94,7 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{Checkout, ClaimRequest, PostgresStore, rollback},
+    store::{Backend, Checkout, ClaimRequest, PostgresStore, rollback},
 };
 
 pub(crate) use lifecycle::{Committed, Opened, commit, open};
@@ -99,8 +107,10 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// handler: once the layer commits or rolls back, [`client`](Self::client) fails. Work
 /// that still holds the [`TransactionClient`] when the response is ready (a task the
 /// handler spawned, say) has until the layer's `store_timeout` to let go of it; past
-/// that, the request answers `500 handler-failed`, and the transaction is rolled back
-/// and its connection closed as soon as the client is dropped.
+/// that, the layer ends the transaction on the server (it terminates the session
+/// running it, from another connection), so nothing of it commits and its key is
+/// free, and the request answers `500 handler-failed`; the client's connection is
+/// closed once the work drops it.
 #[derive(Clone)]
 pub struct TransactionHandle {
     slot: Arc<Mutex<Option<Checkout>>>,
@@ -133,27 +143,41 @@ impl TransactionHandle {
     }
 
     /// Takes the transaction back once the work is done; `None` if the work still holds
-    /// the connection after `bound`. The connection is then closed, which rolls back,
-    /// as soon as the work lets go of its [`TransactionClient`], even if it keeps a
-    /// clone of the handle: a handle kept beyond the request must not hold its row
-    /// lock, and so its key, for as long as the handle lives.
+    /// the connection after `bound`. The transaction is then ended on the server at
+    /// once, from another connection (`backend`'s session is terminated, each step
+    /// bounded by `bound`), so that nothing of it commits and its row lock, and so its
+    /// key, is let go, whatever the work does with its [`TransactionClient`]; the
+    /// connection is closed as soon as the work lets go of the client, even if it keeps
+    /// a clone of the handle.
     pub(crate) async fn take(
         slot: &Arc<Mutex<Option<Checkout>>>,
+        store: &PostgresStore,
+        backend: &Backend,
         bound: Duration,
     ) -> Option<Checkout> {
-        match tokio::time::timeout(bound, slot.lock()).await {
-            Ok(mut slot) => slot.take(),
-            Err(_) => {
-                tracing::error!(
-                    "the work kept the transaction's connection; it is closed, which rolls back, once the work lets it go"
-                );
-                // Queued on the lock behind the work's client: the handle's later calls
-                // queue behind this and find the transaction ended.
-                let slot = slot.clone();
-                tokio::spawn(async move { drop(slot.lock().await.take()) });
-                None
-            }
+        if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
+            return taken.take();
         }
+        // Queued on the lock behind the work's client: the handle's later calls queue
+        // behind this and find the transaction ended.
+        let queued = slot.clone();
+        tokio::spawn(async move { drop(queued.lock().await.take()) });
+        match tokio::time::timeout(bound, store.end_transaction(backend)).await {
+            Ok(Ok(true)) => tracing::error!(
+                "the work kept the transaction's connection past the response; the transaction was ended on the server, so nothing of it commits"
+            ),
+            Ok(Ok(false)) => tracing::error!(
+                "the work kept the transaction's connection past the response; its transaction had already ended on the server"
+            ),
+            Ok(Err(e)) => tracing::error!(
+                error = %e,
+                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
+            ),
+            Err(_) => tracing::error!(
+                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
+            ),
+        }
+        None
     }
 
     /// The transaction's connection.
@@ -314,18 +338,18 @@ where
         () = config.shutdown.closed() => return Ok(shutting_down()),
     };
     let store_timeout = config.store_timeout;
-    let (conn, lease) = match opened {
+    let (conn, claimed) = match opened {
         // A duplicate that waited on the first request's row may get it after
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
             rollback(conn, store_timeout).await;
             return Ok(shutting_down());
         }
-        Opened::Acquired(conn, lease) => {
+        Opened::Acquired(conn, claimed) => {
             // Until now, dropping the request dropped its connection, which rolled
             // back anything claimed; from now on it finishes even if its client goes.
             handoff.hold();
-            (conn, lease)
+            (conn, claimed)
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
@@ -352,7 +376,8 @@ where
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
     let _in_flight = in_flight;
     let produced = CatchPanic::new(run_inner(inner, req, &config)).await;
-    let Some(conn) = TransactionHandle::take(&slot, store_timeout).await else {
+    let taken = TransactionHandle::take(&slot, &store, &claimed.backend, store_timeout);
+    let Some(conn) = taken.await else {
         return Ok(handler_failed());
     };
     let produced = match produced {
@@ -404,7 +429,7 @@ where
     let committed = commit(
         &store,
         conn,
-        &lease,
+        &claimed,
         &request,
         &stored,
         config.lock_timeout,

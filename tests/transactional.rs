@@ -1005,7 +1005,9 @@ async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
 
 /// Writes through a task that keeps the request's transaction handle long after the
 /// response; with `x-keep-handle`, the task holds the connection for `pg_sleep(1.5)`
-/// past the layer's store timeout, then lets go of the client but keeps the handle.
+/// past the layer's store timeout (the layer ends the transaction on the server
+/// meanwhile, which fails the statement), then lets go of the client but keeps the
+/// handle.
 async fn keeps_its_handle(
     State(app): State<App>,
     key: IdempotencyKey,
@@ -1024,7 +1026,7 @@ async fn keeps_its_handle(
         let _ = holding.send(());
         let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 0, 'kept')");
         client.execute(&insert, &[&key.as_str()]).await.unwrap();
-        client.batch_execute("SELECT pg_sleep(1.5)").await.unwrap();
+        let _ = client.batch_execute("SELECT pg_sleep(1.5)").await;
         drop(client);
         // Kept as a careless app might keep it: in a cache, a struct, a task.
         tokio::time::sleep(Duration::from_secs(600)).await;
@@ -1035,8 +1037,7 @@ async fn keeps_its_handle(
 }
 
 /// A handle kept beyond the request must not keep its row lock, and so its key, for as
-/// long as it lives: once the work lets go of the connection, the transaction rolls
-/// back and a retry runs clean.
+/// long as it lives: the transaction rolls back and a retry runs clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
     let schema = TestSchema::new();
@@ -1049,8 +1050,7 @@ async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
     let first = send(&router, post_with("k", &[("x-keep-handle", "1")])).await;
     assert_eq!(first.status, 500);
     assert_eq!(first.problem(), "handler-failed");
-    // The kept connection's statement ends 1.5 s in; 10 s is the bound for a retry to
-    // run, against the 600 s the handle is kept.
+    // 10 s is the bound for a retry to run, against the 600 s the handle is kept.
     let started = std::time::Instant::now();
     let mut statuses = Vec::new();
     let retry = loop {
@@ -1383,4 +1383,61 @@ async fn a_background_rollback_the_database_never_answers_gives_its_connection_b
     assert_eq!(proxy.held(), 1);
     assert_eq!(counter.runs(), 2);
     proxy.release_held();
+}
+
+/// Writes through a task that takes the request's transaction client and never lets
+/// go of it (a careless app's background work), then answers 201.
+async fn holds_its_client_for_good(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !headers.contains_key("x-hold-for-good") {
+        return create(State(app), key, tx, headers, body).await;
+    }
+    app.counter.count_run();
+    let (written, wrote) = tokio::sync::oneshot::channel();
+    let table = app.table.clone();
+    tokio::spawn(async move {
+        let client = tx.client().await.expect("transaction");
+        let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 0, 'kept')");
+        client.execute(&insert, &[&key.as_str()]).await.unwrap();
+        let _ = written.send(());
+        std::future::pending::<()>().await;
+        drop(client);
+    });
+    wrote.await.unwrap();
+    (StatusCode::CREATED, "{}").into_response()
+}
+
+/// A task that keeps the transaction's client for good: when the layer gives up on it
+/// (500 after `store_timeout`), it ends the transaction on the server, so nothing of it
+/// commits and the key is free at once: the retry runs, rather than meeting 409 for as
+/// long as the task lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_for_good_past_the_request_does_not_hold_the_key() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 3).await;
+    let table = setup(&schema, &store).await;
+    // The retry may wait on the row for a moment while the ended backend exits.
+    let layer = IdempotencyLayer::transactional(store)
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_secs(5));
+    let (router, counter) = app_on(post(holds_its_client_for_good), layer, &table);
+    let first = common::send_bounded(&router, post_with("k", &[("x-hold-for-good", "1")])).await;
+    assert_eq!(first.status, 500);
+    assert_eq!(first.problem(), "handler-failed");
+    let retry = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    let kept = format!("SELECT count(*) FROM {table} WHERE body = 'kept'");
+    assert_eq!(
+        count(&schema, &kept).await,
+        0,
+        "the kept write never commits"
+    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }

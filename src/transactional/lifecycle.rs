@@ -9,15 +9,24 @@ use tokio::time::{Instant, timeout, timeout_at};
 use crate::{
     StoredResponse,
     store::{
-        Checkout, Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, begin, commit_on,
-        connection_lost, in_an_aborted_transaction, rollback, statement_cancelled,
+        Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, begin,
+        commit_on, connection_lost, in_an_aborted_transaction, rollback, statement_cancelled,
     },
 };
+
+/// A key claimed in an open transaction.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    /// The claim row's lease: the key, and the token the row carries.
+    pub(crate) lease: Lease,
+    /// The session and transaction that hold the row.
+    pub(crate) backend: Backend,
+}
 
 /// The result of opening a transaction and claiming the key in it.
 pub(crate) enum Opened {
     /// The claim row is ours, uncommitted, in this transaction.
-    Acquired(Checkout, Lease),
+    Acquired(Checkout, Claimed),
     /// Completed or running under another request (the transaction is rolled back).
     Found(Claim),
     /// The first request held its row past the lock timeout (or the key kept changing
@@ -71,19 +80,15 @@ pub(crate) async fn open(
                 if retry {
                     store.roll_back_on(client).await?;
                 }
-                let (begun, claim) = tokio::join!(
-                    store.begin_on(client, begin),
-                    store.claim_on(client, request, crate::store::fresh_token())
-                );
-                begun?;
-                claim
+                let token = crate::store::fresh_token();
+                store.begin_and_claim(client, begin, request, token).await
             }
         })
         .await
     })
     .await;
     let claimed = match claimed {
-        Ok(Ok(Claim::Acquired(lease))) if claim_wait != lock_timeout => {
+        Ok(Ok((Claim::Acquired(lease), backend))) if claim_wait != lock_timeout => {
             // The handler's own lock waits are bounded by `lock_timeout`, not by how
             // long a duplicate may wait for the key.
             match timeout(
@@ -92,7 +97,7 @@ pub(crate) async fn open(
             )
             .await
             {
-                Ok(Ok(())) => Ok(Ok(Claim::Acquired(lease))),
+                Ok(Ok(())) => Ok(Ok((Claim::Acquired(lease), backend))),
                 Ok(Err(e)) => Ok(Err(e)),
                 Err(elapsed) => Err(elapsed),
             }
@@ -100,8 +105,10 @@ pub(crate) async fn open(
         claimed => claimed,
     };
     match claimed {
-        Ok(Ok(Claim::Acquired(lease))) => Opened::Acquired(conn, lease),
-        Ok(Ok(found)) => {
+        Ok(Ok((Claim::Acquired(lease), backend))) => {
+            Opened::Acquired(conn, Claimed { lease, backend })
+        }
+        Ok(Ok((found, _))) => {
             // Nothing was written: the answer need not wait for the ROLLBACK; the
             // connection goes back to the pool when it is done, or is closed if the
             // database does not answer it in time.
@@ -178,7 +185,7 @@ async fn resolve(
 pub(crate) async fn commit(
     store: &PostgresStore,
     conn: Checkout,
-    lease: &Lease,
+    claimed: &Claimed,
     request: &ClaimRequest<'_>,
     stored: &StoredResponse,
     lock_timeout: Duration,
@@ -209,7 +216,7 @@ pub(crate) async fn commit(
     let (completed, committed) = tokio::join!(
         timeout_at(
             deadline,
-            store.complete_on(client, lease, stored, request.ttl)
+            store.complete_on(client, &claimed.lease, stored, request.ttl)
         ),
         timeout_at(deadline, commit_on(client)),
     );
@@ -255,7 +262,16 @@ pub(crate) async fn commit(
             "no answer to COMMIT; checking whether it committed"
         );
         drop(conn);
-        return match resolve(store, lease, request, stored, lock_timeout, store_timeout).await {
+        return match resolve(
+            store,
+            &claimed.lease,
+            request,
+            stored,
+            lock_timeout,
+            store_timeout,
+        )
+        .await
+        {
             Some(true) => Committed::Yes,
             Some(false) => Committed::No,
             None => Committed::Unknown,

@@ -30,7 +30,7 @@ use listener::Listener;
 use sha2::{Digest, Sha256};
 use shared::Shared;
 use tls::Connector;
-pub(crate) use tx::{begin, commit_on, rollback};
+pub(crate) use tx::{Backend, begin, commit_on, rollback};
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -309,6 +309,8 @@ struct Sql {
     in_doubt_wait: String,
     in_doubt_read: String,
     purge: String,
+    /// Transactional mode's own.
+    tx: tx::Statements,
     qualified: String,
     expires_index: String,
     migrations_table: String,
@@ -396,6 +398,7 @@ impl Sql {
                     LIMIT $1 FOR UPDATE SKIP LOCKED))
                  AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
             ),
+            tx: tx::Statements::new(),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
             expires_index: format!("\"{table}_expires_at\""),
@@ -1257,9 +1260,23 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: i64,
     ) -> Result<Claim, StoreError> {
+        self.claim_at(client, req, token)
+            .await
+            .map(|(claim, _)| claim)
+    }
+
+    /// [`claim_on`](Self::claim_on), with the database's `now()` as the claim read it:
+    /// inside a transaction, the time it started, which a claim row inserted or taken
+    /// over in it carries as `created_at`.
+    pub(crate) async fn claim_at(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        token: i64,
+    ) -> Result<(Claim, SystemTime), StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            if let Some(claim) = self.claim_once(client, req, token).await? {
-                return Ok(claim);
+            if let (Some(claim), now) = self.claim_once(client, req, token).await? {
+                return Ok((claim, now));
             }
         }
         Err(StoreError::new(
@@ -1305,7 +1322,7 @@ impl PostgresStore {
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: i64,
-    ) -> Result<Option<Claim>, StoreError> {
+    ) -> Result<(Option<Claim>, SystemTime), StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
         let fp: &[u8] = req.fingerprint.as_bytes();
@@ -1331,17 +1348,16 @@ impl PostgresStore {
             key: Arc::from(req.key),
             token,
         };
+        let now: SystemTime = row.get(col::NOW);
         let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
             // No row for the key. A token: ours, inserted. None: a concurrent request
             // inserted it after this statement's snapshot (or it was released in
             // between); either way, look again.
-            return Ok(row
-                .get::<_, Option<i64>>(col::CLAIMED)
-                .map(|token| Claim::Acquired(lease(token))));
+            let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
+            return Ok((claimed.map(|token| Claim::Acquired(lease(token))), now));
         };
         let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
             .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-        let now: SystemTime = row.get(col::NOW);
         let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
         let expires_at: SystemTime = row.get(col::EXPIRES_AT);
         let state: &str = row.get(col::STATE);
@@ -1363,13 +1379,14 @@ impl PostgresStore {
                     ],
                 )
                 .await?;
-            return Ok(rows.first().map(|r| Claim::Acquired(lease(r.get("token")))));
+            let taken = rows.first().map(|r| Claim::Acquired(lease(r.get("token"))));
+            return Ok((taken, now));
         }
-        match state {
-            "running" => Ok(Some(Claim::Running {
+        let found = match state {
+            "running" => Claim::Running {
                 fingerprint,
                 retry_after: lease_left(locked_until, now),
-            })),
+            },
             "completed" => {
                 let status: i16 = row
                     .try_get(col::STATUS)
@@ -1386,17 +1403,18 @@ impl PostgresStore {
                 let body: &[u8] = row
                     .try_get(col::BODY)
                     .map_err(|_| corrupt("completed record without body"))?;
-                Ok(Some(Claim::Completed {
+                Claim::Completed {
                     fingerprint,
                     response: StoredResponse {
                         status,
                         headers,
                         body: Bytes::copy_from_slice(body),
                     },
-                }))
+                }
             }
-            other => Err(corrupt(&format!("unknown state {other:?}"))),
-        }
+            other => return Err(corrupt(&format!("unknown state {other:?}"))),
+        };
+        Ok((Some(found), now))
     }
 }
 

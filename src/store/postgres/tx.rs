@@ -1,24 +1,62 @@
 //! The transaction API of transactional mode: `BEGIN` with the claim, the completion
-//! with `COMMIT`, `ROLLBACK`, and the check of a `COMMIT` in doubt.
+//! with `COMMIT`, `ROLLBACK`, the check of a `COMMIT` in doubt, and, for a transaction
+//! the layer gives up on, the statement that ends it on the server.
 //!
 //! Each function sends its statements and waits for their answers; bounding them in
 //! time is the caller's part (`crate::transactional`), and so is closing a connection
 //! given up on midway (dropping its `Checkout`).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::ClientWrapper;
+use tokio_postgres::{SimpleQueryMessage, types::ToSql};
 
 use super::{Checkout, PostgresStore, classify};
 use crate::{
     Fingerprint, StoredResponse,
-    store::{Lease, StoreError, StoreErrorKind},
+    store::{Claim, ClaimRequest, Lease, StoreError, StoreErrorKind},
 };
 
+/// The server session and the transaction a claim opened: what tells that transaction
+/// apart from any other, on that backend or behind a pooler that lends it to others
+/// once the transaction ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Backend {
+    /// `pg_backend_pid()` inside the transaction.
+    pid: i32,
+    /// The transaction's start (`now()` in it): `xact_start` in `pg_stat_activity`
+    /// while it runs, and `created_at` of the claim row it inserted or took over.
+    started: SystemTime,
+}
+
+/// Statements of transactional mode (see `Sql`).
+pub(super) struct Statements {
+    /// Ends a transaction on the server from another session.
+    end: String,
+}
+
+impl Statements {
+    /// The statements, for any table.
+    pub(super) fn new() -> Self {
+        Self {
+            // Only while that backend still runs that transaction: a backend whose
+            // session ended may be another's now, and one behind a pooler serves
+            // other clients once the transaction is over.
+            end: "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE pid = $1 AND xact_start = $2"
+                .to_owned(),
+        }
+    }
+}
+
 /// `BEGIN` (with `isolation`, e.g. `" ISOLATION LEVEL READ COMMITTED"`, or `""`) and
-/// the transaction's `lock_timeout`, as one simple query.
+/// the transaction's `lock_timeout`, as one simple query that also returns the
+/// backend's pid.
 pub(crate) fn begin(isolation: &str, lock_timeout: Duration) -> String {
-    format!("BEGIN{isolation}; {}", set_lock_timeout(lock_timeout))
+    format!(
+        "BEGIN{isolation}; {}; SELECT pg_backend_pid()",
+        set_lock_timeout(lock_timeout)
+    )
 }
 
 /// `SET LOCAL lock_timeout`, in milliseconds (at least 1: zero would mean no bound).
@@ -27,6 +65,23 @@ fn set_lock_timeout(lock_timeout: Duration) -> String {
         "SET LOCAL lock_timeout = {}",
         lock_timeout.as_millis().max(1)
     )
+}
+
+/// The pid a `begin` query returned.
+fn backend_pid(messages: &[SimpleQueryMessage]) -> Result<i32, StoreError> {
+    messages
+        .iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(row) => row.get(0),
+            _ => None,
+        })
+        .and_then(|pid| pid.parse().ok())
+        .ok_or_else(|| {
+            StoreError::new(
+                StoreErrorKind::Corrupt,
+                "BEGIN returned no backend pid".to_owned(),
+            )
+        })
 }
 
 /// `ROLLBACK` on `conn`: back to the pool if the server answers it, closed (which
@@ -46,14 +101,23 @@ pub(crate) async fn commit_on(client: &ClientWrapper) -> Result<(), tokio_postgr
 }
 
 impl PostgresStore {
-    /// Sends `begin` (see [`begin`]) on `client`.
-    pub(crate) async fn begin_on(
+    /// Sends `begin` (see [`begin`]) and the claim together, one round trip: the claim
+    /// with the database's `now()` and the pid of the backend that runs it.
+    pub(crate) async fn begin_and_claim(
         &self,
         client: &ClientWrapper,
         begin: &str,
-    ) -> Result<(), StoreError> {
+        request: &ClaimRequest<'_>,
+        token: i64,
+    ) -> Result<(Claim, Backend), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
-        client.batch_execute(begin).await.map_err(failed)
+        let (begun, claim) = tokio::join!(
+            client.simple_query(begin),
+            self.claim_at(client, request, token)
+        );
+        let pid = backend_pid(&begun.map_err(failed)?)?;
+        let (claim, started) = claim?;
+        Ok((claim, Backend { pid, started }))
     }
 
     /// `BEGIN ISOLATION LEVEL READ COMMITTED`, with `lock_timeout`.
@@ -62,11 +126,11 @@ impl PostgresStore {
         client: &ClientWrapper,
         lock_timeout: Duration,
     ) -> Result<(), StoreError> {
-        self.begin_on(
-            client,
-            &begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout),
-        )
-        .await
+        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        client
+            .batch_execute(&begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout))
+            .await
+            .map_err(failed)
     }
 
     /// Rolls back the transaction on `client` (to begin another), waiting for it.
@@ -139,5 +203,16 @@ impl PostgresStore {
                 == Some(&StoredResponse::encode_headers(&sent.headers)[..])
             && row.get::<_, Option<&[u8]>>(5) == Some(&sent.body[..]);
         Ok(ours)
+    }
+
+    /// Ends the transaction `backend` runs, from a pooled connection: its session is
+    /// terminated, which rolls the transaction back and lets its locks go. `Ok(false)`
+    /// when that backend no longer runs that transaction.
+    pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
+        let ended = self.query_on(&client, &self.sql.tx.end, &params).await;
+        client.done();
+        Ok(ended?.first().is_some_and(|row| row.get::<_, bool>(0)))
     }
 }
