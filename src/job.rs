@@ -89,7 +89,8 @@ pub enum JobOutcome {
 }
 
 /// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
-/// redelivery can fix, and [`TakenOver`](Self::TakenOver), where the work ran, the work
+/// redelivery can fix, and [`TakenOver`](Self::TakenOver) and
+/// [`TransactionEnded`](Self::TransactionEnded), where the work ran, the work
 /// either did not run, or its claim was released
 /// (transactional mode: rolled back, or, if something the work spawned still holds its
 /// client `store_timeout` after the work returned, ended on the server), or it may
@@ -120,6 +121,11 @@ pub enum JobError<E> {
     /// could not be checked. Either way, run it again with the same key: it returns
     /// [`JobOutcome::AlreadyDone`] if it did commit.
     NotCommitted,
+    /// Transactional mode: the work ended the runner's transaction itself (a `COMMIT` or
+    /// `ROLLBACK` on its client), so what it wrote may have committed without its
+    /// result. The key is completed with this outcome, so a redelivery returns it too
+    /// rather than running the work again: acknowledge the message, and raise an alarm.
+    TransactionEnded,
     /// Lease mode: the work ran and returned this result, but meanwhile its lease was
     /// taken over (the store was out of reach for longer than a lease, and a redelivery
     /// claimed the key). That delivery may have run the work too, and its result, not
@@ -137,6 +143,9 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             Self::Store(e) => write!(f, "{e}"),
             Self::ShuttingDown => f.write_str("the job runner is shutting down; nothing was run"),
             Self::NotCommitted => f.write_str("the job's transaction was not committed"),
+            Self::TransactionEnded => f.write_str(
+                "the job ended its transaction itself; what it wrote may have committed without its result",
+            ),
             Self::TakenOver(_) => f.write_str(
                 "the job ran, but its key was taken over meanwhile; another run may have run it too",
             ),
@@ -427,7 +436,7 @@ impl JobRunner {
     {
         use crate::{
             store::rollback,
-            transactional::{Committed, Opened, TransactionHandle, commit, open},
+            transactional::{Committed, Opened, TransactionHandle, commit, open, roll_back},
         };
 
         let (conn, claimed) = match open(
@@ -531,15 +540,18 @@ impl JobRunner {
                     Committed::Aborted | Committed::No | Committed::Unknown => {
                         Err(JobError::NotCommitted)
                     }
+                    Committed::Ended => Err(JobError::TransactionEnded),
                 }
             }
-            Ok(Err(e)) => {
-                rollback(conn, store_timeout).await;
-                Err(JobError::Failed(e))
-            }
-            Err(_) => {
-                rollback(conn, store_timeout).await;
-                Err(JobError::Panicked)
+            // Rolled back, unless the work ended the transaction itself.
+            failed => {
+                if roll_back(store, conn, &claimed, request, store_timeout).await {
+                    return Err(JobError::TransactionEnded);
+                }
+                Err(match failed {
+                    Ok(Err(e)) => JobError::Failed(e),
+                    _ => JobError::Panicked,
+                })
             }
         }
     }
@@ -584,6 +596,13 @@ fn found<E>(
             if fingerprint != request.fingerprint =>
         {
             Err(JobError::Mismatch)
+        }
+        // The work ended its transaction itself, and the key was completed so.
+        #[cfg(feature = "postgres")]
+        Claim::Completed { response, .. }
+            if crate::transactional::is_transaction_ended(&response) =>
+        {
+            Err(JobError::TransactionEnded)
         }
         Claim::Completed { response, .. } => Ok(Err(JobOutcome::AlreadyDone(response.body))),
         Claim::Running { retry_after, .. } => Ok(Err(JobOutcome::Running { retry_after })),

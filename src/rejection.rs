@@ -46,6 +46,11 @@ pub enum Problem {
     /// connection died during `COMMIT` and a check could not tell, the detail says the
     /// outcome is unknown; a retry with the same key replays it if it committed).
     NotCommitted,
+    /// 500: transactional mode: the handler ended the request's transaction itself (a
+    /// `COMMIT` or `ROLLBACK` on its connection), so what it wrote may have committed
+    /// without its response. The key is completed with this answer: the request is not
+    /// run again under it.
+    TransactionEnded,
     /// 500: the request ran, but its response was too large to store, its body did not
     /// end within `response_body_timeout`, or (in lease mode, under a status the storage
     /// policy keeps) its body failed while it was read, so it cannot be replayed.
@@ -77,6 +82,7 @@ impl Problem {
             Self::HandlerFailed => "handler-failed",
             Self::NotCommitted => "not-committed",
             Self::ResponseNotStored => "response-not-stored",
+            Self::TransactionEnded => "transaction-ended",
         }
     }
 
@@ -101,7 +107,9 @@ impl Problem {
             Self::StoreUnavailable | Self::ShuttingDown | Self::NotCommitted => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            Self::HandlerFailed | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::HandlerFailed | Self::ResponseNotStored | Self::TransactionEnded => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -120,6 +128,7 @@ impl Problem {
             Self::HandlerFailed => "Request failed",
             Self::NotCommitted => "Request not committed",
             Self::ResponseNotStored => "Response not replayable",
+            Self::TransactionEnded => "Transaction ended by the handler",
         }
     }
 
@@ -194,7 +203,8 @@ mod tests {
             | Problem::ShuttingDown
             | Problem::HandlerFailed
             | Problem::NotCommitted
-            | Problem::ResponseNotStored => p,
+            | Problem::ResponseNotStored
+            | Problem::TransactionEnded => p,
         };
         let all = [
             Problem::KeyMissing,
@@ -209,6 +219,7 @@ mod tests {
             Problem::HandlerFailed,
             Problem::NotCommitted,
             Problem::ResponseNotStored,
+            Problem::TransactionEnded,
         ];
         let all = all.map(listed);
         let page = include_str!("../docs/problems.md");

@@ -22,6 +22,13 @@
 //!   the key free, and so does an answer the storage policy releases (5xx, 408, 429 by
 //!   default); any other answer becomes `503 not-committed`. Run a statement that may
 //!   fail under a `SAVEPOINT`, and roll back to it, to keep the transaction usable;
+//! - a handler that ends the transaction itself (`COMMIT`, `ROLLBACK`, or `BEGIN …
+//!   COMMIT` from a helper written for a plain connection) gets `500
+//!   transaction-ended`, and so does every retry with its key: what it wrote may have
+//!   committed without its response, so the layer completes the key with that answer,
+//!   outside the ended transaction, rather than say "no effect" or run it again. The
+//!   completion matches only a claim row written by the transaction still open (its
+//!   `xmin`), which costs nothing on the way to a commit;
 //! - every statement the layer sends in the transaction (`BEGIN` with the claim, the
 //!   completion with `COMMIT`, `ROLLBACK`, in the background too) is bounded by
 //!   [`store_timeout`](crate::IdempotencyLayer::store_timeout): a `COMMIT` with no
@@ -36,8 +43,9 @@
 //!   running it, only while it still runs that transaction), so that nothing of it
 //!   commits and its key is free, and answers `500 handler-failed`.
 //!
-//! Transactional mode needs an app role that may signal its own sessions (any role
-//! may, unless its connections run as another role).
+//! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
+//! and an app role that may signal its own sessions (any role may, unless its
+//! connections run as another role).
 //!
 //! ```no_run
 //! use axum::{Router, http::StatusCode, routing::post};
@@ -72,6 +80,7 @@
 //! too, but at most half of the pool's: the others queue in-process until a permit
 //! frees, so the handler they wait for always finds a connection.
 
+mod ended;
 mod lifecycle;
 
 use std::{ops::Deref, sync::Arc, time::Duration};
@@ -97,6 +106,7 @@ use crate::{
     store::{Backend, Checkout, ClaimRequest, PostgresStore, rollback},
 };
 
+pub(crate) use ended::{is_stored as is_transaction_ended, roll_back};
 pub(crate) use lifecycle::{Committed, Opened, commit, open};
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -117,8 +127,14 @@ pub struct TransactionHandle {
 }
 
 /// The transaction's connection, locked for one handler at a time; derefs to the pooled
-/// client (`prepare_cached`, `execute`, `query`, …). Do not run `COMMIT` or `ROLLBACK`
-/// on it: the layer ends the transaction.
+/// client (`prepare_cached`, `execute`, `query`, …).
+///
+/// Do not run `COMMIT`, `ROLLBACK` or `BEGIN` on it (nor a helper written for a plain
+/// connection that does): the layer ends the transaction. If the handler ends it
+/// anyway, the layer finds out when it completes or rolls back, and answers `500
+/// transaction-ended` (so does every retry with the key: it is completed with that
+/// answer, and the handler does not run again under it), since what the handler wrote
+/// may then have committed without its response. `ROLLBACK TO SAVEPOINT` is fine.
 pub struct TransactionClient {
     guard: OwnedMutexGuard<Option<Checkout>>,
 }
@@ -380,6 +396,9 @@ where
     let Some(conn) = taken.await else {
         return Ok(handler_failed());
     };
+    // Rolls back, unless the handler ended the transaction itself: then the key is
+    // completed with `500 transaction-ended`, which is the answer.
+    let roll_back = |conn| ended::roll_back(&store, conn, &claimed, &request, store_timeout);
     let produced = match produced {
         Ok(produced) => produced,
         Err(panic) => {
@@ -387,24 +406,32 @@ where
                 panic = crate::catch_panic::message(&panic),
                 "the handler panicked; rolling back"
             );
-            rollback(conn, store_timeout).await;
+            if roll_back(conn).await {
+                return Ok(ended::response());
+            }
             return Ok(handler_failed());
         }
     };
     let (stored, res) = match produced {
         Produced::ServiceFailed(e) => {
-            rollback(conn, store_timeout).await;
+            if roll_back(conn).await {
+                return Ok(ended::response());
+            }
             return Err(e);
         }
         Produced::BodyFailed(_, e) => {
             tracing::error!(error = %e, "the response body failed; rolling back");
-            rollback(conn, store_timeout).await;
+            if roll_back(conn).await {
+                return Ok(ended::response());
+            }
             return Ok(handler_failed());
         }
         Produced::Buffered(parts, body) => {
             if !(config.policy)(parts.status, &parts.headers) {
                 // Not kept: neither are the handler's writes.
-                rollback(conn, store_timeout).await;
+                if roll_back(conn).await {
+                    return Ok(ended::response());
+                }
                 let res = Response::from_parts(parts, ResponseBody::full(body));
                 return Ok(with_outcome(res, Outcome::Executed));
             }
@@ -415,7 +442,9 @@ where
         }
         Produced::Unbuffered(parts, prefix, rest, why) => {
             if !(config.policy)(parts.status, &parts.headers) {
-                rollback(conn, store_timeout).await;
+                if roll_back(conn).await {
+                    return Ok(ended::response());
+                }
                 let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
                 return Ok(with_outcome(res, Outcome::Executed));
             }
@@ -455,5 +484,6 @@ where
         }
         Committed::No => Ok(not_committed(NOT_COMMITTED)),
         Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
+        Committed::Ended => Ok(ended::response()),
     }
 }

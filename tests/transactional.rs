@@ -1441,3 +1441,159 @@ async fn a_client_kept_for_good_past_the_request_does_not_hold_the_key() {
     );
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
+
+/// Writes its ledger row, then ends the request's transaction itself, as a helper
+/// written for a plain connection does, as `x-end` says: `commit` (`COMMIT`),
+/// `begin-commit` (`BEGIN`, the write, `COMMIT`: its own transaction, it thinks),
+/// `rollback` (`ROLLBACK`), `commit-begin` (`COMMIT`, then `BEGIN` again, leaving a
+/// transaction of its own open), or `none` (it leaves the transaction alone). It then
+/// answers `x-status` (201 by default), or panics with `x-panic`.
+async fn ends_its_transaction(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+) -> Response {
+    let end = headers
+        .get("x-end")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("commit")
+        .to_owned();
+    let run = app.counter.count_run();
+    let client = tx.client().await.expect("transaction");
+    let insert = format!(
+        "INSERT INTO {} (key, run, body) VALUES ($1, $2, '{end}')",
+        app.table
+    );
+    if end == "begin-commit" {
+        client.batch_execute("BEGIN").await.unwrap();
+    }
+    client
+        .execute(&insert, &[&key.as_str(), &(run as i32)])
+        .await
+        .unwrap();
+    let ending = match end.as_str() {
+        "rollback" => "ROLLBACK",
+        "commit-begin" => "COMMIT; BEGIN",
+        "none" => "",
+        _ => "COMMIT",
+    };
+    client.batch_execute(ending).await.unwrap();
+    drop(client);
+    app.counter.count_finished();
+    if headers.contains_key("x-panic") {
+        panic!("handler panicked on purpose");
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    (status, format!("{{\"run\":{run}}}")).into_response()
+}
+
+/// A handler that ends the layer's transaction itself: its client is told so (500
+/// `transaction-ended`), never "no effect", and the key is completed with that answer,
+/// outside the ended transaction, so a retry replays it and the handler runs once.
+async fn a_transaction_ended_by_the_handler(end: &str, kept: i64) {
+    a_transaction_ended_by_a_handler_that_answers(&[("x-end", end)], kept).await;
+}
+
+/// [`a_transaction_ended_by_the_handler`], with the handler's headers: its answer, if
+/// the storage policy does not keep it, or its panic, makes the layer roll back rather
+/// than commit, and it finds out there.
+async fn a_transaction_ended_by_a_handler_that_answers(headers: &[(&str, &str)], kept: i64) {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let first = common::send_bounded(&router, post_with("k", headers)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(counter.finished(), 1);
+    let retry = common::send_bounded(&router, post_with("k", headers)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.status, 500);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    let state = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed' AND status = 500",
+        schema.name
+    );
+    assert_eq!(count(&schema, &state).await, 1);
+    assert_eq!(rows_in(&schema, &table).await, kept);
+    common::idle(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_the_transaction_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("commit", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_begins_and_commits_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("begin-commit", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_and_begins_again_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("commit-begin", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_rolls_the_transaction_back_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("rollback", 0).await;
+}
+
+/// A handler that rolls back the takeover of an expired record: the record is left as
+/// it was, free, and is taken over completed with the layer's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_rolls_back_a_takeover_gets_transaction_ended_and_runs_once() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    // Records it completes expire at once, free to be taken over.
+    let expiring = IdempotencyLayer::transactional(store.clone()).ttl(Duration::from_millis(1));
+    let (expiring, _) = app_on(post(ends_its_transaction), expiring, &table);
+    let done = common::send_bounded(&expiring, post_with("k", &[("x-end", "none")])).await;
+    assert_eq!(done.status, 201);
+    let expired = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE expires_at <= now()",
+        schema.name
+    );
+    for _ in 0..500 {
+        if count(&schema, &expired).await == 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        count(&schema, &expired).await,
+        1,
+        "the record never expired"
+    );
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let rolled_back = [("x-end", "rollback")];
+    let first = common::send_bounded(&router, post_with("k", &rolled_back)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    let retry = common::send_bounded(&router, post_with("k", &rolled_back)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(records_of(&schema, "k").await, 1);
+    common::idle(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_then_answers_500_gets_transaction_ended_and_runs_once() {
+    let headers = [("x-end", "commit"), ("x-status", "500")];
+    a_transaction_ended_by_a_handler_that_answers(&headers, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_rolls_back_then_panics_gets_transaction_ended_and_runs_once() {
+    let headers = [("x-end", "rollback"), ("x-panic", "1")];
+    a_transaction_ended_by_a_handler_that_answers(&headers, 0).await;
+}

@@ -46,7 +46,7 @@ mod waiters;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{
-    Backend, Checkout, again_if_it_lost_a_race, begin, commit_on, connection_lost,
+    Backend, Checkout, Resolution, again_if_it_lost_a_race, begin, commit_on, connection_lost,
     in_an_aborted_transaction, rollback, statement_cancelled,
 };
 #[cfg(feature = "postgres")]

@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use tokio::time::{Instant, timeout, timeout_at};
 
+use super::ended;
 use crate::{
     StoredResponse,
     store::{
-        Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, begin,
-        commit_on, connection_lost, in_an_aborted_transaction, rollback, statement_cancelled,
+        Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, Resolution, StoreErrorKind,
+        begin, commit_on, connection_lost, in_an_aborted_transaction, rollback,
+        statement_cancelled,
     },
 };
 
@@ -147,31 +149,41 @@ pub(crate) enum Committed {
     /// came within the store timeout), and whether it committed could not be checked
     /// in time either.
     Unknown,
+    /// The transaction had ended before the layer's `COMMIT`: the handler committed or
+    /// rolled it back itself. The key is finished with `500 transaction-ended`
+    /// ([`ended::finish`]).
+    Ended,
 }
 
-/// Finds out whether a transaction whose `COMMIT` was in doubt committed (`None`: the
+/// Finds out how a transaction whose `COMMIT` was in doubt ended (`None`: the
 /// database could not tell in time), on another connection, in a transaction of its own
 /// that it rolls back: it waits for the first transaction to end if the server is still
 /// running it (up to `lock_timeout`), then reads the key's row
 /// ([`PostgresStore::committed_on`]).
 async fn resolve(
     store: &PostgresStore,
-    lease: &Lease,
+    claimed: &Claimed,
     request: &ClaimRequest<'_>,
     sent: &StoredResponse,
     lock_timeout: Duration,
     store_timeout: Duration,
-) -> Option<bool> {
+) -> Option<Resolution> {
     timeout(store_timeout + lock_timeout, async {
         let conn = store.client().await.ok()?;
         // Read committed whatever the database's default: the read must see what
         // committed while the insert waited.
         store.begin_read_committed(&conn, lock_timeout).await.ok()?;
-        let committed = store
-            .committed_on(&conn, lease, &request.fingerprint, sent)
+        let resolved = store
+            .committed_on(
+                &conn,
+                &claimed.lease,
+                &claimed.backend,
+                &request.fingerprint,
+                sent,
+            )
             .await;
         rollback(conn, store_timeout).await;
-        committed.ok()
+        resolved.ok()
     })
     .await
     .ok()
@@ -179,9 +191,10 @@ async fn resolve(
 }
 
 /// Writes the response into the claim row and commits, pipelined: one round trip, one
-/// commit, bounded by `store_timeout`. If the connection fails during the `COMMIT`, or
-/// no answer comes in time, finds out on another connection whether it committed
-/// ([`resolve`]).
+/// commit, bounded by `store_timeout`. The completion matches only a row this
+/// transaction wrote: if it matches nothing, the transaction had ended under the layer
+/// ([`Committed::Ended`]). If the connection fails during the `COMMIT`, or no answer
+/// comes in time, finds out on another connection whether it committed ([`resolve`]).
 pub(crate) async fn commit(
     store: &PostgresStore,
     conn: Checkout,
@@ -216,7 +229,7 @@ pub(crate) async fn commit(
     let (completed, committed) = tokio::join!(
         timeout_at(
             deadline,
-            store.complete_on(client, &claimed.lease, stored, request.ttl)
+            store.complete_in_transaction(client, &claimed.lease, stored, request.ttl)
         ),
         timeout_at(deadline, commit_on(client)),
     );
@@ -236,6 +249,13 @@ pub(crate) async fn commit(
         Ok(Ok(true)) if matches!(committed, Ok(Ok(()))) => {
             conn.done();
             return Committed::Yes;
+        }
+        // Nothing matched: the claim row is not this transaction's any more, so the
+        // completion ran outside it. Whatever the COMMIT then did, it was not ours.
+        Ok(Ok(false)) => {
+            let conn = answered.then_some(conn);
+            ended::finish(store, conn, claimed, request, store_timeout).await;
+            return Committed::Ended;
         }
         // The COMMIT of an aborted transaction rolls it back, and succeeds at that.
         Ok(Err(ref e)) if in_an_aborted_transaction(e) && matches!(committed, Ok(Ok(()))) => {
@@ -262,18 +282,13 @@ pub(crate) async fn commit(
             "no answer to COMMIT; checking whether it committed"
         );
         drop(conn);
-        return match resolve(
-            store,
-            &claimed.lease,
-            request,
-            stored,
-            lock_timeout,
-            store_timeout,
-        )
-        .await
-        {
-            Some(true) => Committed::Yes,
-            Some(false) => Committed::No,
+        return match resolve(store, claimed, request, stored, lock_timeout, store_timeout).await {
+            Some(Resolution::Committed) => Committed::Yes,
+            Some(Resolution::NotCommitted) => Committed::No,
+            Some(Resolution::ClaimAlone) => {
+                ended::finish(store, None, claimed, request, store_timeout).await;
+                Committed::Ended
+            }
             None => Committed::Unknown,
         };
     }

@@ -30,7 +30,7 @@ use listener::Listener;
 use sha2::{Digest, Sha256};
 use shared::Shared;
 use tls::Connector;
-pub(crate) use tx::{Backend, begin, commit_on, rollback};
+pub(crate) use tx::{Backend, Resolution, begin, commit_on, rollback};
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -322,6 +322,21 @@ impl Sql {
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_function = format!("\"{schema}\".\"{table}_claim\"");
         let ms = "$ms::bigint * interval '1 millisecond'";
+        // The notification is delivered when, and only if, the change commits. The
+        // TTL counts from this statement: in transactional mode `now()` would be the
+        // transaction's start, before the handler ran.
+        let complete = |only: &str| {
+            format!(
+                "WITH done AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
+                           headers = $5, body = $6, completed_at = statement_timestamp(),
+                           expires_at = statement_timestamp() + {e}
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'{only}
+                    RETURNING waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
+                e = ms.replace("$ms", "$7"),
+            )
+        };
         Self {
             // A primary-key read that inserts only when the key has no row: the insert
             // is a function (migration 0003) called from a branch that an existing key
@@ -352,19 +367,8 @@ impl Sql {
                 l = ms.replace("$ms", "$5"),
                 e = ms.replace("$ms", "$6"),
             ),
-            // The notification is delivered when, and only if, the change commits. The
-            // TTL counts from this statement: in transactional mode `now()` would be the
-            // transaction's start, before the handler ran.
-            complete: format!(
-                "WITH done AS (
-                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
-                           headers = $5, body = $6, completed_at = statement_timestamp(),
-                           expires_at = statement_timestamp() + {e}
-                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING waiters)
-                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
-                e = ms.replace("$ms", "$7"),
-            ),
+            complete: complete(""),
+            tx: tx::Statements::new(&t, complete(tx::WRITTEN_BY_THIS_TRANSACTION)),
             release: format!(
                 "WITH done AS (
                     DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
@@ -386,7 +390,7 @@ impl Sql {
             // that took the row since, through its whole handler.
             in_doubt_wait: format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
             in_doubt_read: format!(
-                "SELECT token, state, fingerprint, status, headers, body FROM {t}
+                "SELECT token, state, fingerprint, status, headers, body, created_at FROM {t}
                  WHERE scope = $1 AND key = $2"
             ),
             // The outer condition repeats the inner one: a ctid names a row only within
@@ -398,7 +402,6 @@ impl Sql {
                     LIMIT $1 FOR UPDATE SKIP LOCKED))
                  AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
             ),
-            tx: tx::Statements::new(),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
             expires_index: format!("\"{table}_expires_at\""),
@@ -1293,6 +1296,19 @@ impl PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        self.complete_with(&self.sql.complete, client, lease, response, ttl)
+            .await
+    }
+
+    /// Stores `response` under `lease` on `client` with `sql`, a completion statement.
+    async fn complete_with(
+        &self,
+        sql: &str,
+        client: &ClientWrapper,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
         let status = response.status.as_u16() as i16;
         let headers = StoredResponse::encode_headers(&response.headers);
         let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
@@ -1300,7 +1316,7 @@ impl PostgresStore {
         let rows = self
             .query_on(
                 client,
-                &self.sql.complete,
+                sql,
                 &[
                     &lease.scope.as_str(),
                     &&*lease.key,
