@@ -90,10 +90,12 @@ pub enum JobOutcome {
 }
 
 /// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
-/// redelivery can fix, and [`TakenOver`](Self::TakenOver), where the work ran, the work
+/// redelivery can fix, and [`TakenOver`](Self::TakenOver) and
+/// [`TransactionEnded`](Self::TransactionEnded), where the work ran, the work
 /// either did not run, or its claim was released
-/// (transactional mode: rolled back, once anything the work spawned has let go of its
-/// client), or it may have committed ([`NotCommitted`] when the check could not tell):
+/// (transactional mode: rolled back, or, if something the work spawned still holds its
+/// client `store_timeout` after the work returned, ended on the server), or it may
+/// have committed ([`NotCommitted`] when the check could not tell):
 /// a later delivery runs it, or finds it done.
 ///
 /// [`NotCommitted`]: Self::NotCommitted
@@ -120,6 +122,11 @@ pub enum JobError<E> {
     /// could not be checked. Either way, run it again with the same key: it returns
     /// [`JobOutcome::AlreadyDone`] if it did commit.
     NotCommitted,
+    /// Transactional mode: the work ended the runner's transaction itself (a `COMMIT` or
+    /// `ROLLBACK` on its client), so what it wrote may have committed without its
+    /// result. The key is completed with this outcome, so a redelivery returns it too
+    /// rather than running the work again: acknowledge the message, and raise an alarm.
+    TransactionEnded,
     /// Lease mode: the work ran and returned this result, but meanwhile its lease was
     /// taken over (the store was out of reach for longer than a lease, and a redelivery
     /// claimed the key). That delivery may have run the work too, and its result, not
@@ -137,6 +144,9 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             Self::Store(e) => write!(f, "{e}"),
             Self::ShuttingDown => f.write_str("the job runner is shutting down; nothing was run"),
             Self::NotCommitted => f.write_str("the job's transaction was not committed"),
+            Self::TransactionEnded => f.write_str(
+                "the job ended its transaction itself; what it wrote may have committed without its result",
+            ),
             Self::TakenOver(_) => f.write_str(
                 "the job ran, but its key was taken over meanwhile; another run may have run it too",
             ),
@@ -188,8 +198,11 @@ impl JobRunner {
     /// the run fails with [`JobError::Store`] and the work does not run), and in lease
     /// mode on each attempt to store the result (the lease is renewed meanwhile; `run`
     /// returns after the first, and the others go on in the background for one more
-    /// lease) and on a release; in transactional mode, on opening the transaction (its
-    /// commit is not bounded). A claim that lands after the bound,
+    /// lease) and on a release; in transactional mode, on every statement the runner
+    /// sends in the transaction (opening it with the claim, the completion with its
+    /// `COMMIT`, which is checked on another connection if no answer comes in time, a
+    /// `ROLLBACK`), and on the work's hold on its client once it has returned (then
+    /// its transaction is ended on the server). A claim that lands after the bound,
     /// or after the run was dropped, is released at once, so that a redelivery can run
     /// the work rather than wait out the lease; on a pooled PostgreSQL connection it
     /// is waited for 5 s more, then its connection is closed and it is released in
@@ -431,9 +444,12 @@ impl JobRunner {
         Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
         E: Send + 'static,
     {
-        use crate::transactional::{Committed, Opened, TransactionHandle, commit, open, rollback};
+        use crate::{
+            store::rollback,
+            transactional::{Committed, Opened, TransactionHandle, commit, open, roll_back},
+        };
 
-        let (conn, lease) = match open(
+        let (conn, claimed) = match open(
             store,
             request,
             lock_timeout,
@@ -445,10 +461,10 @@ impl JobRunner {
             // A run that waited on another worker's row may get it after `close()`:
             // nothing is claimed after the close, so it lets the row go.
             Opened::Acquired(conn, _) if self.shutdown.is_closed() => {
-                rollback(conn).await;
+                rollback(conn, self.store_timeout).await;
                 return Err(JobError::ShuttingDown);
             }
-            Opened::Acquired(conn, lease) => (conn, lease),
+            Opened::Acquired(conn, claimed) => (conn, claimed),
             Opened::Found(claim) => {
                 return match found(claim, request)? {
                     Ok(_) => Err(JobError::Store(StoreError::new(
@@ -485,21 +501,27 @@ impl JobRunner {
                 // output, which rolls back, whatever copies of the handle live on.
                 // A panic is caught there too, so that it is taken back then as well.
                 let counted = in_flight.clone();
-                let taken = slot.clone();
+                let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
                 let work = async move {
                     let _counted = counted;
                     let result = crate::catch_panic::CatchPanic::new(work).await.ok();
-                    (result, TransactionHandle::take(&taken, store_timeout).await)
+                    let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
+                    (result, conn.await)
                 };
                 match tokio::spawn(work.in_current_span()).await {
                     Ok((result, conn)) => (result.ok_or(()), conn),
                     // The task itself was cancelled (the runtime shutting down).
-                    Err(_) => (Err(()), TransactionHandle::take(&slot, store_timeout).await),
+                    Err(_) => {
+                        let conn =
+                            TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                        (Err(()), conn.await)
+                    }
                 }
             }
             None => {
-                if let Some(conn) = TransactionHandle::take(&slot, store_timeout).await {
-                    rollback(conn).await;
+                let conn = TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                if let Some(conn) = conn.await {
+                    rollback(conn, store_timeout).await;
                 }
                 return Err(JobError::Panicked);
             }
@@ -518,21 +540,28 @@ impl JobRunner {
                 // A work that succeeded although one of its statements failed (and so
                 // aborted the transaction) has had no effect either.
                 let sent = stored(&result);
-                let timeouts = (lock_timeout, self.store_timeout);
-                match commit(store, conn, &lease, request, &sent, timeouts.0, timeouts.1).await {
+                let timeouts = (lock_timeout, store_timeout);
+                match commit(
+                    store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
+                )
+                .await
+                {
                     Committed::Yes => Ok(JobOutcome::Ran(result)),
                     Committed::Aborted | Committed::No | Committed::Unknown => {
                         Err(JobError::NotCommitted)
                     }
+                    Committed::Ended => Err(JobError::TransactionEnded),
                 }
             }
-            Ok(Err(e)) => {
-                rollback(conn).await;
-                Err(JobError::Failed(e))
-            }
-            Err(_) => {
-                rollback(conn).await;
-                Err(JobError::Panicked)
+            // Rolled back, unless the work ended the transaction itself.
+            failed => {
+                if roll_back(store, conn, &claimed, request, store_timeout).await {
+                    return Err(JobError::TransactionEnded);
+                }
+                Err(match failed {
+                    Ok(Err(e)) => JobError::Failed(e),
+                    _ => JobError::Panicked,
+                })
             }
         }
     }
@@ -577,6 +606,13 @@ fn found<E>(
             if fingerprint != request.fingerprint =>
         {
             Err(JobError::Mismatch)
+        }
+        // The work ended its transaction itself, and the key was completed so.
+        #[cfg(feature = "postgres")]
+        Claim::Completed { response, .. }
+            if crate::transactional::is_transaction_ended(&response) =>
+        {
+            Err(JobError::TransactionEnded)
         }
         Claim::Completed { response, .. } => Ok(Err(JobOutcome::AlreadyDone(response.body))),
         Claim::Running { retry_after, .. } => Ok(Err(JobOutcome::Running { retry_after })),

@@ -321,7 +321,11 @@ impl IdempotencyLayer {
     /// How long to wait for the store on a claim before answering 503 (default 5 s; from
     /// 1 ms to 10 years). It also bounds the first attempt to store a response (its
     /// lease renewed meanwhile), after which the client gets its answer and the
-    /// attempts go on in the background.
+    /// attempts go on in the background. In transactional mode it bounds every
+    /// statement the layer sends in the transaction (a duplicate's claim waits on the
+    /// row for `lock_timeout` more): a `COMMIT` with no answer in time is checked on
+    /// another connection, a `ROLLBACK` with none closes its connection
+    /// ([`transactional`](crate::transactional)).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.config().store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);

@@ -46,6 +46,11 @@ pub enum Problem {
     /// connection died during `COMMIT` and a check could not tell, the detail says the
     /// outcome is unknown; a retry with the same key replays it if it committed).
     NotCommitted,
+    /// 500: transactional mode: the handler ended the request's transaction itself (a
+    /// `COMMIT` or `ROLLBACK` on its connection), so what it wrote may have committed
+    /// without its response. The key is completed with this answer: the request is not
+    /// run again under it.
+    TransactionEnded,
     /// 500: the request ran, but its response was too large to store, its body did not
     /// end within `response_body_timeout`, or (in lease mode, under a status the storage
     /// policy keeps) its body failed while it was read, so it cannot be replayed.
@@ -81,6 +86,7 @@ impl Problem {
             Self::NotCommitted => "not-committed",
             Self::ResponseNotStored => "response-not-stored",
             Self::Misconfigured => "misconfigured",
+            Self::TransactionEnded => "transaction-ended",
         }
     }
 
@@ -105,9 +111,10 @@ impl Problem {
             Self::StoreUnavailable | Self::ShuttingDown | Self::NotCommitted => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            Self::HandlerFailed | Self::ResponseNotStored | Self::Misconfigured => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::HandlerFailed
+            | Self::ResponseNotStored
+            | Self::Misconfigured
+            | Self::TransactionEnded => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -127,6 +134,7 @@ impl Problem {
             Self::NotCommitted => "Request not committed",
             Self::ResponseNotStored => "Response not replayable",
             Self::Misconfigured => "Idempotency layers misconfigured",
+            Self::TransactionEnded => "Transaction ended by the handler",
         }
     }
 
@@ -202,7 +210,8 @@ mod tests {
             | Problem::HandlerFailed
             | Problem::NotCommitted
             | Problem::ResponseNotStored
-            | Problem::Misconfigured => p,
+            | Problem::Misconfigured
+            | Problem::TransactionEnded => p,
         };
         let all = [
             Problem::KeyMissing,
@@ -218,6 +227,7 @@ mod tests {
             Problem::NotCommitted,
             Problem::ResponseNotStored,
             Problem::Misconfigured,
+            Problem::TransactionEnded,
         ];
         let all = all.map(listed);
         let page = include_str!("../docs/problems.md");

@@ -301,7 +301,7 @@ fn answered<F, B, E>(res: Response<ResponseBody<B>>) -> ResponseFuture<F, B, E> 
 }
 
 /// The first 16 hex digits of the SHA-256 of `bytes`: enough to correlate, not to recover.
-fn short_hash(bytes: &[u8]) -> String {
+pub(crate) fn short_hash(bytes: &[u8]) -> String {
     use sha2::Digest;
     crate::fingerprint::hex(&sha2::Sha256::digest(bytes)[..8])
 }

@@ -21,7 +21,31 @@
 //!   the handler then answers goes to its client unstored, with nothing committed and
 //!   the key free, and so does an answer the storage policy releases (5xx, 408, 429 by
 //!   default); any other answer becomes `503 not-committed`. Run a statement that may
-//!   fail under a `SAVEPOINT`, and roll back to it, to keep the transaction usable.
+//!   fail under a `SAVEPOINT`, and roll back to it, to keep the transaction usable;
+//! - a handler that ends the transaction itself (`COMMIT`, `ROLLBACK`, or `BEGIN …
+//!   COMMIT` from a helper written for a plain connection) gets `500
+//!   transaction-ended`, and so does every retry with its key: what it wrote may have
+//!   committed without its response, so the layer completes the key with that answer,
+//!   outside the ended transaction, rather than say "no effect" or run it again. The
+//!   completion matches only a claim row written by the transaction still open (its
+//!   `xmin`), which costs nothing on the way to a commit;
+//! - every statement the layer sends in the transaction (`BEGIN` with the claim, the
+//!   completion with `COMMIT`, `ROLLBACK`, in the background too) is bounded by
+//!   [`store_timeout`](crate::IdempotencyLayer::store_timeout): a `COMMIT` with no
+//!   answer in time is in doubt, checked on another connection like one whose
+//!   connection failed (`503 not-committed`, saying the outcome is unknown, if the check
+//!   cannot tell); a `ROLLBACK` with none closes its connection, which rolls back. A
+//!   database that stops answering holds neither the request nor
+//!   [`ShutdownHandle::drain`](crate::ShutdownHandle::drain);
+//! - work that keeps the [`TransactionClient`] past the response (a task the handler
+//!   spawned) has `store_timeout` to let go of it; then the layer ends the transaction
+//!   on the server from another connection (`pg_terminate_backend` on the session
+//!   running it, only while it still runs that transaction), so that nothing of it
+//!   commits and its key is free, and answers `500 handler-failed`.
+//!
+//! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
+//! and an app role that may signal its own sessions (any role may, unless its
+//! connections run as another role).
 //!
 //! ```no_run
 //! use axum::{Router, http::StatusCode, routing::post};
@@ -56,6 +80,9 @@
 //! too, but at most half of the pool's: the others queue in-process until a permit
 //! frees, so the handler they wait for always finds a connection.
 
+mod ended;
+mod lifecycle;
+
 use std::{ops::Deref, sync::Arc, time::Duration};
 
 use bytes::Bytes;
@@ -66,7 +93,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower_service::Service;
 
 use crate::{
-    IdempotencyKey, Outcome, StoredResponse,
+    IdempotencyKey, Outcome,
     body::{BoxError, ResponseBody},
     catch_panic::CatchPanic,
     layer::Config,
@@ -76,11 +103,11 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{
-        Checkout, Claim, ClaimRequest, Lease, PostgresStore, StoreErrorKind, connection_lost,
-        in_an_aborted_transaction, statement_cancelled,
-    },
+    store::{Backend, Checkout, ClaimRequest, PostgresStore, rollback},
 };
+
+pub(crate) use ended::{is_stored as is_transaction_ended, roll_back};
+pub(crate) use lifecycle::{Committed, Opened, commit, open};
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
@@ -90,16 +117,24 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// handler: once the layer commits or rolls back, [`client`](Self::client) fails. Work
 /// that still holds the [`TransactionClient`] when the response is ready (a task the
 /// handler spawned, say) has until the layer's `store_timeout` to let go of it; past
-/// that, the request answers `500 handler-failed`, and the transaction is rolled back
-/// and its connection closed as soon as the client is dropped.
+/// that, the layer ends the transaction on the server (it terminates the session
+/// running it, from another connection), so nothing of it commits and its key is
+/// free, and the request answers `500 handler-failed`; the client's connection is
+/// closed once the work drops it.
 #[derive(Clone)]
 pub struct TransactionHandle {
     slot: Arc<Mutex<Option<Checkout>>>,
 }
 
 /// The transaction's connection, locked for one handler at a time; derefs to the pooled
-/// client (`prepare_cached`, `execute`, `query`, …). Do not run `COMMIT` or `ROLLBACK`
-/// on it: the layer ends the transaction.
+/// client (`prepare_cached`, `execute`, `query`, …).
+///
+/// Do not run `COMMIT`, `ROLLBACK` or `BEGIN` on it (nor a helper written for a plain
+/// connection that does): the layer ends the transaction. If the handler ends it
+/// anyway, the layer finds out when it completes or rolls back, and answers `500
+/// transaction-ended` (so does every retry with the key: it is completed with that
+/// answer, and the handler does not run again under it), since what the handler wrote
+/// may then have committed without its response. `ROLLBACK TO SAVEPOINT` is fine.
 pub struct TransactionClient {
     guard: OwnedMutexGuard<Option<Checkout>>,
 }
@@ -124,27 +159,41 @@ impl TransactionHandle {
     }
 
     /// Takes the transaction back once the work is done; `None` if the work still holds
-    /// the connection after `bound`. The connection is then closed, which rolls back,
-    /// as soon as the work lets go of its [`TransactionClient`], even if it keeps a
-    /// clone of the handle: a handle kept beyond the request must not hold its row
-    /// lock, and so its key, for as long as the handle lives.
+    /// the connection after `bound`. The transaction is then ended on the server at
+    /// once, from another connection (`backend`'s session is terminated, each step
+    /// bounded by `bound`), so that nothing of it commits and its row lock, and so its
+    /// key, is let go, whatever the work does with its [`TransactionClient`]; the
+    /// connection is closed as soon as the work lets go of the client, even if it keeps
+    /// a clone of the handle.
     pub(crate) async fn take(
         slot: &Arc<Mutex<Option<Checkout>>>,
+        store: &PostgresStore,
+        backend: &Backend,
         bound: Duration,
     ) -> Option<Checkout> {
-        match tokio::time::timeout(bound, slot.lock()).await {
-            Ok(mut slot) => slot.take(),
-            Err(_) => {
-                tracing::error!(
-                    "the work kept the transaction's connection; it is closed, which rolls back, once the work lets it go"
-                );
-                // Queued on the lock behind the work's client: the handle's later calls
-                // queue behind this and find the transaction ended.
-                let slot = slot.clone();
-                tokio::spawn(async move { drop(slot.lock().await.take()) });
-                None
-            }
+        if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
+            return taken.take();
         }
+        // Queued on the lock behind the work's client: the handle's later calls queue
+        // behind this and find the transaction ended.
+        let queued = slot.clone();
+        tokio::spawn(async move { drop(queued.lock().await.take()) });
+        match tokio::time::timeout(bound, store.end_transaction(backend)).await {
+            Ok(Ok(true)) => tracing::error!(
+                "the work kept the transaction's connection past the response; the transaction was ended on the server, so nothing of it commits"
+            ),
+            Ok(Ok(false)) => tracing::error!(
+                "the work kept the transaction's connection past the response; its transaction had already ended on the server"
+            ),
+            Ok(Err(e)) => tracing::error!(
+                error = %e,
+                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
+            ),
+            Err(_) => tracing::error!(
+                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
+            ),
+        }
+        None
     }
 
     /// The transaction's connection.
@@ -248,266 +297,15 @@ mod extract {
 #[cfg(feature = "axum")]
 pub use extract::MissingTransaction;
 
-pub(crate) async fn rollback(tx: Checkout) {
-    match tx.batch_execute("ROLLBACK").await {
-        Ok(()) => tx.done(),
-        // Dropping the Checkout closes the connection, which rolls back.
-        Err(e) => tracing::warn!(error = %e, "rollback failed; closing the connection"),
-    }
-}
-
 /// `503 not-committed`: nothing was kept.
 const NOT_COMMITTED: &str = "the request's transaction could not be committed, so it had no effect; retry with the same key";
 
 /// `503 not-committed` when the outcome is unknown.
-const COMMIT_UNKNOWN: &str = "the connection to the database failed during the commit, and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not";
+const COMMIT_UNKNOWN: &str = "the database did not answer the commit (the connection failed, or no answer came in time), and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not";
 
 fn not_committed<B>(detail: &str) -> Response<ResponseBody<B>> {
     let res = Problem::NotCommitted.response_retry_after(detail, Duration::from_secs(1));
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
-}
-
-/// The result of opening a transaction and claiming the key in it.
-pub(crate) enum Opened {
-    /// The claim row is ours, uncommitted, in this transaction.
-    Acquired(Checkout, Lease),
-    /// Completed or running under another request (the transaction is rolled back).
-    Found(Claim),
-    /// The first request held its row past the lock timeout (or the key kept changing
-    /// under the claim).
-    Busy,
-    /// No connection, or the database failed.
-    Unavailable,
-}
-
-/// Takes a connection, then sends BEGIN and the claim together: one round trip. A
-/// duplicate's claim waits here on the first request's uncommitted row, up to
-/// `claim_wait`; the transaction then goes on with `lock_timeout` (one more round
-/// trip where the two differ).
-pub(crate) async fn open(
-    store: &PostgresStore,
-    request: &ClaimRequest<'_>,
-    claim_wait: Duration,
-    lock_timeout: Duration,
-    store_timeout: Duration,
-) -> Opened {
-    // Duplicates block on the first request's row while holding a connection; the
-    // permit keeps them from taking the connections its handler needs. Waiting for one
-    // past the bound is this process's overload, not a running duplicate: 503, like a
-    // pool with no connection to give.
-    let Ok(_permit) =
-        tokio::time::timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await
-    else {
-        tracing::error!("too many transactional claims waiting; nothing was run");
-        return Opened::Unavailable;
-    };
-    let conn = match tokio::time::timeout(store_timeout, store.client()).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "no connection for the transaction; nothing was run");
-            return Opened::Unavailable;
-        }
-        Err(_) => {
-            tracing::error!("no connection for the transaction in time; nothing was run");
-            return Opened::Unavailable;
-        }
-    };
-    let begin = begin("", claim_wait);
-    let claimed = tokio::time::timeout(store_timeout + claim_wait, async {
-        let client = &*conn;
-        let failed = |e| crate::store::StoreError::new(StoreErrorKind::Unavailable, e);
-        // Where transactions default to repeatable read or serializable, a duplicate
-        // that waited on the first request's row fails so once that row commits: it
-        // looks again, in a new transaction.
-        let mut again = false;
-        crate::store::again_if_it_lost_a_race(|| {
-            let retry = std::mem::replace(&mut again, true);
-            let begin = &begin;
-            async move {
-                if retry {
-                    client.batch_execute("ROLLBACK").await.map_err(failed)?;
-                }
-                let (begun, claim) = tokio::join!(
-                    client.batch_execute(begin),
-                    store.claim_on(client, request, crate::store::fresh_token())
-                );
-                begun.map_err(failed)?;
-                claim
-            }
-        })
-        .await
-    })
-    .await;
-    let claimed = match claimed {
-        Ok(Ok(Claim::Acquired(lease))) if claim_wait != lock_timeout => {
-            // The handler's own lock waits are bounded by `lock_timeout`, not by how
-            // long a duplicate may wait for the key.
-            let reset = tokio::time::timeout(
-                store_timeout,
-                conn.batch_execute(&set_lock_timeout(lock_timeout)),
-            )
-            .await;
-            match reset {
-                Ok(Ok(())) => Ok(Ok(Claim::Acquired(lease))),
-                Ok(Err(e)) => Ok(Err(crate::store::StoreError::new(
-                    StoreErrorKind::Unavailable,
-                    e,
-                ))),
-                Err(elapsed) => Err(elapsed),
-            }
-        }
-        claimed => claimed,
-    };
-    match claimed {
-        Ok(Ok(Claim::Acquired(lease))) => Opened::Acquired(conn, lease),
-        Ok(Ok(found)) => {
-            // Nothing was written: the answer need not wait for the ROLLBACK; the
-            // connection goes back to the pool when it is done.
-            tokio::spawn(rollback(conn));
-            Opened::Found(found)
-        }
-        // A lock timeout on the first request's row, or a key that kept changing under
-        // the claim: another request is at work on it. A statement cancelled by
-        // `statement_timeout` is a slow database, like any other store failure.
-        Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout && !statement_cancelled(&e) => {
-            rollback(conn).await;
-            Opened::Busy
-        }
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "claim failed; nothing was run");
-            Opened::Unavailable
-        }
-        Err(_) => {
-            tracing::error!("claim timed out; nothing was run");
-            Opened::Unavailable
-        }
-    }
-}
-
-/// What became of a transaction at its end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Committed {
-    /// The handler's writes and the stored response are committed.
-    Yes,
-    /// A statement of the handler failed, so PostgreSQL had aborted the transaction:
-    /// nothing was committed, and the connection is back in the pool, clean.
-    Aborted,
-    /// Nothing was committed.
-    No,
-    /// The connection failed during `COMMIT`, and whether the server committed could
-    /// not be checked in time either.
-    Unknown,
-}
-
-/// `BEGIN` with the transaction's `lock_timeout`, sent as one simple query.
-fn begin(isolation: &str, lock_timeout: Duration) -> String {
-    format!("BEGIN{isolation}; {}", set_lock_timeout(lock_timeout))
-}
-
-/// `SET LOCAL lock_timeout`, in milliseconds (at least 1: zero would mean no bound).
-fn set_lock_timeout(lock_timeout: Duration) -> String {
-    format!(
-        "SET LOCAL lock_timeout = {}",
-        lock_timeout.as_millis().max(1)
-    )
-}
-
-/// Finds out whether a transaction whose `COMMIT` was in doubt committed (`None`: the
-/// database could not tell in time), on another connection, in a transaction of its own
-/// that it rolls back: it waits for the first transaction to end if the server is still
-/// running it (up to `lock_timeout`), then reads the key's row
-/// ([`PostgresStore::committed_on`]).
-async fn resolve(
-    store: &PostgresStore,
-    lease: &Lease,
-    request: &ClaimRequest<'_>,
-    sent: &StoredResponse,
-    lock_timeout: Duration,
-    store_timeout: Duration,
-) -> Option<bool> {
-    tokio::time::timeout(store_timeout + lock_timeout, async {
-        let conn = store.client().await.ok()?;
-        // Read committed whatever the database's default: the read must see what
-        // committed while the insert waited.
-        let begin = begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout);
-        conn.batch_execute(&begin).await.ok()?;
-        let committed = store
-            .committed_on(&conn, lease, &request.fingerprint, sent)
-            .await;
-        rollback(conn).await;
-        committed.ok()
-    })
-    .await
-    .ok()
-    .flatten()
-}
-
-/// Writes the response into the claim row and commits, pipelined: one round trip, one
-/// commit. If the connection fails during the `COMMIT`, finds out on another whether
-/// it committed ([`resolve`]).
-pub(crate) async fn commit(
-    store: &PostgresStore,
-    conn: Checkout,
-    lease: &Lease,
-    request: &ClaimRequest<'_>,
-    stored: &StoredResponse,
-    lock_timeout: Duration,
-    store_timeout: Duration,
-) -> Committed {
-    let client = &*conn;
-    // Prepared first, so that its Execute is on the wire before the COMMIT.
-    if let Err(e) = store.prepare_completion(client).await {
-        if in_an_aborted_transaction(&e) {
-            rollback(conn).await;
-            return Committed::Aborted;
-        }
-        tracing::error!(error = %e, "the transaction was not committed");
-        return Committed::No;
-    }
-    let (completed, committed) = tokio::join!(
-        store.complete_on(client, lease, stored, request.ttl),
-        client.batch_execute("COMMIT"),
-    );
-    match (completed, committed) {
-        (Ok(true), Ok(())) => {
-            conn.done();
-            Committed::Yes
-        }
-        // The COMMIT of an aborted transaction rolls it back, and succeeds at that.
-        (Err(e), Ok(())) if in_an_aborted_transaction(&e) => {
-            conn.done();
-            Committed::Aborted
-        }
-        // No answer from the server to the COMMIT (the connection failed, or the server
-        // ended the session): it may have committed all the same.
-        (completed, Err(e)) if connection_lost(&e) => {
-            tracing::error!(
-                completed = ?completed.as_ref().map_err(ToString::to_string),
-                committed = %e,
-                "the connection failed during COMMIT; checking whether it committed"
-            );
-            drop(conn);
-            match resolve(store, lease, request, stored, lock_timeout, store_timeout).await {
-                Some(true) => Committed::Yes,
-                Some(false) => Committed::No,
-                None => Committed::Unknown,
-            }
-        }
-        (completed, committed) => {
-            // A failed statement aborts the transaction, and COMMIT then rolls it back.
-            tracing::error!(
-                completed = ?completed.as_ref().map_err(ToString::to_string),
-                committed = ?committed.as_ref().map_err(ToString::to_string),
-                "the transaction was not committed"
-            );
-            // The server answered the COMMIT (a serialization failure, say): the
-            // transaction is over and the connection fit for the pool.
-            if committed.is_ok() || committed.as_ref().is_err_and(|e| e.as_db_error().is_some()) {
-                conn.done();
-            }
-            Committed::No
-        }
-    }
 }
 
 /// The guarded path of a request in transactional mode, after its body was read.
@@ -555,18 +353,19 @@ where
         opened = opened => opened,
         () = config.shutdown.closed() => return Ok(shutting_down()),
     };
-    let (conn, lease) = match opened {
+    let store_timeout = config.store_timeout;
+    let (conn, claimed) = match opened {
         // A duplicate that waited on the first request's row may get it after
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
-            rollback(conn).await;
+            rollback(conn, store_timeout).await;
             return Ok(shutting_down());
         }
-        Opened::Acquired(conn, lease) => {
+        Opened::Acquired(conn, claimed) => {
             // Until now, dropping the request dropped its connection, which rolled
             // back anything claimed; from now on it finishes even if its client goes.
             handoff.hold();
-            (conn, lease)
+            (conn, claimed)
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
@@ -596,9 +395,13 @@ where
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
     let _in_flight = in_flight;
     let produced = CatchPanic::new(run_inner(inner, req, &config)).await;
-    let Some(conn) = TransactionHandle::take(&slot, config.store_timeout).await else {
+    let taken = TransactionHandle::take(&slot, &store, &claimed.backend, store_timeout);
+    let Some(conn) = taken.await else {
         return Ok(handler_failed());
     };
+    // Rolls back, unless the handler ended the transaction itself: then the key is
+    // completed with `500 transaction-ended`, which is the answer.
+    let roll_back = |conn| ended::roll_back(&store, conn, &claimed, &request, store_timeout);
     let produced = match produced {
         Ok(produced) => produced,
         Err(panic) => {
@@ -606,24 +409,32 @@ where
                 panic = crate::catch_panic::message(&panic),
                 "the handler panicked; rolling back"
             );
-            rollback(conn).await;
+            if roll_back(conn).await {
+                return Ok(ended::response());
+            }
             return Ok(handler_failed());
         }
     };
     let (stored, res) = match produced {
         Produced::ServiceFailed(e) => {
-            rollback(conn).await;
+            if roll_back(conn).await {
+                return Ok(ended::response());
+            }
             return Err(e);
         }
         Produced::BodyFailed(_, e) => {
             tracing::error!(error = %e, "the response body failed; rolling back");
-            rollback(conn).await;
+            if roll_back(conn).await {
+                return Ok(ended::response());
+            }
             return Ok(handler_failed());
         }
         Produced::Buffered(parts, body) => {
             if !crate::policy::is_stored(&config.policy, &parts) {
                 // Not kept: neither are the handler's writes.
-                rollback(conn).await;
+                if roll_back(conn).await {
+                    return Ok(ended::response());
+                }
                 let res = Response::from_parts(parts, ResponseBody::full(body));
                 return Ok(with_outcome(res, Outcome::Executed));
             }
@@ -634,7 +445,9 @@ where
         }
         Produced::Unbuffered(parts, prefix, rest, why) => {
             if !crate::policy::is_stored(&config.policy, &parts) {
-                rollback(conn).await;
+                if roll_back(conn).await {
+                    return Ok(ended::response());
+                }
                 let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
                 return Ok(with_outcome(res, Outcome::Executed));
             }
@@ -645,14 +458,13 @@ where
             )
         }
     };
-    let (lock_timeout, store_timeout) = (config.lock_timeout, config.store_timeout);
     let committed = commit(
         &store,
         conn,
-        &lease,
+        &claimed,
         &request,
         &stored,
-        lock_timeout,
+        config.lock_timeout,
         store_timeout,
     );
     match committed.await {
@@ -675,5 +487,6 @@ where
         }
         Committed::No => Ok(not_committed(NOT_COMMITTED)),
         Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
+        Committed::Ended => Ok(ended::response()),
     }
 }

@@ -840,3 +840,100 @@ async fn transactional_a_run_that_gets_the_row_after_close_runs_nothing() {
     assert!(matches!(second, Err(JobError::ShuttingDown)), "{second:?}");
     assert_eq!(ran_second.load(Ordering::SeqCst), 0);
 }
+
+/// A transactional work whose spawned task keeps its client for good: the runner gives
+/// up on it after `store_timeout` and ends its transaction on the server, so nothing
+/// of it commits and a redelivery runs at once, rather than meeting `Running` for as
+/// long as the task lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_client_kept_for_good_by_the_work_does_not_hold_the_key() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
+    let runner = runner
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_secs(5));
+    let scope = Scope::new("consumer");
+    let first = runner
+        .run(&scope, "msg-10", b"+100", {
+            let table = table.clone();
+            move |ctx| async move {
+                let tx = ctx.transaction.expect("transactional mode");
+                let (written, wrote) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move {
+                    let client = tx.client().await.expect("transaction");
+                    let insert = format!("INSERT INTO {table} VALUES ('kept', 100)");
+                    client.execute(&insert, &[]).await.unwrap();
+                    let _ = written.send(());
+                    std::future::pending::<()>().await;
+                    drop(client);
+                });
+                wrote.await.unwrap();
+                Ok::<_, String>(Bytes::from_static(b"first"))
+            }
+        })
+        .await;
+    assert!(matches!(first, Err(JobError::NotCommitted)), "{first:?}");
+    let second = runner
+        .run(&scope, "msg-10", b"+100", {
+            let table = table.clone();
+            move |ctx| async move {
+                let tx = ctx.transaction.expect("transactional mode");
+                let client = tx.client().await.map_err(|e| e.to_string())?;
+                let insert = format!("INSERT INTO {table} VALUES ('second', 100)");
+                client
+                    .execute(&insert, &[])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(Bytes::from_static(b"second"))
+            }
+        })
+        .await;
+    assert_eq!(
+        second.unwrap(),
+        JobOutcome::Ran(Bytes::from_static(b"second"))
+    );
+    let accounts = format!("SELECT string_agg(account, ',') FROM {table}");
+    let kept: String = schema.query(&accounts).await[0].get(0);
+    assert_eq!(kept, "second", "the kept work's write never commits");
+}
+/// A transactional work that commits the runner's transaction itself (a helper written
+/// for a plain connection): the run says so, and the key is completed with that
+/// outcome, so a redelivery does not run the work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_work_that_commits_its_transaction_itself_is_not_run_again() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let credit = || {
+        let (table, runs) = (table.clone(), runs.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            let insert = format!("INSERT INTO {table} VALUES ('acct-1', 100)");
+            client
+                .execute(&insert, &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            client
+                .batch_execute("COMMIT")
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(Bytes::from_static(b"credited"))
+        }
+    };
+    let first = runner.run(&scope, "msg-11", b"+100", credit()).await;
+    assert!(
+        matches!(first, Err(JobError::TransactionEnded)),
+        "{first:?}"
+    );
+    let again = runner.run(&scope, "msg-11", b"+100", credit()).await;
+    assert!(
+        matches!(again, Err(JobError::TransactionEnded)),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let count_sql = format!("SELECT count(*) FROM {table}");
+    assert_eq!(schema.query(&count_sql).await[0].get::<_, i64>(0), 1);
+}

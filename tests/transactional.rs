@@ -1005,7 +1005,9 @@ async fn a_cut_connection_mid_handler_rolls_back_and_the_retry_runs_clean() {
 
 /// Writes through a task that keeps the request's transaction handle long after the
 /// response; with `x-keep-handle`, the task holds the connection for `pg_sleep(1.5)`
-/// past the layer's store timeout, then lets go of the client but keeps the handle.
+/// past the layer's store timeout (the layer ends the transaction on the server
+/// meanwhile, which fails the statement), then lets go of the client but keeps the
+/// handle.
 async fn keeps_its_handle(
     State(app): State<App>,
     key: IdempotencyKey,
@@ -1024,7 +1026,7 @@ async fn keeps_its_handle(
         let _ = holding.send(());
         let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 0, 'kept')");
         client.execute(&insert, &[&key.as_str()]).await.unwrap();
-        client.batch_execute("SELECT pg_sleep(1.5)").await.unwrap();
+        let _ = client.batch_execute("SELECT pg_sleep(1.5)").await;
         drop(client);
         // Kept as a careless app might keep it: in a cache, a struct, a task.
         tokio::time::sleep(Duration::from_secs(600)).await;
@@ -1035,8 +1037,7 @@ async fn keeps_its_handle(
 }
 
 /// A handle kept beyond the request must not keep its row lock, and so its key, for as
-/// long as it lives: once the work lets go of the connection, the transaction rolls
-/// back and a retry runs clean.
+/// long as it lives: the transaction rolls back and a retry runs clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
     let schema = TestSchema::new();
@@ -1049,8 +1050,7 @@ async fn a_handle_kept_past_the_request_does_not_hold_the_key() {
     let first = send(&router, post_with("k", &[("x-keep-handle", "1")])).await;
     assert_eq!(first.status, 500);
     assert_eq!(first.problem(), "handler-failed");
-    // The kept connection's statement ends 1.5 s in; 10 s is the bound for a retry to
-    // run, against the 600 s the handle is kept.
+    // 10 s is the bound for a retry to run, against the 600 s the handle is kept.
     let started = std::time::Instant::now();
     let mut statuses = Vec::new();
     let retry = loop {
@@ -1308,4 +1308,347 @@ async fn two_layers_of_different_modes_on_one_table_answer_500_misconfigured_at_
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(counter.runs(), 1);
     common::idle(&store).await;
+}
+/// Lets the held request go, closes the layer and drains it, bounded: a drain that
+/// waits on a statement the database never answers fails the test rather than hangs.
+async fn drain_while_held(
+    shutdown: &tower_idempotency::ShutdownHandle,
+    counter: &Counter,
+    request: tokio::task::JoinHandle<common::Reply>,
+) -> common::Reply {
+    counter.let_go(1);
+    shutdown.close();
+    tokio::time::timeout(Duration::from_secs(30), shutdown.drain())
+        .await
+        .expect("the drain hangs");
+    tokio::time::timeout(Duration::from_secs(30), request)
+        .await
+        .expect("no answer within 30 s: the request hangs")
+        .unwrap()
+}
+
+/// A `COMMIT` that the database never answers (the link holds it: a partition, a
+/// frozen server) is given up on after `store_timeout`, then checked on another
+/// connection: the client gets a bounded `503 not-committed` saying the outcome is
+/// unknown (the transaction, still open on the server, holds the row past the check's
+/// wait), and a drain returns. Once the link lets the `COMMIT` through, the retry
+/// replays what committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_the_database_never_answers_is_a_bounded_503_unknown() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 3).await;
+    let layer = |store| {
+        IdempotencyLayer::transactional(store)
+            .store_timeout(Duration::from_millis(500))
+            .lock_timeout(Duration::from_millis(500))
+    };
+    let first_layer = layer(store.clone());
+    let shutdown = first_layer.shutdown_handle();
+    let (router, counter) = app(first_layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    proxy.hold_next_commit();
+    let first = drain_while_held(&shutdown, &counter, first).await;
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    assert_eq!(first.problem(), "not-committed");
+    let detail = first.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("could not be checked"), "{detail}");
+    assert_eq!(proxy.held(), 1);
+    proxy.release_held();
+    // Another replica, not shut down: the COMMIT went through once let go.
+    let (other, other_counter) = app(layer(store), &table);
+    let retry = common::retry_until_created_with(&other, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.json()["run"], 1);
+    assert_eq!(counter.runs() + other_counter.runs(), 1);
+}
+
+/// A `COMMIT` that reaches the database, whose answer never comes back: the check on
+/// another connection finds it committed, and the client gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_whose_answer_never_comes_is_checked_and_answered() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 3).await;
+    let layer = IdempotencyLayer::transactional(store).store_timeout(Duration::from_millis(500));
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    proxy.hold_after_next_commit();
+    let first = drain_while_held(&shutdown, &counter, first).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.held(), 1);
+    assert_eq!(rows_in(&schema, &table).await, 1);
+    let completed = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed'",
+        schema.name
+    );
+    assert_eq!(count(&schema, &completed).await, 1);
+    assert_eq!(counter.runs(), 1);
+    proxy.release_held();
+}
+
+/// A `ROLLBACK` the database never answers (the handler's 503, which the storage
+/// policy does not keep) is given up on after `store_timeout`: its connection is
+/// closed, the client gets the handler's answer, and a drain returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rollback_the_database_never_answers_is_given_up_on() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 3).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(
+        &router,
+        post_with("k", &[("x-held", "1"), ("x-status", "503")]),
+        &counter,
+    )
+    .await;
+    proxy.hold_next_rollback();
+    let first = drain_while_held(&shutdown, &counter, first).await;
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.held(), 1);
+    proxy.release_held();
+    assert_eq!(rows_in(&schema, &table).await, 0);
+}
+
+/// The `ROLLBACK` of a replay's transaction runs in the background; one the database
+/// never answers is given up on after `store_timeout` too, and its connection closed,
+/// so it does not keep a pooled connection for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_background_rollback_the_database_never_answers_gives_its_connection_back() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 1).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let (router, counter) = app(layer, &table);
+    assert_eq!(send(&router, post_with("k", &[])).await.status, 201);
+    proxy.hold_next_rollback();
+    let replay = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    // The pool's one connection is held by the replay's ROLLBACK until it is given up.
+    let next = tokio::time::timeout(
+        Duration::from_secs(20),
+        common::retry_until_created_with(&router, || post_with("other", &[]), &[503]),
+    )
+    .await
+    .expect("the pool's connection never came back");
+    assert_eq!(next.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.held(), 1);
+    assert_eq!(counter.runs(), 2);
+    proxy.release_held();
+}
+
+/// Writes through a task that takes the request's transaction client and never lets
+/// go of it (a careless app's background work), then answers 201.
+async fn holds_its_client_for_good(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !headers.contains_key("x-hold-for-good") {
+        return create(State(app), key, tx, headers, body).await;
+    }
+    app.counter.count_run();
+    let (written, wrote) = tokio::sync::oneshot::channel();
+    let table = app.table.clone();
+    tokio::spawn(async move {
+        let client = tx.client().await.expect("transaction");
+        let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 0, 'kept')");
+        client.execute(&insert, &[&key.as_str()]).await.unwrap();
+        let _ = written.send(());
+        std::future::pending::<()>().await;
+        drop(client);
+    });
+    wrote.await.unwrap();
+    (StatusCode::CREATED, "{}").into_response()
+}
+
+/// A task that keeps the transaction's client for good: when the layer gives up on it
+/// (500 after `store_timeout`), it ends the transaction on the server, so nothing of it
+/// commits and the key is free at once: the retry runs, rather than meeting 409 for as
+/// long as the task lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_for_good_past_the_request_does_not_hold_the_key() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 3).await;
+    let table = setup(&schema, &store).await;
+    // The retry may wait on the row for a moment while the ended backend exits.
+    let layer = IdempotencyLayer::transactional(store)
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_secs(5));
+    let (router, counter) = app_on(post(holds_its_client_for_good), layer, &table);
+    let first = common::send_bounded(&router, post_with("k", &[("x-hold-for-good", "1")])).await;
+    assert_eq!(first.status, 500);
+    assert_eq!(first.problem(), "handler-failed");
+    let retry = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    let kept = format!("SELECT count(*) FROM {table} WHERE body = 'kept'");
+    assert_eq!(
+        count(&schema, &kept).await,
+        0,
+        "the kept write never commits"
+    );
+    assert_eq!(rows_in(&schema, &table).await, 1);
+}
+
+/// Writes its ledger row, then ends the request's transaction itself, as a helper
+/// written for a plain connection does, as `x-end` says: `commit` (`COMMIT`),
+/// `begin-commit` (`BEGIN`, the write, `COMMIT`: its own transaction, it thinks),
+/// `rollback` (`ROLLBACK`), `commit-begin` (`COMMIT`, then `BEGIN` again, leaving a
+/// transaction of its own open), or `none` (it leaves the transaction alone). It then
+/// answers `x-status` (201 by default), or panics with `x-panic`.
+async fn ends_its_transaction(
+    State(app): State<App>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    headers: HeaderMap,
+) -> Response {
+    let end = headers
+        .get("x-end")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("commit")
+        .to_owned();
+    let run = app.counter.count_run();
+    let client = tx.client().await.expect("transaction");
+    let insert = format!(
+        "INSERT INTO {} (key, run, body) VALUES ($1, $2, '{end}')",
+        app.table
+    );
+    if end == "begin-commit" {
+        client.batch_execute("BEGIN").await.unwrap();
+    }
+    client
+        .execute(&insert, &[&key.as_str(), &(run as i32)])
+        .await
+        .unwrap();
+    let ending = match end.as_str() {
+        "rollback" => "ROLLBACK",
+        "commit-begin" => "COMMIT; BEGIN",
+        "none" => "",
+        _ => "COMMIT",
+    };
+    client.batch_execute(ending).await.unwrap();
+    drop(client);
+    app.counter.count_finished();
+    if headers.contains_key("x-panic") {
+        panic!("handler panicked on purpose");
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    (status, format!("{{\"run\":{run}}}")).into_response()
+}
+
+/// A handler that ends the layer's transaction itself: its client is told so (500
+/// `transaction-ended`), never "no effect", and the key is completed with that answer,
+/// outside the ended transaction, so a retry replays it and the handler runs once.
+async fn a_transaction_ended_by_the_handler(end: &str, kept: i64) {
+    a_transaction_ended_by_a_handler_that_answers(&[("x-end", end)], kept).await;
+}
+
+/// [`a_transaction_ended_by_the_handler`], with the handler's headers: its answer, if
+/// the storage policy does not keep it, or its panic, makes the layer roll back rather
+/// than commit, and it finds out there.
+async fn a_transaction_ended_by_a_handler_that_answers(headers: &[(&str, &str)], kept: i64) {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let first = common::send_bounded(&router, post_with("k", headers)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(counter.finished(), 1);
+    let retry = common::send_bounded(&router, post_with("k", headers)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.status, 500);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    let state = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed' AND status = 500",
+        schema.name
+    );
+    assert_eq!(count(&schema, &state).await, 1);
+    assert_eq!(rows_in(&schema, &table).await, kept);
+    common::idle(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_the_transaction_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("commit", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_begins_and_commits_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("begin-commit", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_and_begins_again_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("commit-begin", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_rolls_the_transaction_back_gets_transaction_ended_and_runs_once() {
+    a_transaction_ended_by_the_handler("rollback", 0).await;
+}
+
+/// A handler that rolls back the takeover of an expired record: the record is left as
+/// it was, free, and is taken over completed with the layer's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_rolls_back_a_takeover_gets_transaction_ended_and_runs_once() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    // Records it completes expire at once, free to be taken over.
+    let expiring = IdempotencyLayer::transactional(store.clone()).ttl(Duration::from_millis(1));
+    let (expiring, _) = app_on(post(ends_its_transaction), expiring, &table);
+    let done = common::send_bounded(&expiring, post_with("k", &[("x-end", "none")])).await;
+    assert_eq!(done.status, 201);
+    let expired = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE expires_at <= now()",
+        schema.name
+    );
+    for _ in 0..500 {
+        if count(&schema, &expired).await == 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        count(&schema, &expired).await,
+        1,
+        "the record never expired"
+    );
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let rolled_back = [("x-end", "rollback")];
+    let first = common::send_bounded(&router, post_with("k", &rolled_back)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    let retry = common::send_bounded(&router, post_with("k", &rolled_back)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(records_of(&schema, "k").await, 1);
+    common::idle(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_then_answers_500_gets_transaction_ended_and_runs_once() {
+    let headers = [("x-end", "commit"), ("x-status", "500")];
+    a_transaction_ended_by_a_handler_that_answers(&headers, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_rolls_back_then_panics_gets_transaction_ended_and_runs_once() {
+    let headers = [("x-end", "rollback"), ("x-panic", "1")];
+    a_transaction_ended_by_a_handler_that_answers(&headers, 0).await;
 }

@@ -46,8 +46,8 @@ mod waiters;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{
-    Checkout, again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
-    statement_cancelled,
+    Backend, Checkout, Resolution, again_if_it_lost_a_race, begin, commit_on, connection_lost,
+    in_an_aborted_transaction, rollback, statement_cancelled,
 };
 #[cfg(feature = "postgres")]
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url, pool_for_url_with_tls};

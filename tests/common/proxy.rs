@@ -1,13 +1,14 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
 //! stall traffic, drop the connections open at a moment silently, lose a `COMMIT` or
-//! its answer, make `LISTEN` fail or listen elsewhere, or refuse new ones.
+//! its answer, hold one connection at its `COMMIT` or `ROLLBACK`, make `LISTEN` fail or
+//! listen elsewhere, or refuse new ones.
 
 use std::{
     net::SocketAddr,
     sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -36,6 +37,12 @@ struct Shared {
     lose_commit_reply: AtomicBool,
     /// Set to close the connection that next sends `COMMIT`, before it reaches the server.
     drop_commit: AtomicBool,
+    /// Set to hold the connection that next sends `COMMIT` (`HOLD_*`).
+    hold_commit: AtomicU8,
+    /// Set to hold the connection that next sends `ROLLBACK` (`HOLD_*`).
+    hold_rollback: AtomicU8,
+    /// The connections held so far, until `release_held`.
+    held: Mutex<Vec<Arc<Held>>>,
     /// While set, `LISTEN` reaches the server misspelt, and fails there.
     breaking_listen: AtomicBool,
     /// While set, `LISTEN` reaches the server on another channel, and succeeds there.
@@ -90,6 +97,9 @@ impl PgProxy {
             breaking_listen: AtomicBool::new(false),
             deafening_listen: AtomicBool::new(false),
             drop_commit: AtomicBool::new(false),
+            hold_commit: AtomicU8::new(NO_HOLD),
+            hold_rollback: AtomicU8::new(NO_HOLD),
+            held: Mutex::new(Vec::new()),
             cuts: tokio::sync::watch::channel(0).0,
         });
         let s = shared.clone();
@@ -110,8 +120,16 @@ impl PgProxy {
                     let (sr, sw) = server.into_split();
                     let mut cut = s.cuts.subscribe();
                     let lost = Arc::new(AtomicBool::new(false));
-                    let up = tokio::spawn(pump_frontend(cr, sw, s.clone(), id, lost.clone()));
-                    let down = tokio::spawn(pump_backend(sr, cw, s, id, lost));
+                    let held = Arc::new(Held::default());
+                    let up = tokio::spawn(pump_frontend(
+                        cr,
+                        sw,
+                        s.clone(),
+                        id,
+                        lost.clone(),
+                        held.clone(),
+                    ));
+                    let down = tokio::spawn(pump_backend(sr, cw, s, id, lost, held));
                     let (up_abort, down_abort) = (up.abort_handle(), down.abort_handle());
                     tokio::select! {
                         _ = async { let _ = tokio::join!(up, down); } => {}
@@ -184,6 +202,45 @@ impl PgProxy {
         self.shared.drop_commit.store(true, Ordering::SeqCst);
     }
 
+    /// The next connection to send `COMMIT` stops passing bytes, both ways, from that
+    /// `COMMIT` on, which the server does not get, until [`release_held`]: the
+    /// connection stays open and nothing fails, as when a network partition or a frozen
+    /// server holds it. The server keeps the transaction open, and its locks.
+    ///
+    /// [`release_held`]: Self::release_held
+    pub fn hold_next_commit(&self) {
+        self.shared.hold_commit.store(HOLD_BEFORE, Ordering::SeqCst);
+    }
+
+    /// The next connection to send `COMMIT` passes it to the server, then stops passing
+    /// bytes, both ways, until [`release_held`]: the server commits, and its answer is
+    /// held, as when a synchronous standby is gone or the link stalls on the way back.
+    ///
+    /// [`release_held`]: Self::release_held
+    pub fn hold_after_next_commit(&self) {
+        self.shared.hold_commit.store(HOLD_AFTER, Ordering::SeqCst);
+    }
+
+    /// As [`hold_next_commit`](Self::hold_next_commit), at the next `ROLLBACK`.
+    pub fn hold_next_rollback(&self) {
+        self.shared
+            .hold_rollback
+            .store(HOLD_BEFORE, Ordering::SeqCst);
+    }
+
+    /// Connections held at a `COMMIT` or `ROLLBACK` so far.
+    pub fn held(&self) -> usize {
+        self.shared.held.lock().expect("held").len()
+    }
+
+    /// Lets every held connection pass bytes again, what it held first.
+    pub fn release_held(&self) {
+        for held in self.shared.held.lock().expect("held").drain(..) {
+            held.up.store(false, Ordering::SeqCst);
+            held.down.store(false, Ordering::SeqCst);
+        }
+    }
+
     /// While `on`, every `LISTEN` fails at the server (as on a standby), with a
     /// syntax error: the proxy misspells it on the way.
     pub fn break_listen(&self, on: bool) {
@@ -218,10 +275,39 @@ impl PgProxy {
     }
 }
 
-async fn wait_while_stalled(s: &Shared, id: u64) {
-    while s.stalled.load(Ordering::SeqCst) || id < s.dead_below.load(Ordering::SeqCst) {
+/// No hold set.
+const NO_HOLD: u8 = 0;
+/// Hold the statement and everything after it.
+const HOLD_BEFORE: u8 = 1;
+/// Pass the statement, then hold everything after it.
+const HOLD_AFTER: u8 = 2;
+
+/// What one connection holds: client to server (`up`), server to client (`down`).
+#[derive(Default)]
+struct Held {
+    up: AtomicBool,
+    down: AtomicBool,
+}
+
+async fn wait_while_stalled(s: &Shared, id: u64, held: &AtomicBool) {
+    while s.stalled.load(Ordering::SeqCst)
+        || id < s.dead_below.load(Ordering::SeqCst)
+        || held.load(Ordering::SeqCst)
+    {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Holds `held` in the way `how` says, the statement about to be written up.
+fn hold(s: &Shared, held: &Arc<Held>, how: u8) {
+    if how == NO_HOLD {
+        return;
+    }
+    held.down.store(true, Ordering::SeqCst);
+    if how == HOLD_BEFORE {
+        held.up.store(true, Ordering::SeqCst);
+    }
+    s.held.lock().expect("held").push(held.clone());
 }
 
 /// Client to server, parsed: an untyped start-up message (after any SSL/GSS request),
@@ -232,6 +318,7 @@ async fn pump_frontend(
     s: Arc<Shared>,
     id: u64,
     lost: Arc<AtomicBool>,
+    held: Arc<Held>,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut pending: Vec<u8> = Vec::new();
@@ -243,7 +330,9 @@ async fn pump_frontend(
             Ok(n) => n,
         };
         s.received.fetch_add(1, Ordering::SeqCst);
-        wait_while_stalled(&s, id).await;
+        wait_while_stalled(&s, id, &held.up).await;
+        // Set by a held statement in this read: `up` is held after it is written.
+        let mut hold_up_after = false;
         if s.breaking_listen.load(Ordering::SeqCst) {
             // Same length, so the message's framing holds.
             if let Some(at) = buf[..n].windows(8).position(|w| w == b"LISTEN \"") {
@@ -306,6 +395,16 @@ async fn pump_frontend(
                     if s.drop_commit.swap(false, Ordering::SeqCst) {
                         dropping = true;
                     }
+                    let how = s.hold_commit.swap(NO_HOLD, Ordering::SeqCst);
+                    hold(&s, &held, how);
+                    hold_up_after |= how == HOLD_AFTER;
+                }
+                if pending[0] == b'Q'
+                    && pending[5..1 + len]
+                        .to_ascii_uppercase()
+                        .starts_with(b"ROLLBACK")
+                {
+                    hold(&s, &held, s.hold_rollback.swap(NO_HOLD, Ordering::SeqCst));
                 }
                 pending.drain(..1 + len);
             }
@@ -315,8 +414,13 @@ async fn pump_frontend(
             // back; the client sees the connection close.
             break;
         }
+        // Held before this read reaches the server, if it holds a statement so.
+        wait_while_stalled(&s, id, &held.up).await;
         if to.write_all(&buf[..n]).await.is_err() {
             break;
+        }
+        if hold_up_after {
+            held.up.store(true, Ordering::SeqCst);
         }
     }
     let _ = to.shutdown().await;
@@ -328,6 +432,7 @@ async fn pump_backend(
     s: Arc<Shared>,
     id: u64,
     lost: Arc<AtomicBool>,
+    held: Arc<Held>,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -335,7 +440,7 @@ async fn pump_backend(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        wait_while_stalled(&s, id).await;
+        wait_while_stalled(&s, id, &held.down).await;
         if lost.load(Ordering::SeqCst) {
             // The client is told the connection closed; the server's side stays open
             // and is drained, so that it runs what it was sent, COMMIT included.

@@ -5,6 +5,7 @@ mod purge;
 mod reserve;
 mod shared;
 mod tls;
+mod tx;
 
 use std::{
     fmt,
@@ -32,6 +33,7 @@ use purge::BackgroundPurge;
 use sha2::{Digest, Sha256};
 use shared::{Opened, Shared};
 use tls::Connector;
+pub(crate) use tx::{Backend, Resolution, begin, commit_on, rollback};
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -343,6 +345,8 @@ struct Sql {
     in_doubt_read: String,
     purge: String,
     purge_in_turn: String,
+    /// Transactional mode's own.
+    tx: tx::Statements,
     qualified: String,
     expires_index: String,
     migrations_table: String,
@@ -354,6 +358,21 @@ impl Sql {
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_function = format!("\"{schema}\".\"{table}_claim\"");
         let ms = "$ms::bigint * interval '1 millisecond'";
+        // The notification is delivered when, and only if, the change commits. The
+        // TTL counts from this statement: in transactional mode `now()` would be the
+        // transaction's start, before the handler ran.
+        let complete = |only: &str| {
+            format!(
+                "WITH done AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
+                           headers = $5, body = $6, completed_at = statement_timestamp(),
+                           expires_at = statement_timestamp() + {e}
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'{only}
+                    RETURNING waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
+                e = ms.replace("$ms", "$7"),
+            )
+        };
         Self {
             // A primary-key read that inserts only when the key has no row: the insert
             // is a function (migration 0003) called from a branch that an existing key
@@ -384,19 +403,8 @@ impl Sql {
                 l = ms.replace("$ms", "$5"),
                 e = ms.replace("$ms", "$6"),
             ),
-            // The notification is delivered when, and only if, the change commits. The
-            // TTL counts from this statement: in transactional mode `now()` would be the
-            // transaction's start, before the handler ran.
-            complete: format!(
-                "WITH done AS (
-                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
-                           headers = $5, body = $6, completed_at = statement_timestamp(),
-                           expires_at = statement_timestamp() + {e}
-                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING waiters)
-                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
-                e = ms.replace("$ms", "$7"),
-            ),
+            complete: complete(""),
+            tx: tx::Statements::new(&t, complete(tx::WRITTEN_BY_THIS_TRANSACTION)),
             release: format!(
                 "WITH done AS (
                     DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
@@ -429,7 +437,7 @@ impl Sql {
             // that took the row since, through its whole handler.
             in_doubt_wait: format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
             in_doubt_read: format!(
-                "SELECT token, state, fingerprint, status, headers, body FROM {t}
+                "SELECT token, state, fingerprint, status, headers, body, created_at FROM {t}
                  WHERE scope = $1 AND key = $2"
             ),
             // The outer condition repeats the inner one: a ctid names a row only within
@@ -1367,11 +1375,25 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: i64,
     ) -> Result<Claim, StoreError> {
+        self.claim_at(client, req, token)
+            .await
+            .map(|(claim, _)| claim)
+    }
+
+    /// [`claim_on`](Self::claim_on), with the database's `now()` as the claim read it:
+    /// inside a transaction, the time it started, which a claim row inserted or taken
+    /// over in it carries as `created_at`.
+    pub(crate) async fn claim_at(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        token: i64,
+    ) -> Result<(Claim, SystemTime), StoreError> {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
-            if let Some(claim) = self.claim_once(client, req, token).await? {
-                return Ok(claim);
+            if let (Some(claim), now) = self.claim_once(client, req, token).await? {
+                return Ok((claim, now));
             }
         }
         Err(StoreError::new(
@@ -1380,62 +1402,22 @@ impl PostgresStore {
         ))
     }
 
-    /// Prepares the completion statement on `client` (a no-op once cached), so that its
-    /// execution can be pipelined with a `COMMIT`.
-    pub(crate) async fn prepare_completion(
-        &self,
-        client: &ClientWrapper,
-    ) -> Result<(), StoreError> {
-        client
-            .prepare_cached(&self.sql.complete)
-            .await
-            .map(drop)
-            .map_err(classify)
-    }
-
-    /// Whether the transaction that claimed `lease` for `fingerprint` and sent `sent` as
-    /// its completion committed, once it has ended: for a `COMMIT` whose answer was lost.
-    /// `client` is in a read committed transaction of its own, which the caller rolls
-    /// back.
-    ///
-    /// The row then carries that claim's token, completed with that response, only if
-    /// it committed. A duplicate's claim cannot be taken for it: a fresh claim's token is
-    /// drawn at random, and the read sees the row as the transaction left it unless a
-    /// duplicate that was waiting on it has taken it and committed in the moment since.
-    /// Only a takeover of an expired row gets the same token (one more than the row's);
-    /// that duplicate would also need the same input and the same stored response. The
-    /// check relies on the record outliving it: a TTL of milliseconds, with a purge or a
-    /// takeover in between, reads as not committed.
-    pub(crate) async fn committed_on(
-        &self,
-        client: &ClientWrapper,
-        lease: &Lease,
-        fingerprint: &Fingerprint,
-        sent: &StoredResponse,
-    ) -> Result<bool, StoreError> {
-        let (scope, key) = (lease.scope.as_str(), &*lease.key);
-        let fp: &[u8] = fingerprint.as_bytes();
-        self.query_on(client, &self.sql.in_doubt_wait, &[&scope, &key, &fp])
-            .await?;
-        let rows = self
-            .query_on(client, &self.sql.in_doubt_read, &[&scope, &key])
-            .await?;
-        let Some(row) = rows.first() else {
-            return Ok(false);
-        };
-        let ours = row.get::<_, i64>(0) == lease.token
-            && row.get::<_, &str>(1) == "completed"
-            && row.get::<_, &[u8]>(2) == fp
-            && row.get::<_, Option<i16>>(3) == Some(sent.status.as_u16() as i16)
-            && row.get::<_, Option<&[u8]>>(4)
-                == Some(&StoredResponse::encode_headers(&sent.headers)[..])
-            && row.get::<_, Option<&[u8]>>(5) == Some(&sent.body[..]);
-        Ok(ours)
-    }
-
     /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
     pub(crate) async fn complete_on(
         &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.complete_with(&self.sql.complete, client, lease, response, ttl)
+            .await
+    }
+
+    /// Stores `response` under `lease` on `client` with `sql`, a completion statement.
+    async fn complete_with(
+        &self,
+        sql: &str,
         client: &ClientWrapper,
         lease: &Lease,
         response: &StoredResponse,
@@ -1448,7 +1430,7 @@ impl PostgresStore {
         let rows = self
             .query_on(
                 client,
-                &self.sql.complete,
+                sql,
                 &[
                     &lease.scope.as_str(),
                     &&*lease.key,
@@ -1470,7 +1452,7 @@ impl PostgresStore {
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: i64,
-    ) -> Result<Option<Claim>, StoreError> {
+    ) -> Result<(Option<Claim>, SystemTime), StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
         let fp: &[u8] = req.fingerprint.as_bytes();
@@ -1496,17 +1478,16 @@ impl PostgresStore {
             key: Arc::from(req.key),
             token,
         };
+        let now: SystemTime = row.get(col::NOW);
         let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
             // No row for the key. A token: ours, inserted. None: a concurrent request
             // inserted it after this statement's snapshot (or it was released in
             // between); either way, look again.
-            return Ok(row
-                .get::<_, Option<i64>>(col::CLAIMED)
-                .map(|token| Claim::Acquired(lease(token))));
+            let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
+            return Ok((claimed.map(|token| Claim::Acquired(lease(token))), now));
         };
         let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
             .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-        let now: SystemTime = row.get(col::NOW);
         let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
         let expires_at: SystemTime = row.get(col::EXPIRES_AT);
         let state: &str = row.get(col::STATE);
@@ -1528,13 +1509,14 @@ impl PostgresStore {
                     ],
                 )
                 .await?;
-            return Ok(rows.first().map(|r| Claim::Acquired(lease(r.get("token")))));
+            let taken = rows.first().map(|r| Claim::Acquired(lease(r.get("token"))));
+            return Ok((taken, now));
         }
-        match state {
-            "running" => Ok(Some(Claim::Running {
+        let found = match state {
+            "running" => Claim::Running {
                 fingerprint,
                 retry_after: lease_left(locked_until, now),
-            })),
+            },
             "completed" => {
                 let status: i16 = row
                     .try_get(col::STATUS)
@@ -1551,17 +1533,18 @@ impl PostgresStore {
                 let body: &[u8] = row
                     .try_get(col::BODY)
                     .map_err(|_| corrupt("completed record without body"))?;
-                Ok(Some(Claim::Completed {
+                Claim::Completed {
                     fingerprint,
                     response: StoredResponse {
                         status,
                         headers,
                         body: Bytes::copy_from_slice(body),
                     },
-                }))
+                }
             }
-            other => Err(corrupt(&format!("unknown state {other:?}"))),
-        }
+            other => return Err(corrupt(&format!("unknown state {other:?}"))),
+        };
+        Ok((Some(found), now))
     }
 }
 

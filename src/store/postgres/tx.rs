@@ -1,0 +1,366 @@
+//! The transaction API of transactional mode: `BEGIN` with the claim, the completion
+//! that only a live transaction of the claim's can make, `COMMIT` and `ROLLBACK`, and,
+//! for a transaction that ended under the layer or that the layer gives up on, the
+//! statements that find out, finish the key, or end the transaction on the server.
+//!
+//! Each function sends its statements and waits for their answers; bounding them in
+//! time is the caller's part (`crate::transactional`), and so is closing a connection
+//! given up on midway (dropping its `Checkout`).
+
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::ClientWrapper;
+use tokio_postgres::{SimpleQueryMessage, types::ToSql};
+
+use super::{Checkout, PostgresStore, classify, ms};
+use crate::{
+    Fingerprint, StoredResponse,
+    store::{Claim, ClaimRequest, Lease, StoreError, StoreErrorKind},
+};
+
+/// The condition that holds only for a row version this transaction wrote: its `xmin`
+/// is the transaction's id. The claim inserted or updated the row in the transaction
+/// (a plain function call, no subtransaction), so while that transaction lasts the
+/// row's `xmin` is its id; once it has ended (a `COMMIT` or `ROLLBACK` sent by the
+/// handler), the statement runs in another transaction, or in none, and nothing
+/// matches. `_if_assigned` assigns no id to a statement outside that transaction.
+/// PostgreSQL 13 or later.
+pub(super) const WRITTEN_BY_THIS_TRANSACTION: &str =
+    " AND xmin = pg_current_xact_id_if_assigned()::xid";
+
+/// The server session and the transaction a claim opened: what tells that transaction
+/// apart from any other, on that backend or behind a pooler that lends it to others
+/// once the transaction ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Backend {
+    /// `pg_backend_pid()` inside the transaction.
+    pid: i32,
+    /// The transaction's start (`now()` in it): `xact_start` in `pg_stat_activity`
+    /// while it runs, and `created_at` of the claim row it inserted or took over.
+    started: SystemTime,
+}
+
+/// Statements of transactional mode (see `Sql`).
+pub(super) struct Statements {
+    /// The completion, matching only the row this transaction wrote.
+    complete: String,
+    /// Whether the claim row is still this transaction's.
+    ours: String,
+    /// Completes the key after its transaction ended under the layer.
+    finish_ended: String,
+    /// Ends a transaction on the server from another session.
+    end: String,
+}
+
+impl Statements {
+    /// `t`: the qualified table; `complete`: the completion, restricted to the row
+    /// this transaction wrote.
+    pub(super) fn new(t: &str, complete: String) -> Self {
+        let ttl = "$8::bigint * interval '1 millisecond'";
+        Self {
+            complete,
+            ours: format!(
+                "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3{WRITTEN_BY_THIS_TRANSACTION}"
+            ),
+            // Outside any transaction of the claim's: the claim row, committed
+            // `running` by the handler's own COMMIT (its token, and `created_at` the
+            // claim's transaction start: no other claim, a takeover with the same token
+            // included, has both), is completed; a row the claim would have been free
+            // to take over (the handler's ROLLBACK restored it) is taken over completed,
+            // its token one more; no row at all (the handler's ROLLBACK removed the
+            // insert) is inserted completed. A row another request holds is left alone.
+            finish_ended: format!(
+                "WITH ours AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, fingerprint = $4,
+                           status = $5, headers = $6, body = $7,
+                           token = CASE WHEN token = $3 AND state = 'running' AND created_at = $9
+                                        THEN token ELSE token + 1 END,
+                           completed_at = statement_timestamp(),
+                           expires_at = statement_timestamp() + {ttl}
+                    WHERE scope = $1 AND key = $2
+                      AND ((token = $3 AND state = 'running' AND created_at = $9)
+                        OR ((state = 'completed' OR locked_until <= now())
+                            AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))))
+                    RETURNING waiters),
+                 fresh AS (
+                    INSERT INTO {t} (scope, key, fingerprint, state, token, expires_at,
+                                     completed_at, status, headers, body)
+                    SELECT $1, $2, $4, 'completed', $3, statement_timestamp() + {ttl},
+                           statement_timestamp(), $5, $6, $7
+                    WHERE NOT EXISTS (SELECT 1 FROM ours)
+                    ON CONFLICT (scope, key) DO NOTHING
+                    RETURNING false AS waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($10, $11) END FROM ours
+                 UNION ALL SELECT NULL FROM fresh"
+            ),
+            // Only while that backend still runs that transaction: a backend whose
+            // session ended may be another's now, and one behind a pooler serves
+            // other clients once the transaction is over.
+            end: "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE pid = $1 AND xact_start = $2"
+                .to_owned(),
+        }
+    }
+}
+
+/// `BEGIN` (with `isolation`, e.g. `" ISOLATION LEVEL READ COMMITTED"`, or `""`) and
+/// the transaction's `lock_timeout`, as one simple query that also returns the
+/// backend's pid.
+pub(crate) fn begin(isolation: &str, lock_timeout: Duration) -> String {
+    format!(
+        "BEGIN{isolation}; {}; SELECT pg_backend_pid()",
+        set_lock_timeout(lock_timeout)
+    )
+}
+
+/// `SET LOCAL lock_timeout`, in milliseconds (at least 1: zero would mean no bound).
+fn set_lock_timeout(lock_timeout: Duration) -> String {
+    format!(
+        "SET LOCAL lock_timeout = {}",
+        lock_timeout.as_millis().max(1)
+    )
+}
+
+/// The pid a `begin` query returned.
+fn backend_pid(messages: &[SimpleQueryMessage]) -> Result<i32, StoreError> {
+    messages
+        .iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(row) => row.get(0),
+            _ => None,
+        })
+        .and_then(|pid| pid.parse().ok())
+        .ok_or_else(|| {
+            StoreError::new(
+                StoreErrorKind::Corrupt,
+                "BEGIN returned no backend pid".to_owned(),
+            )
+        })
+}
+
+/// `ROLLBACK` on `conn`: back to the pool if the server answers it, closed (which
+/// rolls back) if not, or if it takes longer than `bound`.
+pub(crate) async fn rollback(conn: Checkout, bound: Duration) {
+    match tokio::time::timeout(bound, conn.batch_execute("ROLLBACK")).await {
+        Ok(Ok(())) => conn.done(),
+        // Dropping the Checkout closes the connection, which rolls back.
+        Ok(Err(e)) => tracing::warn!(error = %e, "rollback failed; closing the connection"),
+        Err(_) => tracing::warn!("no answer to ROLLBACK in time; closing the connection"),
+    }
+}
+
+/// `COMMIT` on `client`, as the driver answers it.
+pub(crate) async fn commit_on(client: &ClientWrapper) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute("COMMIT").await
+}
+
+/// How a transaction whose `COMMIT` was in doubt ended ([`PostgresStore::committed_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resolution {
+    /// The claim committed, completed with the response sent.
+    Committed,
+    /// Nothing of it committed.
+    NotCommitted,
+    /// The claim committed `running`, without its completion: the transaction had
+    /// ended under the layer, committed by the handler.
+    ClaimAlone,
+}
+
+impl PostgresStore {
+    /// Sends `begin` (see [`begin`]) and the claim together, one round trip: the claim
+    /// with the database's `now()` and the pid of the backend that runs it.
+    pub(crate) async fn begin_and_claim(
+        &self,
+        client: &ClientWrapper,
+        begin: &str,
+        request: &ClaimRequest<'_>,
+        token: i64,
+    ) -> Result<(Claim, Backend), StoreError> {
+        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let (begun, claim) = tokio::join!(
+            client.simple_query(begin),
+            self.claim_at(client, request, token)
+        );
+        let pid = backend_pid(&begun.map_err(failed)?)?;
+        let (claim, started) = claim?;
+        Ok((claim, Backend { pid, started }))
+    }
+
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, with `lock_timeout`.
+    pub(crate) async fn begin_read_committed(
+        &self,
+        client: &ClientWrapper,
+        lock_timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        client
+            .batch_execute(&begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout))
+            .await
+            .map_err(failed)
+    }
+
+    /// Rolls back the transaction on `client` (to begin another), waiting for it.
+    pub(crate) async fn roll_back_on(&self, client: &ClientWrapper) -> Result<(), StoreError> {
+        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        client.batch_execute("ROLLBACK").await.map_err(failed)
+    }
+
+    /// Sets the transaction's `lock_timeout` again.
+    pub(crate) async fn set_lock_timeout_on(
+        &self,
+        client: &ClientWrapper,
+        lock_timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        client
+            .batch_execute(&set_lock_timeout(lock_timeout))
+            .await
+            .map_err(failed)
+    }
+
+    /// Stores `response` under `lease` on `client`, in the transaction that claimed it:
+    /// `Ok(false)` when that transaction has ended (the completion then runs outside it,
+    /// and changes nothing).
+    pub(crate) async fn complete_in_transaction(
+        &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.complete_with(&self.sql.tx.complete, client, lease, response, ttl)
+            .await
+    }
+
+    /// Prepares the completion statement on `client` (a no-op once cached), so that its
+    /// execution can be pipelined with a `COMMIT`.
+    pub(crate) async fn prepare_completion(
+        &self,
+        client: &ClientWrapper,
+    ) -> Result<(), StoreError> {
+        client
+            .prepare_cached(&self.sql.tx.complete)
+            .await
+            .map(drop)
+            .map_err(classify)
+    }
+
+    /// How the transaction that claimed `lease` for `fingerprint` (on `backend`) and sent
+    /// `sent` as its completion ended, once it has: for a `COMMIT` in doubt. `client` is
+    /// in a read committed transaction of its own, which the caller rolls back.
+    ///
+    /// The row then carries that claim's token, completed with that response, only if
+    /// it committed. A duplicate's claim cannot be taken for it: a fresh claim's token is
+    /// drawn at random, and the read sees the row as the transaction left it unless a
+    /// duplicate that was waiting on it has taken it and committed in the moment since.
+    /// Only a takeover of an expired row gets the same token (one more than the row's);
+    /// that duplicate would also need the same input and the same stored response. The
+    /// check relies on the record outliving it: a TTL of milliseconds, with a purge or a
+    /// takeover in between, reads as not committed. The row still `running` with that
+    /// token, created when the transaction started, is the claim committed without its
+    /// completion ([`Resolution::ClaimAlone`]).
+    pub(crate) async fn committed_on(
+        &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+        backend: &Backend,
+        fingerprint: &Fingerprint,
+        sent: &StoredResponse,
+    ) -> Result<Resolution, StoreError> {
+        let (scope, key) = (lease.scope.as_str(), &*lease.key);
+        let fp: &[u8] = fingerprint.as_bytes();
+        self.query_on(client, &self.sql.in_doubt_wait, &[&scope, &key, &fp])
+            .await?;
+        let rows = self
+            .query_on(client, &self.sql.in_doubt_read, &[&scope, &key])
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(Resolution::NotCommitted);
+        };
+        if row.get::<_, i64>(0) != lease.token {
+            return Ok(Resolution::NotCommitted);
+        }
+        let state = row.get::<_, &str>(1);
+        if state == "running" && row.get::<_, SystemTime>(6) == backend.started {
+            return Ok(Resolution::ClaimAlone);
+        }
+        let ours = state == "completed"
+            && row.get::<_, &[u8]>(2) == fp
+            && row.get::<_, Option<i16>>(3) == Some(sent.status.as_u16() as i16)
+            && row.get::<_, Option<&[u8]>>(4)
+                == Some(&StoredResponse::encode_headers(&sent.headers)[..])
+            && row.get::<_, Option<&[u8]>>(5) == Some(&sent.body[..]);
+        Ok(if ours {
+            Resolution::Committed
+        } else {
+            Resolution::NotCommitted
+        })
+    }
+
+    /// Prepares the check of [`still_ours`](Self::still_ours) on `client` (a no-op
+    /// once cached), so that it can be pipelined with a `ROLLBACK`.
+    pub(crate) async fn prepare_ours(&self, client: &ClientWrapper) -> Result<(), StoreError> {
+        client
+            .prepare_cached(&self.sql.tx.ours)
+            .await
+            .map(drop)
+            .map_err(classify)
+    }
+
+    /// Whether the transaction on `client` is still the one that claimed `lease`.
+    pub(crate) async fn still_ours(
+        &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+    ) -> Result<bool, StoreError> {
+        let params: [&(dyn ToSql + Sync); 3] = [&lease.scope.as_str(), &&*lease.key, &lease.token];
+        let rows = self.query_on(client, &self.sql.tx.ours, &params).await?;
+        Ok(rows.len() == 1)
+    }
+
+    /// Completes the key of `lease` with `response`, outside the transaction that
+    /// claimed it, which ended under the layer (see `Statements::finish_ended`):
+    /// `Ok(false)` when another request holds the key.
+    pub(crate) async fn finish_ended(
+        &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+        backend: &Backend,
+        fingerprint: &Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let status = response.status.as_u16() as i16;
+        let headers = StoredResponse::encode_headers(&response.headers);
+        let (fp, h, b): (&[u8], &[u8], &[u8]) = (fingerprint.as_bytes(), &headers, &response.body);
+        let id = self.key_id(&lease.scope, &lease.key);
+        let params: [&(dyn ToSql + Sync); 11] = [
+            &lease.scope.as_str(),
+            &&*lease.key,
+            &lease.token,
+            &fp,
+            &status,
+            &h,
+            &b,
+            &ms(ttl),
+            &backend.started,
+            &self.listener.channel(),
+            &id,
+        ];
+        let rows = self
+            .query_on(client, &self.sql.tx.finish_ended, &params)
+            .await?;
+        Ok(rows.len() == 1)
+    }
+
+    /// Ends the transaction `backend` runs, from a pooled connection: its session is
+    /// terminated, which rolls the transaction back and lets its locks go. `Ok(false)`
+    /// when that backend no longer runs that transaction.
+    pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
+        let ended = self.query_on(&client, &self.sql.tx.end, &params).await;
+        client.done();
+        Ok(ended?.first().is_some_and(|row| row.get::<_, bool>(0)))
+    }
+}

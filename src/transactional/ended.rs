@@ -1,0 +1,175 @@
+//! A transaction that ended under the layer: the handler sent `COMMIT` or `ROLLBACK`
+//! (or `BEGIN … COMMIT`, from a helper written for a plain connection) on the
+//! transaction's client.
+//!
+//! The claim row is then committed `running` with nobody to complete it, or rolled
+//! back with the handler's writes up to that point, while what the handler wrote
+//! after it may have committed on its own. Neither "no effect" nor running the key
+//! again is then true or safe: the layer completes the key with `500
+//! transaction-ended`, outside the ended transaction, and answers that.
+//!
+//! Found out at no extra cost on the path of a transaction that commits: the completion
+//! matches only a claim row the open transaction wrote
+//! ([`PostgresStore::complete_in_transaction`]). Where the layer rolls back instead, the
+//! same check goes with the `ROLLBACK`, pipelined ([`roll_back`]).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Response;
+use tokio::time::{Instant, timeout, timeout_at};
+
+use super::lifecycle::Claimed;
+use crate::{
+    Outcome, StoredResponse,
+    body::ResponseBody,
+    rejection::Problem,
+    service::with_outcome,
+    store::{Checkout, ClaimRequest, PostgresStore, rollback},
+};
+
+/// The `detail` of `500 transaction-ended`.
+const DETAIL: &str = "the request's handler ended its idempotency transaction itself (a COMMIT or ROLLBACK on its connection), so what it wrote may have been committed, in part or in whole, without its response; it is not run again under this key, and a retry with it gets this answer";
+
+/// `500 transaction-ended`, as its client gets it.
+fn problem() -> Response<Bytes> {
+    Problem::TransactionEnded.response(DETAIL)
+}
+
+/// `500 transaction-ended`, as the key stores it.
+fn stored() -> StoredResponse {
+    let (parts, body) = problem().into_parts();
+    StoredResponse {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// `500 transaction-ended`, for the client of the request whose transaction ended.
+pub(crate) fn response<B>() -> Response<ResponseBody<B>> {
+    with_outcome(problem().map(ResponseBody::full), Outcome::Executed)
+}
+
+/// Whether `response` is a stored `500 transaction-ended`: a result of no job.
+pub(crate) fn is_stored(response: &StoredResponse) -> bool {
+    response.status == Problem::TransactionEnded.status()
+        && serde_json::from_slice::<serde_json::Value>(&response.body)
+            .is_ok_and(|doc| doc["type"] == Problem::TransactionEnded.type_uri())
+}
+
+/// Completes the key of `claimed` with `500 transaction-ended`, outside its transaction,
+/// which ended under the layer: the claim row if the handler committed it, or the key
+/// afresh if the handler's `ROLLBACK` left it free; never a key another request holds
+/// ([`PostgresStore::finish_ended`]). On `conn` if it is fit for it (its transaction
+/// over), else on a pooled connection; bounded by `store_timeout`. Logged at `error`,
+/// with a hash of the key.
+pub(crate) async fn finish(
+    store: &PostgresStore,
+    conn: Option<Checkout>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) {
+    let key_hash = crate::service::short_hash(request.key.as_bytes());
+    let token = claimed.lease.token;
+    let finished = timeout(store_timeout, async {
+        let conn = match conn {
+            Some(conn) => conn,
+            None => store.client().await?,
+        };
+        let finished = store
+            .finish_ended(
+                &conn,
+                &claimed.lease,
+                &claimed.backend,
+                &request.fingerprint,
+                &stored(),
+                request.ttl,
+            )
+            .await;
+        if finished.is_ok() {
+            conn.done();
+        }
+        finished
+    })
+    .await;
+    const ENDED: &str = "the handler ended the request's transaction itself (COMMIT or ROLLBACK on its client): what it wrote may have committed without its response";
+    match finished {
+        Ok(Ok(true)) => tracing::error!(
+            key_hash,
+            token,
+            "{ENDED}; the key is completed with 500 transaction-ended, so it is not run again"
+        ),
+        Ok(Ok(false)) => tracing::error!(
+            key_hash,
+            token,
+            "{ENDED}; another request holds the key now, and its client gets 500 transaction-ended unstored"
+        ),
+        Ok(Err(e)) => tracing::error!(
+            key_hash,
+            token,
+            error = %e,
+            "{ENDED}; the key could not be completed with 500 transaction-ended, and if the handler committed the claim, it runs again once its lease lapses"
+        ),
+        Err(_) => tracing::error!(
+            key_hash,
+            token,
+            "{ENDED}; the key could not be completed with 500 transaction-ended in time, and if the handler committed the claim, it runs again once its lease lapses"
+        ),
+    }
+}
+
+/// Rolls back the transaction of `claimed` after its handler ran, bounded by
+/// `store_timeout`, unless it had already ended under the layer: then the key is
+/// finished ([`finish`]) and this returns `true`. One round trip: the check that the
+/// claim row is still the transaction's goes with the `ROLLBACK` (and, the first time
+/// on a connection, one more to prepare it). A transaction aborted by a failed
+/// statement cannot be checked, and is taken as the layer's own.
+pub(crate) async fn roll_back(
+    store: &PostgresStore,
+    conn: Checkout,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> bool {
+    let deadline = Instant::now() + store_timeout;
+    let client = &*conn;
+    // Prepared first, so that its Execute is on the wire before the ROLLBACK.
+    match timeout_at(deadline, store.prepare_ours(client)).await {
+        Ok(Ok(())) => {}
+        // In a transaction aborted by a statement of the handler's, say.
+        Ok(Err(_)) => {
+            rollback(conn, deadline.saturating_duration_since(Instant::now())).await;
+            return false;
+        }
+        Err(_) => {
+            tracing::warn!("no answer in time before ROLLBACK; closing the connection");
+            return false;
+        }
+    }
+    let (ours, rolled_back) = tokio::join!(
+        timeout_at(deadline, store.still_ours(client, &claimed.lease)),
+        timeout_at(deadline, store.roll_back_on(client)),
+    );
+    let conn = match rolled_back {
+        Ok(Ok(())) => Some(conn),
+        // Dropping the Checkout closes the connection, which rolls back.
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "rollback failed; closing the connection");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("no answer to ROLLBACK in time; closing the connection");
+            None
+        }
+    };
+    if matches!(ours, Ok(Ok(false))) {
+        finish(store, conn, claimed, request, store_timeout).await;
+        return true;
+    }
+    if let Some(conn) = conn {
+        conn.done();
+    }
+    false
+}
