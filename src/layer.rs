@@ -149,13 +149,16 @@ impl IdempotencyLayer {
         layer
     }
 
-    /// Transactional mode: how long a duplicate waits on the first request's
-    /// uncommitted claim before answering 409 (default 5 s; PostgreSQL's `lock_timeout`,
-    /// from 1 ms to 24.8 days), unless [`wait_for_running`](Self::wait_for_running) is
-    /// longer. It is set for the whole transaction, so it bounds the
-    /// handler's own lock waits too (a `SELECT … FOR UPDATE` on a busy row fails with
-    /// SQLSTATE 55P03 past it); a handler that needs longer runs
-    /// `SET LOCAL lock_timeout` on its [`TransactionHandle`](crate::transactional::TransactionHandle).
+    /// Transactional mode: how long the handler's own statements wait for a row lock
+    /// (default 5 s; PostgreSQL's `lock_timeout`, from 1 ms to 24.8 days): it is set for
+    /// the transaction once its key is claimed, in the claim's round trip, so a
+    /// `SELECT … FOR UPDATE` on a busy row fails with SQLSTATE 55P03 past it; a handler
+    /// that needs longer runs `SET LOCAL lock_timeout` on its
+    /// [`TransactionHandle`](crate::transactional::TransactionHandle).
+    ///
+    /// It does not bound how long a duplicate waits on the first request's uncommitted
+    /// claim: that is [`wait_for_running`](Self::wait_for_running) (by default a
+    /// moment, then `409`).
     #[cfg(feature = "postgres")]
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
@@ -225,10 +228,15 @@ impl IdempotencyLayer {
     /// when the layer's [`ShutdownHandle`] closes.
     ///
     /// In transactional mode a duplicate waits on the first request's uncommitted row
-    /// instead, holding a connection, for this bound or
-    /// [`lock_timeout`](Self::lock_timeout), whichever is longer (at most 24.8 days);
-    /// the handler's own lock waits keep `lock_timeout`, set again once the claim has
-    /// its key (one more round trip per new key when this bound is the longer).
+    /// instead, holding a connection, for this bound (at most 24.8 days), then replays
+    /// the committed response or answers 409. With the default of zero it waits a moment
+    /// (50 ms, a claim that merely crosses the first one's commit), so its 409 comes at
+    /// once and it holds its connection no longer. The handler's own lock waits keep
+    /// [`lock_timeout`](Self::lock_timeout), set in the claim's round trip.
+    ///
+    /// Keep the bound below your clients' read timeout (a 2 s read timeout is common):
+    /// a duplicate that waits longer than its client does is answered to nobody, and
+    /// the client retries into another wait.
     #[must_use]
     pub fn wait_for_running(mut self, bound: Duration) -> Self {
         self.config().wait = bound.min(TEN_YEARS);

@@ -10,11 +10,10 @@
 //!
 //! - a crash, a dropped connection, a handler error or panic, or a response the storage
 //!   policy does not keep rolls everything back, so a retry starts clean;
-//! - a concurrent duplicate's claim waits on the uncommitted row (bounded by
-//!   [`lock_timeout`](crate::IdempotencyLayer::lock_timeout), or by
-//!   [`wait_for_running`](crate::IdempotencyLayer::wait_for_running) if that is
-//!   longer), then sees the committed
-//!   response and replays it, or gets 409 at the bound; one that gets the row after
+//! - a concurrent duplicate's claim waits on the uncommitted row (for
+//!   [`wait_for_running`](crate::IdempotencyLayer::wait_for_running), or, by default,
+//!   a moment), then sees the committed response and replays it, or gets 409 at the
+//!   bound; one that gets the row after
 //!   [`ShutdownHandle::close`](crate::ShutdownHandle::close) rolls back and answers
 //!   `503 shutting-down`;
 //! - a statement of the handler that fails aborts the transaction: a client error (4xx)
@@ -297,6 +296,11 @@ mod extract {
 #[cfg(feature = "axum")]
 pub use extract::MissingTransaction;
 
+/// How long a duplicate not told to wait (`wait_for_running` zero) waits on the first
+/// request's uncommitted row before its `409`: long enough for a claim that merely
+/// crosses another's commit, short enough that its client gets its answer at once.
+const DUPLICATE_LOCK_WAIT: Duration = Duration::from_millis(50);
+
 /// `503 not-committed`: nothing was kept.
 const NOT_COMMITTED: &str = "the request's transaction could not be committed, so it had no effect; retry with the same key";
 
@@ -334,11 +338,14 @@ where
     // row, as it holds a connection.
     let mut inner = inner;
     std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-    // A duplicate waits on the first request's row for `lock_timeout`, or for as long
-    // as `wait_for_running` lets it wait if that is longer.
-    let claim_wait = config
-        .lock_timeout
-        .max(config.wait.min(crate::layer::LONGEST_LOCK_TIMEOUT));
+    // A duplicate waits on the first request's row for as long as `wait_for_running`
+    // lets it wait, or, not told to wait, a moment: its 409 comes at once, and it holds
+    // a pooled connection no longer than that.
+    let claim_wait = if config.wait.is_zero() {
+        DUPLICATE_LOCK_WAIT
+    } else {
+        config.wait.min(crate::layer::LONGEST_LOCK_TIMEOUT)
+    };
     let opened = open(
         &store,
         &request,

@@ -178,8 +178,9 @@ async fn a_new_key_commits_its_writes_and_response_together_in_one_commit() {
     assert_eq!(first.status, 201);
     assert_eq!(first.outcome, Some(Outcome::Executed));
     assert_eq!(proxy.commits() - commits, 1, "one commit per new key");
-    // BEGIN, claim, the handler's INSERT, completion, COMMIT.
-    assert_eq!(proxy.executes() - statements, 5);
+    // BEGIN, claim and the lock timeout set back for the handler (one round trip), the
+    // handler's INSERT, completion and COMMIT (one round trip).
+    assert_eq!(proxy.executes() - statements, 6);
 
     let commits = proxy.commits();
     let replay = send(&router, post_with("k", &[])).await;
@@ -878,12 +879,12 @@ async fn a_new_key_that_cannot_get_its_turn_to_claim_gets_503_not_409() {
     // Two connections: one transactional claim at a time.
     let store = schema.store_at(&common::database_url(), 2).await;
     let table = setup(&schema, &store).await;
-    // A claim waits up to 4.2 s for its turn. The first duplicate holds it for the
-    // lock timeout (3 s), the second from then on (to 6 s): the new key, behind them,
-    // gives up 4.2 s after it came, and the second duplicate has 1.2 s to spare; the
-    // first request is held until both duplicates have answered.
+    // A claim waits up to 4.2 s for its turn. The first duplicate holds it for its
+    // wait on the row (3 s), the second from then on (to 6 s): the new key, behind
+    // them, gives up 4.2 s after it came, and the second duplicate has 1.2 s to spare;
+    // the first request is held until both duplicates have answered.
     let layer = IdempotencyLayer::transactional(store.clone())
-        .lock_timeout(Duration::from_secs(3))
+        .wait_for_running(Duration::from_secs(3))
         .store_timeout(Duration::from_millis(1200));
     let (router, counter) = app(layer, &table);
     // Both connections open before the race, so that no turn waits for a connection
@@ -1164,7 +1165,8 @@ async fn a_claim_cancelled_by_statement_timeout_is_503_not_409() {
 async fn a_commit_lost_on_its_way_is_found_not_committed_though_a_duplicate_completed_the_key() {
     let schema = TestSchema::new();
     let (proxy, store, table) = through_proxy(&schema, 4).await;
-    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let layer = IdempotencyLayer::transactional(store).wait_for_running(Duration::from_secs(5));
+    let (router, counter) = app(layer, &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "500")]), &counter).await;
     // The duplicate waits on the first request's row.
     let duplicate = tokio::spawn({
@@ -1651,4 +1653,64 @@ async fn a_handler_that_commits_then_answers_500_gets_transaction_ended_and_runs
 async fn a_handler_that_rolls_back_then_panics_gets_transaction_ended_and_runs_once() {
     let headers = [("x-end", "rollback"), ("x-panic", "1")];
     a_transaction_ended_by_a_handler_that_answers(&headers, 0).await;
+}
+
+/// A duplicate not told to wait (`wait_for_running` zero, the default) gets its `409`
+/// at once, whatever the handler's own `lock_timeout`: it waits on the first request's
+/// row only a moment, then gives its pooled connection back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_not_told_to_wait_gets_409_at_once_whatever_the_lock_timeout() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).lock_timeout(Duration::from_secs(3600));
+    let (router, counter) = app(layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    for _ in 0..3 {
+        let duplicate = common::send_bounded(&router, post_with("k", &[])).await;
+        assert_eq!(duplicate.status, 409, "{:?}", duplicate.body);
+        assert_eq!(duplicate.problem(), "in-progress");
+        assert_eq!(duplicate.header("retry-after"), Some("1"));
+    }
+    // Only the first request holds a connection now.
+    eventually(|| {
+        let status = store.pool().status();
+        status.size - status.available == 1
+    })
+    .await;
+    counter.let_go(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    let replay = send(&router, post_with("k", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    common::idle(&store).await;
+}
+
+/// The claim waits on another request's row only a moment; the handler's own
+/// statements get `lock_timeout`, set in the claim's round trip.
+#[tokio::test]
+async fn the_handler_s_lock_waits_keep_lock_timeout_not_the_claim_s() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let handler = |tx: TransactionHandle| async move {
+        let client = tx.client().await.expect("transaction");
+        let row = client.query_one("SHOW lock_timeout", &[]).await.unwrap();
+        (StatusCode::CREATED, row.get::<_, String>(0))
+    };
+    for (layer, expected) in [
+        (IdempotencyLayer::transactional(store.clone()), "5s"),
+        (
+            IdempotencyLayer::transactional(store.clone()).lock_timeout(Duration::from_secs(42)),
+            "42s",
+        ),
+    ] {
+        let (router, _) = app_on(post(handler), layer, &table);
+        let key = format!("k{expected}");
+        let created = send(&router, post_with(&key, &[])).await;
+        assert_eq!(created.status, 201);
+        assert_eq!(created.body, expected);
+    }
+    common::idle(&store).await;
 }

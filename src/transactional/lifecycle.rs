@@ -40,8 +40,8 @@ pub(crate) enum Opened {
 
 /// Takes a connection, then sends BEGIN and the claim together: one round trip. A
 /// duplicate's claim waits here on the first request's uncommitted row, up to
-/// `claim_wait`; the transaction then goes on with `lock_timeout` (one more round
-/// trip where the two differ).
+/// `claim_wait`; the transaction then goes on with `lock_timeout`, set again in the
+/// same round trip where the two differ.
 pub(crate) async fn open(
     store: &PostgresStore,
     request: &ClaimRequest<'_>,
@@ -53,7 +53,7 @@ pub(crate) async fn open(
     // permit keeps them from taking the connections its handler needs. Waiting for one
     // past the bound is this process's overload, not a running duplicate: 503, like a
     // pool with no connection to give.
-    let Ok(_permit) = timeout(store_timeout + lock_timeout, store.tx_claim_permit()).await else {
+    let Ok(_permit) = timeout(store_timeout + claim_wait, store.tx_claim_permit()).await else {
         tracing::error!("too many transactional claims waiting; nothing was run");
         return Opened::Unavailable;
     };
@@ -83,29 +83,15 @@ pub(crate) async fn open(
                     store.roll_back_on(client).await?;
                 }
                 let token = crate::store::fresh_token();
-                store.begin_and_claim(client, begin, request, token).await
+                let then = (claim_wait != lock_timeout).then_some(lock_timeout);
+                store
+                    .begin_and_claim(client, begin, request, token, then)
+                    .await
             }
         })
         .await
     })
     .await;
-    let claimed = match claimed {
-        Ok(Ok((Claim::Acquired(lease), backend))) if claim_wait != lock_timeout => {
-            // The handler's own lock waits are bounded by `lock_timeout`, not by how
-            // long a duplicate may wait for the key.
-            match timeout(
-                store_timeout,
-                store.set_lock_timeout_on(&conn, lock_timeout),
-            )
-            .await
-            {
-                Ok(Ok(())) => Ok(Ok((Claim::Acquired(lease), backend))),
-                Ok(Err(e)) => Ok(Err(e)),
-                Err(elapsed) => Err(elapsed),
-            }
-        }
-        claimed => claimed,
-    };
     match claimed {
         Ok(Ok((Claim::Acquired(lease), backend))) => {
             Opened::Acquired(conn, Claimed { lease, backend })

@@ -168,21 +168,43 @@ pub(crate) enum Resolution {
 
 impl PostgresStore {
     /// Sends `begin` (see [`begin`]) and the claim together, one round trip: the claim
-    /// with the database's `now()` and the pid of the backend that runs it.
+    /// with the database's `now()` and the pid of the backend that runs it. With
+    /// `then_lock_timeout`, the transaction's `lock_timeout` is set to it right after
+    /// the claim, in the same round trip: the claim waits on another request's row for
+    /// `begin`'s bound, and the handler's statements for this one.
     pub(crate) async fn begin_and_claim(
         &self,
         client: &ClientWrapper,
         begin: &str,
         request: &ClaimRequest<'_>,
         token: i64,
+        then_lock_timeout: Option<Duration>,
     ) -> Result<(Claim, Backend), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
-        let (begun, claim) = tokio::join!(
+        // Prepared first (once per connection), so that the claim's execution goes on
+        // the wire between the `BEGIN` and the reset of the lock timeout.
+        client
+            .prepare_cached(&self.sql.claim)
+            .await
+            .map_err(classify)?;
+        let reset = then_lock_timeout.map(set_lock_timeout);
+        let (begun, claim, reset) = tokio::join!(
             client.simple_query(begin),
-            self.claim_at(client, request, token)
+            self.claim_at(client, request, token),
+            async {
+                match &reset {
+                    Some(reset) => client.batch_execute(reset).await,
+                    None => Ok(()),
+                }
+            }
         );
         let pid = backend_pid(&begun.map_err(failed)?)?;
         let (claim, started) = claim?;
+        // After a failed claim the reset fails too (the transaction is aborted); after
+        // one that found another request's record, it does not matter.
+        if matches!(claim, Claim::Acquired(_)) {
+            reset.map_err(failed)?;
+        }
         Ok((claim, Backend { pid, started }))
     }
 
@@ -203,19 +225,6 @@ impl PostgresStore {
     pub(crate) async fn roll_back_on(&self, client: &ClientWrapper) -> Result<(), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
         client.batch_execute("ROLLBACK").await.map_err(failed)
-    }
-
-    /// Sets the transaction's `lock_timeout` again.
-    pub(crate) async fn set_lock_timeout_on(
-        &self,
-        client: &ClientWrapper,
-        lock_timeout: Duration,
-    ) -> Result<(), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
-        client
-            .batch_execute(&set_lock_timeout(lock_timeout))
-            .await
-            .map_err(failed)
     }
 
     /// Stores `response` under `lease` on `client`, in the transaction that claimed it:
