@@ -199,9 +199,11 @@ impl IdempotencyLayer {
     ///
     /// The renewals run in a task of their own, not in the future that polls the
     /// handler: a handler that blocks its thread for a while (a blocking SDK call,
-    /// bcrypt, `block_in_place`) keeps its lease too, as long as the runtime has
-    /// another worker thread to renew on (on a current-thread runtime nothing else
-    /// runs while a handler blocks, renewals included).
+    /// bcrypt, a PDF render) keeps its lease too, as long as the runtime has another
+    /// worker thread to renew on (on a current-thread runtime nothing else runs while a
+    /// handler blocks, renewals included). Block in `tokio::task::block_in_place` or
+    /// `spawn_blocking`: a worker blocked outright also holds up the tasks it had
+    /// queued, and with them, possibly, the database connections a renewal needs.
     ///
     /// Each renewal is given up after a third of the lease: keep the lease many times
     /// the store's round trip (seconds, not milliseconds). A lease too short for its

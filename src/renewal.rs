@@ -46,6 +46,8 @@ pub(crate) struct Renewal {
     control: Arc<Control>,
     /// `None` outside a Tokio runtime, and once the task has ended.
     task: Option<JoinHandle<()>>,
+    /// Whether the owner has let the task have its first poll (see `watch`).
+    first_poll: bool,
 }
 
 /// What the owner of a [`Renewal`] shares with its task.
@@ -99,7 +101,11 @@ impl Renewal {
                 None
             }
         };
-        Self { control, task }
+        Self {
+            control,
+            task,
+            first_poll: false,
+        }
     }
 
     /// From now on a lost lease means the result may just have been stored (see
@@ -111,6 +117,14 @@ impl Renewal {
     /// Awaits `future`, polled here, raising in it a panic of the store while it renews
     /// (see [`Renewal`]). Renewals go on, whether or not `future` is polled.
     pub(crate) async fn watch<F: Future>(&mut self, future: F) -> F::Output {
+        // The task was spawned from this worker, which keeps it in a slot of its own
+        // that no other worker takes tasks from: a handler that blocked this worker
+        // before the task first ran would hold it back for as long as it blocked, and
+        // nothing would renew. Yielding once lets it run first (it then waits on its
+        // timer, which wakes it on whichever worker is free).
+        if !std::mem::replace(&mut self.first_poll, true) && self.task.is_some() {
+            tokio::task::yield_now().await;
+        }
         let mut future = pin!(future);
         std::future::poll_fn(|cx| {
             if let Poll::Ready(output) = future.as_mut().poll(cx) {

@@ -12,6 +12,18 @@ mod memory {
     }
 
     crate::layer_suite!(make);
+
+    /// A handler that blocks its worker outright (`std::thread::sleep`, a blocking call
+    /// without `block_in_place`) keeps its lease too: the renewal task, spawned on that
+    /// worker, runs once before the handler is first polled, and its timer wakes it on
+    /// another worker from then on. (On this store a renewal needs nothing else; a
+    /// database's connection tasks queued on the blocked worker can be held up with it,
+    /// which is why blocking calls belong in `block_in_place` or `spawn_blocking`.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_handler_that_blocks_its_worker_outright_keeps_its_lease() {
+        let layer = tower_idempotency::IdempotencyLayer::new(MemoryStore::new());
+        crate::common::a_blocked_handler_keeps_its_lease(layer, false).await;
+    }
 }
 
 mod postgres {

@@ -707,3 +707,73 @@ impl http_body::Body for Trickle {
         std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"x")))))
     }
 }
+
+/// A first request on `k` whose handler blocks its thread (in `block_in_place`, or
+/// outright) for several leases of 300 ms, and a retry sent when the lease would have
+/// lapsed, unrenewed, three times over: the retry gets 409, then the replay, and the
+/// handler runs once.
+pub async fn a_blocked_handler_keeps_its_lease(layer: IdempotencyLayer, in_place: bool) {
+    use std::sync::{
+        Condvar, Mutex,
+        atomic::{AtomicBool, Ordering},
+    };
+
+    let lease = Duration::from_millis(300);
+    let counter = Counter::default();
+    // Set when the first run has started blocking (a flag the test polls:
+    // a waker, woken from the blocked worker, could be stuck behind it).
+    let blocking = Arc::new(AtomicBool::new(false));
+    let gate = Arc::new((Mutex::new(false), Condvar::new()));
+    let handler = {
+        let (counter, blocking, gate) = (counter.clone(), blocking.clone(), gate.clone());
+        move || {
+            let (counter, blocking, gate) = (counter.clone(), blocking.clone(), gate.clone());
+            async move {
+                let run = counter.count_run();
+                let block = || {
+                    blocking.store(true, Ordering::SeqCst);
+                    let (open, opened) = &*gate;
+                    let open = open.lock().unwrap();
+                    // Bounded, so that a broken test fails, not hangs.
+                    let _ = opened
+                        .wait_timeout_while(open, Duration::from_secs(30), |o| !*o)
+                        .unwrap();
+                };
+                // Only the first run blocks: a second one, the bug, answers.
+                if run == 1 {
+                    if in_place {
+                        tokio::task::block_in_place(block);
+                    } else {
+                        block();
+                    }
+                }
+                (StatusCode::CREATED, format!("run {run}"))
+            }
+        }
+    };
+    let router = axum::Router::new()
+        .route("/payments", axum::routing::post(handler))
+        .layer(layer.lease_duration(lease));
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post("k", "{}")).await }
+    });
+    eventually(|| blocking.load(Ordering::SeqCst)).await;
+    // Past three leases: without renewal, the key is free to take over.
+    tokio::time::sleep(3 * lease).await;
+    let retry = send(&router, post("k", "{}")).await;
+    {
+        let (open, opened) = &*gate;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
+    }
+    let first = first.await.unwrap();
+    assert_eq!(counter.runs(), 1, "the retry ran the handler again");
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "in-progress");
+    assert_eq!(first.status, 201);
+    let replay = send(&router, post("k", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}

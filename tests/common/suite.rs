@@ -781,66 +781,11 @@ macro_rules! layer_suite {
             /// A handler that blocks its thread (a blocking SDK call, bcrypt, a PDF
             /// render) is not polled while it blocks: its lease is still renewed, and a
             /// retry sent when the lease would have lapsed, unrenewed, three times over
-            /// gets 409, never a second run.
+            /// gets 409, never a second run. Here in `block_in_place`.
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_handler_that_blocks_its_thread_keeps_its_lease() {
-                use std::sync::{Condvar, Mutex};
-
                 let (layer, _store, _g) = layer().await;
-                let lease = Duration::from_millis(300);
-                let counter = $crate::common::Counter::default();
-                // Set when the first run has started blocking; the test opens the gate.
-                let blocking = Arc::new(tokio::sync::Notify::new());
-                let gate = Arc::new((Mutex::new(false), Condvar::new()));
-                let handler = {
-                    let (counter, blocking, gate) =
-                        (counter.clone(), blocking.clone(), gate.clone());
-                    move || {
-                        let (counter, blocking, gate) =
-                            (counter.clone(), blocking.clone(), gate.clone());
-                        async move {
-                            let run = counter.count_run();
-                            // Only the first run blocks: a second one, the bug, answers.
-                            if run == 1 {
-                                tokio::task::block_in_place(|| {
-                                    blocking.notify_one();
-                                    let (open, opened) = &*gate;
-                                    let open = open.lock().unwrap();
-                                    // Bounded, so that a broken test fails, not hangs.
-                                    let _ = opened
-                                        .wait_timeout_while(open, Duration::from_secs(30), |o| !*o)
-                                        .unwrap();
-                                });
-                            }
-                            (axum::http::StatusCode::CREATED, format!("run {run}"))
-                        }
-                    }
-                };
-                let router = axum::Router::new()
-                    .route("/payments", axum::routing::post(handler))
-                    .layer(layer.lease_duration(lease));
-                let first = tokio::spawn({
-                    let router = router.clone();
-                    async move { send(&router, post("k", "{}")).await }
-                });
-                blocking.notified().await;
-                // Past three leases: without renewal, the key is free to take over.
-                tokio::time::sleep(3 * lease).await;
-                let retry = send(&router, post("k", "{}")).await;
-                {
-                    let (open, opened) = &*gate;
-                    *open.lock().unwrap() = true;
-                    opened.notify_all();
-                }
-                let first = first.await.unwrap();
-                assert_eq!(counter.runs(), 1, "the retry ran the handler again");
-                assert_eq!(retry.status, 409);
-                assert_eq!(retry.problem(), "in-progress");
-                assert_eq!(first.status, 201);
-                let replay = send(&router, post("k", "{}")).await;
-                assert_eq!(replay.outcome, Some(Outcome::Replayed));
-                assert_eq!(replay.body, first.body);
-                assert_eq!(counter.runs(), 1);
+                $crate::common::a_blocked_handler_keeps_its_lease(layer, true).await;
             }
 
             /// A request on `k` with `headers`, held, and its duplicate, sent with
