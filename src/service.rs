@@ -230,7 +230,7 @@ where
                 return pass_through(self.inner.call(req));
             }
             if outer.location.is_some()
-                && outer.location.as_deref() == config.store.records_location()
+                && outer.location == config.store.records_location()
             {
                 return answered(nested_on_one_table());
             }
@@ -442,7 +442,7 @@ where
     parts.extensions.insert(crate::key::Guarded {
         key,
         transactional: false,
-        location: config.store.records_location().map(Arc::from),
+        location: config.store.records_location(),
     });
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that

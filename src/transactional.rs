@@ -395,7 +395,7 @@ where
     parts.extensions.insert(crate::key::Guarded {
         key,
         transactional: true,
-        location: config.store.records_location().map(Arc::from),
+        location: config.store.records_location(),
     });
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it

@@ -1300,6 +1300,18 @@ async fn two_layers_of_different_modes_on_one_table_answer_500_misconfigured_at_
         assert_eq!(counter.runs(), 0);
         assert_eq!(records_of(&schema, &key).await, 0);
     }
+    // Two stores over the table with pools of their own (two replicas' worth, say, or
+    // two `PostgresStore::connect` calls): the same records.
+    let (own_pool, counter) = {
+        let other_pool = schema.store().await;
+        app(IdempotencyLayer::new(other_pool).store_timeout(Duration::from_secs(2)), &table)
+    };
+    let router = own_pool.layer(tx());
+    let r = common::send_bounded(&router, post_with("k-pools", &[])).await;
+    assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.problem(), "misconfigured");
+    assert_eq!(counter.runs(), 0);
+    assert_eq!(records_of(&schema, "k-pools").await, 0);
     // Over another table of the same pool, the two serve the route together.
     let other = store.clone().with_table_name("other_keys").unwrap();
     other.migrate().await.unwrap();

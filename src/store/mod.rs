@@ -349,7 +349,7 @@ pub trait Store: Send + Sync + 'static {
     /// the same records answers `500 misconfigured` at once, instead of claiming a key
     /// its outer layer holds (docs/security.md). The default, `None`, is never the same
     /// as another's.
-    fn records_location(&self) -> Option<&str> {
+    fn records_location(&self) -> Option<Arc<str>> {
         None
     }
 

@@ -476,6 +476,23 @@ impl fmt::Debug for PostgresStore {
     }
 }
 
+/// The database a store's table is in, as far as the store can tell: the hosts, ports
+/// and database name of its notification connection's configuration (the URL given to
+/// `connect`, or to `with_notifications`), else its pool (whose manager lives as long
+/// as the pool, at one address). Two stores over one table of one database, with pools
+/// of their own, claim the same keys.
+fn database(config: Option<&tokio_postgres::Config>, pool: &Pool) -> String {
+    match config {
+        Some(config) => format!(
+            "postgres {:?} {:?} {:?}",
+            config.get_hosts(),
+            config.get_ports(),
+            config.get_dbname().unwrap_or_default()
+        ),
+        None => format!("pool {:p}", pool.manager()),
+    }
+}
+
 /// Checks a schema or table name: 1–50 characters of `a-z`, `0-9`, `_`, not starting
 /// with a digit. Names are still quoted in SQL; the check keeps them unambiguous.
 fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigError> {
@@ -736,10 +753,11 @@ impl PostgresStore {
             (pool.status().max_size / 2).max(1),
         ));
         let sql = Sql::new(&schema, &table);
-        // The pool's manager lives as long as the pool, at one address: it tells the
-        // pool from another over the same database, whose connections this store
-        // cannot see (a layer over it would wait on this one's rows as on anybody's).
-        let location = Arc::from(format!("{:p} {}", pool.manager(), sql.qualified));
+        let location = Arc::from(format!(
+            "{} {}",
+            database(listen_config.as_ref(), &pool),
+            sql.qualified
+        ));
         let purge = Arc::new(BackgroundPurge::new(
             purge_every,
             pool.clone(),
@@ -1734,8 +1752,8 @@ impl Store for PostgresStore {
         self.listener.changed(self.key_id(scope, key))
     }
 
-    fn records_location(&self) -> Option<&str> {
-        Some(&self.location)
+    fn records_location(&self) -> Option<Arc<str>> {
+        Some(self.location.clone())
     }
 }
 
