@@ -298,6 +298,7 @@ impl IdempotencyLayer {
     /// in every log line of the request. Turn hashing off (`false`) only where logs are
     /// as private as the responses, and keys carry no meaning of their own. The scope is
     /// always hashed. Events (warnings, errors) never carry the key themselves.
+    #[must_use]
     pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
         self.config().hash_keys_in_traces = hash;
         self

@@ -1222,6 +1222,8 @@ async fn a_store_in_use_purges_its_expired_rows_by_itself() {
         .await
         .with_table_name("kept_keys")
         .unwrap()
+        // Turned off after a period as short as the other's: `None` must win.
+        .with_background_purge(Some(Duration::from_millis(20)))
         .with_background_purge(None);
     keeping.migrate().await.unwrap();
     let tables = [purging.table().to_owned(), keeping.table().to_owned()];

@@ -761,6 +761,7 @@ impl PostgresStore {
         let purge = Arc::new(BackgroundPurge::new(
             purge_every,
             pool.clone(),
+            connector.clone(),
             sql.purge_in_turn.clone(),
             purge::lock_id(&sql.qualified),
         ));
@@ -913,7 +914,8 @@ impl PostgresStore {
     ///
     /// The purger starts with the store's first claim (a layer's or a `JobRunner`'s),
     /// runs on the runtime that made it, and ends with the last clone of the store. Each
-    /// round deletes expired rows in batches of 1 000, one statement each, until a batch
+    /// round deletes expired rows in batches of 1 000, one statement each (resting between
+    /// batches as long as the last took, each bounded to 30 s), until a batch
     /// comes back short. Replicas take turns: a batch first tries an advisory lock of
     /// the table's own, held until it commits, and deletes nothing while another
     /// replica's batch holds it. Turn it off where something else purges the table

@@ -19,6 +19,8 @@ use std::{
 use deadpool_postgres::Pool;
 use tracing::Instrument;
 
+use super::{Checkout, tls::Connector};
+
 /// How often a store purges by default.
 pub(super) const DEFAULT_EVERY: Duration = Duration::from_secs(60);
 
@@ -28,6 +30,10 @@ const BATCH: i64 = 1000;
 /// The shortest period accepted.
 const SHORTEST: Duration = Duration::from_millis(10);
 
+/// How long one batch may take before it is given up on (its connection closed, which
+/// cancels it): a purge must never hold a connection, or its rows' locks, for long.
+const BATCH_BOUND: Duration = Duration::from_secs(30);
+
 /// One store's background purge: its settings, and whether it has started. Held in an
 /// `Arc` by every clone of the store; the purger holds it weakly, and stops once it is
 /// gone.
@@ -35,6 +41,8 @@ pub(super) struct BackgroundPurge {
     every: Option<Duration>,
     started: AtomicBool,
     pool: Pool,
+    /// The TLS of the cancel request for a batch given up on.
+    connector: Connector,
     /// The batch statement, with the advisory lock (`Sql::purge_in_turn`).
     statement: String,
     /// The table's advisory lock id.
@@ -44,11 +52,18 @@ pub(super) struct BackgroundPurge {
 impl BackgroundPurge {
     /// A purge every `every` (`None`: never) with `statement`, which takes the batch
     /// size and the lock id.
-    pub(super) fn new(every: Option<Duration>, pool: Pool, statement: String, lock: i64) -> Self {
+    pub(super) fn new(
+        every: Option<Duration>,
+        pool: Pool,
+        connector: Connector,
+        statement: String,
+        lock: i64,
+    ) -> Self {
         Self {
             every: every.map(|e| e.clamp(SHORTEST, crate::layer::TEN_YEARS)),
             started: AtomicBool::new(false),
             pool,
+            connector,
             statement,
             lock,
         }
@@ -77,24 +92,43 @@ impl BackgroundPurge {
     }
 
     /// Deletes expired rows batch after batch while this replica holds the turn;
-    /// returns how many.
-    async fn round(&self) -> Result<u64, tokio_postgres::Error> {
-        let client = match self.pool.get().await {
-            Ok(client) => client,
-            Err(e) => {
-                tracing::debug!(error = %e, "no connection to purge with; trying next time");
-                return Ok(0);
-            }
-        };
-        let statement = client.prepare_cached(&self.statement).await?;
+    /// returns how many. Between batches it rests as long as the last one took, so
+    /// that a table with a backlog (millions of rows past their TTL on the first
+    /// deployment) is worked through at half a connection's pace, not as one long burst
+    /// of deletes; each batch gets a connection of its own from the pool, and is given
+    /// up on past `BATCH_BOUND`.
+    async fn round(&self) -> Result<u64, String> {
         let mut purged = 0;
         loop {
-            let deleted = client.execute(&statement, &[&BATCH, &self.lock]).await?;
+            let started = tokio::time::Instant::now();
+            let deleted = match tokio::time::timeout(BATCH_BOUND, self.batch()).await {
+                Ok(deleted) => deleted?,
+                Err(_) => return Err("a batch took longer than 30 s; given up".to_owned()),
+            };
             purged += deleted;
             if deleted < BATCH as u64 {
                 return Ok(purged);
             }
+            tokio::time::sleep(started.elapsed()).await;
         }
+    }
+
+    /// One batch, on a pooled connection that goes back to the pool once answered (and
+    /// is closed instead, its statement cancelled, if the batch is given up on: a
+    /// [`Checkout`]).
+    async fn batch(&self) -> Result<u64, String> {
+        let client = self.pool.get().await.map_err(|e| e.to_string())?;
+        let conn = Checkout(Some(client), self.connector.clone());
+        let statement = conn
+            .prepare_cached(&self.statement)
+            .await
+            .map_err(|e| e.to_string())?;
+        let deleted = conn
+            .execute(&statement, &[&BATCH, &self.lock])
+            .await
+            .map_err(|e| e.to_string());
+        conn.done();
+        deleted
     }
 }
 
