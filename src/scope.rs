@@ -80,18 +80,23 @@ impl Scope {
         match parts.headers.get(AUTHORIZATION) {
             None => Self::anonymous(),
             Some(value) => {
-                let digest = Sha256::digest(canonical_credentials(value.as_bytes()));
-                Self::new(format!("auth:{}", crate::fingerprint::hex(&digest)))
+                let mut digest = Sha256::new();
+                canonical_credentials(value.as_bytes(), |part| digest.update(part));
+                Self::new(format!(
+                    "auth:{}",
+                    crate::fingerprint::hex(&digest.finalize())
+                ))
             }
         }
     }
 }
 
-/// An `Authorization` value as one spelling of its credentials: surrounding whitespace
-/// dropped, the scheme capitalised (its first letter upper case, the rest lower case:
-/// `Bearer` and `Basic`, the usual spellings, hash as they always did), and one space
-/// between scheme and credentials.
-fn canonical_credentials(value: &[u8]) -> Vec<u8> {
+/// Writes an `Authorization` value, in parts, to `write` as one spelling of its
+/// credentials: surrounding whitespace dropped, the scheme capitalised (its first letter
+/// upper case, the rest lower case: `Bearer` and `Basic`, the usual spellings, hash as
+/// they always did), and one space between scheme and credentials. In parts, so that
+/// hashing it allocates nothing.
+fn canonical_credentials(value: &[u8], mut write: impl FnMut(&[u8])) {
     let is_space = |b: &u8| *b == b' ' || *b == b'\t';
     let start = value
         .iter()
@@ -104,20 +109,22 @@ fn canonical_credentials(value: &[u8]) -> Vec<u8> {
     let value = &value[start..end];
     let scheme_end = value.iter().position(is_space).unwrap_or(value.len());
     let (scheme, rest) = value.split_at(scheme_end);
-    let mut canonical = Vec::with_capacity(value.len());
-    canonical.extend(scheme.iter().enumerate().map(|(i, b)| {
-        if i == 0 {
-            b.to_ascii_uppercase()
-        } else {
-            b.to_ascii_lowercase()
+    let mut buf = [0u8; 32];
+    for (n, chunk) in scheme.chunks(buf.len()).enumerate() {
+        for (i, b) in chunk.iter().enumerate() {
+            buf[i] = if n == 0 && i == 0 {
+                b.to_ascii_uppercase()
+            } else {
+                b.to_ascii_lowercase()
+            };
         }
-    }));
+        write(&buf[..chunk.len()]);
+    }
     let credentials = &rest[rest.iter().position(|b| !is_space(b)).unwrap_or(rest.len())..];
     if !credentials.is_empty() {
-        canonical.push(b' ');
-        canonical.extend_from_slice(credentials);
+        write(b" ");
+        write(credentials);
     }
-    canonical
 }
 
 impl fmt::Debug for Scope {
@@ -137,7 +144,12 @@ pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Scope + Send + Sync>;
 
 #[cfg(test)]
 mod tests {
-    use super::canonical_credentials;
+    /// The canonical spelling, whole.
+    fn canonical_credentials(value: &[u8]) -> Vec<u8> {
+        let mut whole = Vec::new();
+        super::canonical_credentials(value, |part| whole.extend_from_slice(part));
+        whole
+    }
 
     #[test]
     fn one_credential_has_one_spelling() {
@@ -165,5 +177,9 @@ mod tests {
         assert_eq!(canonical_credentials(b"Negotiate"), b"Negotiate");
         assert_eq!(canonical_credentials(b"  "), b"");
         assert_eq!(canonical_credentials(b""), b"");
+        // A scheme longer than the buffer it is lowered in.
+        let long = format!("{} x", "AbC".repeat(30));
+        let expected = format!("Abc{} x", "abc".repeat(29));
+        assert_eq!(canonical_credentials(long.as_bytes()), expected.as_bytes());
     }
 }

@@ -229,9 +229,7 @@ where
             if outer.transactional == transactional {
                 return pass_through(self.inner.call(req));
             }
-            if outer.location.is_some()
-                && outer.location == config.store.records_location()
-            {
+            if outer.location.is_some() && outer.location == config.store.records_location() {
                 return answered(nested_on_one_table());
             }
         }
@@ -301,9 +299,34 @@ fn answered<F, B, E>(res: Response<ResponseBody<B>>) -> ResponseFuture<F, B, E> 
 }
 
 /// The first 16 hex digits of the SHA-256 of `bytes`: enough to correlate, not to recover.
-pub(crate) fn short_hash(bytes: &[u8]) -> String {
+pub(crate) fn short_hash(bytes: &[u8]) -> ShortHash {
     use sha2::Digest;
-    crate::fingerprint::hex(&sha2::Sha256::digest(bytes)[..8])
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let digest = sha2::Sha256::digest(bytes);
+    let mut hex = [0u8; 16];
+    for (i, b) in digest[..8].iter().enumerate() {
+        hex[2 * i] = DIGITS[usize::from(b >> 4)];
+        hex[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
+    }
+    ShortHash(hex)
+}
+
+/// [`short_hash`]'s 16 hex digits, on the stack: recorded in every request's span, they
+/// cost no allocation.
+#[derive(Clone, Copy)]
+pub(crate) struct ShortHash([u8; 16]);
+
+impl ShortHash {
+    pub(crate) fn as_str(&self) -> &str {
+        // Hex digits only: always UTF-8.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Display for ShortHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A rejection before anything was claimed.
@@ -563,7 +586,7 @@ async fn claim<B>(
                 // Registering and waiting hold nothing: a client that goes now takes the
                 // request along, and one that has gone already is not waited for.
                 if !handoff.let_go() {
-                    return Err(in_progress(retry_after.min(config.in_progress_retry_after)));
+                    return Err(in_progress(retry_after, config.in_progress_retry_after));
                 }
                 let registered = tokio::time::timeout(
                     config.store_timeout,
@@ -630,14 +653,16 @@ pub(crate) fn settle<B>(
             Err(mismatch())
         }
         Claim::Completed { response, .. } => Err(replay(response)),
-        Claim::Running { retry_after, .. } => Err(in_progress(retry_after.min(retry_hint))),
+        Claim::Running { retry_after, .. } => Err(in_progress(retry_after, retry_hint)),
     }
 }
 
-pub(crate) fn in_progress<B>(retry_after: Duration) -> Response<ResponseBody<B>> {
+/// `409 in-progress`, telling the client to look again after `hint`, or sooner if the
+/// running request's lease, `lease_left`, lapses sooner.
+pub(crate) fn in_progress<B>(lease_left: Duration, hint: Duration) -> Response<ResponseBody<B>> {
     let res = Problem::InProgress.response_retry_after(
         "a request with this Idempotency-Key is still being processed; retry after the time given",
-        retry_after,
+        lease_left.min(hint),
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Conflict)
 }

@@ -383,7 +383,11 @@ where
             );
         }
         Opened::Unavailable => return Ok(unavailable()),
-        Opened::Busy => return Ok(in_progress(config.in_progress_retry_after)),
+        // The running request's lease is not known here: its row is locked, unread.
+        Opened::Busy => {
+            let hint = config.in_progress_retry_after;
+            return Ok(in_progress(hint, hint));
+        }
     };
 
     let (handle, slot) = TransactionHandle::holding(conn);

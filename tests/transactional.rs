@@ -1304,7 +1304,10 @@ async fn two_layers_of_different_modes_on_one_table_answer_500_misconfigured_at_
     // two `PostgresStore::connect` calls): the same records.
     let (own_pool, counter) = {
         let other_pool = schema.store().await;
-        app(IdempotencyLayer::new(other_pool).store_timeout(Duration::from_secs(2)), &table)
+        app(
+            IdempotencyLayer::new(other_pool).store_timeout(Duration::from_secs(2)),
+            &table,
+        )
     };
     let router = own_pool.layer(tx());
     let r = common::send_bounded(&router, post_with("k-pools", &[])).await;

@@ -72,6 +72,7 @@ pub(crate) async fn finish(
     store_timeout: Duration,
 ) {
     let key_hash = crate::service::short_hash(request.key.as_bytes());
+    let key_hash = key_hash.as_str();
     let token = claimed.lease.token;
     let finished = timeout(store_timeout, async {
         let conn = match conn {
