@@ -733,11 +733,11 @@ pub async fn a_blocked_handler_keeps_its_lease(layer: IdempotencyLayer, in_place
                 let block = || {
                     blocking.store(true, Ordering::SeqCst);
                     let (open, opened) = &*gate;
-                    let open = open.lock().unwrap();
+                    let open = open.lock().expect("the gate");
                     // Bounded, so that a broken test fails, not hangs.
                     let _ = opened
                         .wait_timeout_while(open, Duration::from_secs(30), |o| !*o)
-                        .unwrap();
+                        .expect("the gate");
                 };
                 // Only the first run blocks: a second one, the bug, answers.
                 if run == 1 {
@@ -764,10 +764,10 @@ pub async fn a_blocked_handler_keeps_its_lease(layer: IdempotencyLayer, in_place
     let retry = send(&router, post("k", "{}")).await;
     {
         let (open, opened) = &*gate;
-        *open.lock().unwrap() = true;
+        *open.lock().expect("the gate") = true;
         opened.notify_all();
     }
-    let first = first.await.unwrap();
+    let first = first.await.expect("the first request");
     assert_eq!(counter.runs(), 1, "the retry ran the handler again");
     assert_eq!(retry.status, 409);
     assert_eq!(retry.problem(), "in-progress");
