@@ -92,7 +92,9 @@ async fn store_alone(keys: u64) {
             let req = axum::http::Request::post("/payments")
                 .header("idempotency-key", key)
                 .header("content-type", "application/json")
-                .body(axum::body::Body::from(r#"{"amount":1250,"currency":"EUR"}"#))
+                .body(axum::body::Body::from(
+                    r#"{"amount":1250,"currency":"EUR"}"#,
+                ))
                 .expect("a request");
             let res = app.oneshot(req).await.expect("infallible");
             assert_eq!(res.status(), StatusCode::CREATED);
@@ -105,7 +107,9 @@ async fn store_alone(keys: u64) {
             .layer(IdempotencyLayer::new(MemoryStore::new()).require_key(true));
         let req = axum::http::Request::post("/payments")
             .header("idempotency-key", format!("warm-{i}"))
-            .body(axum::body::Body::from(r#"{"amount":1250,"currency":"EUR"}"#))
+            .body(axum::body::Body::from(
+                r#"{"amount":1250,"currency":"EUR"}"#,
+            ))
             .expect("a request");
         let _ = warm.oneshot(req).await;
     }
@@ -117,9 +121,11 @@ async fn store_alone(keys: u64) {
     }
     let after = status_kib(&me, "VmRSS");
     println!(
-        "store alone: {keys} distinct keys in {:.1} s; records held {}; resident {:.1} → {:.1} MiB: {:.0} bytes a key",
+        "store alone: {keys} distinct keys in {:.1} s; records held {}, counted as {} bytes ({} evicted); resident {:.1} → {:.1} MiB: {:.0} bytes a key",
         started.elapsed().as_secs_f64(),
         store.len(),
+        store.bytes(),
+        store.evicted(),
         mib(before),
         mib(after),
         (after.saturating_sub(before) * 1024) as f64 / keys as f64,
