@@ -5,7 +5,9 @@
 //!
 //! 1. **The store alone**, in this process: an Axum route like the payments demo's
 //!    behind `IdempotencyLayer::new(MemoryStore::new())`, called in-process (no HTTP)
-//!    with `MEMORY_STORE_KEYS` distinct keys; resident memory before and after, per key.
+//!    with `MEMORY_STORE_KEYS` distinct keys (300 000: the store fills, then evicts);
+//!    resident memory each time another bound's worth of keys has been sent, against
+//!    the records held and the bytes the store counts.
 //! 2. **The payments demo** on its embedded default (the memory store), as a process of
 //!    its own, sent `MEMORY_KEYS` `POST /payments` with distinct keys by
 //!    `MEMORY_CLIENTS` keep-alive clients; its resident memory every `MEMORY_EVERY`
@@ -116,19 +118,36 @@ async fn store_alone(keys: u64) {
     let me = std::process::id().to_string();
     let before = status_kib(&me, "VmRSS");
     let started = Instant::now();
+    println!(
+        "store alone: resident {:.1} MiB before; a row every {} keys (the store's bound)",
+        mib(before),
+        store.max_entries()
+    );
+    println!();
+    println!(
+        "| distinct keys sent | records held | bytes counted (`bytes()`) | resident memory | resident per record held | resident / counted |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
     for i in 0..keys {
         send(format!("{:08x}-0000-4000-8000-{i:012x}", i * 7919)).await;
+        let sent = i + 1;
+        if sent % store.max_entries() as u64 == 0 || sent == keys {
+            let grown = (status_kib(&me, "VmRSS").saturating_sub(before) * 1024) as f64;
+            println!(
+                "| {sent} | {} | {} | +{:.1} MiB | {:.0} bytes | {:.2} |",
+                store.len(),
+                store.bytes(),
+                grown / (1024.0 * 1024.0),
+                grown / store.len().max(1) as f64,
+                grown / store.bytes().max(1) as f64,
+            );
+        }
     }
-    let after = status_kib(&me, "VmRSS");
+    println!();
     println!(
-        "store alone: {keys} distinct keys in {:.1} s; records held {}, counted as {} bytes ({} evicted); resident {:.1} → {:.1} MiB: {:.0} bytes a key",
+        "store alone: {keys} keys in {:.1} s, {} evicted",
         started.elapsed().as_secs_f64(),
-        store.len(),
-        store.bytes(),
-        store.evicted(),
-        mib(before),
-        mib(after),
-        (after.saturating_sub(before) * 1024) as f64 / keys as f64,
+        store.evicted()
     );
 }
 
@@ -284,7 +303,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
-    let store_keys: u64 = env("MEMORY_STORE_KEYS", 100_000);
+    let store_keys: u64 = env("MEMORY_STORE_KEYS", 300_000);
     let keys: u64 = env("MEMORY_KEYS", 1_000_000);
     let every: u64 = env("MEMORY_EVERY", 100_000).max(1);
     let clients: usize = env("MEMORY_CLIENTS", 4).max(1);

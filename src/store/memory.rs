@@ -39,15 +39,16 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// of a new key fails with a [`StoreError`] of kind
 /// [`Unavailable`](StoreErrorKind::Unavailable), which the layer answers with
 /// `503 store-unavailable` and `Retry-After`, without running the handler. A response
-/// is always stored once its handler has run, evicting completed records to make room;
-/// if the running claims' own responses are over `max_bytes`, the store goes over it by
-/// those, and claims no new key until it is back under.
+/// is always stored once its handler has run, evicting other completed records to make
+/// room; when only running claims are left to evict, it takes the store over
+/// `max_bytes` until the next new key evicts it in turn.
 ///
-/// Each record costs its key and its stored status, headers and body, plus a fixed
-/// share of the store's map and queues (192 bytes on 64-bit targets; a scope's
-/// name is kept once for all of its records). [`bytes`](Self::bytes) counts that; the
-/// map's spare room after it grows (up to as much again as the records' slots) and the
-/// allocator's own overhead come on top.
+/// [`bytes`](Self::bytes) counts each record's key and stored status, headers and body,
+/// plus 206 bytes for the record itself and its share of the store's map and queues (on
+/// 64-bit targets), and each scope's name once for all of its records. On top of that
+/// come the map's spare room (a map whose keys come and go holds up to twice the slots
+/// its records fill) and the allocator's own overhead: resident memory runs at about
+/// RSSFACTOR times what it counts (docs/benchmarks.md).
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
@@ -69,7 +70,9 @@ type Id = (Scope, Arc<str>);
 type At = u64;
 
 struct Inner {
-    records: HashMap<Id, Record>,
+    /// Each record boxed: a map whose keys come and go sits at up to twice the slots
+    /// its records fill, and a slot is then a third of what it would be.
+    records: HashMap<Id, Box<Record>>,
     /// The scopes of the records, each with how many records it has: every record of a
     /// scope shares its name, whichever request brought it.
     scopes: HashMap<Scope, usize>,
@@ -95,10 +98,14 @@ struct Inner {
 const SWEPT_PER_CLAIM: usize = 64;
 
 /// What a record is counted for besides its key and its stored response: its slot in
-/// the map at the map's fullest (seven slots in eight used), its entry in a queue, its
-/// key's reference counts and the allocator's header of the key.
-const RECORD_BYTES: usize =
-    (size_of::<(Id, Record)>() + 1) * 8 / 7 + size_of::<(At, Id)>() + ARC_COUNTS + ALLOCATION;
+/// the map at the map's fullest (seven slots in eight used), the record itself, its
+/// entry in a queue, its key's reference counts, and the allocator's headers.
+const RECORD_BYTES: usize = (size_of::<(Id, Box<Record>)>() + 1) * 8 / 7
+    + size_of::<Record>()
+    + ALLOCATION
+    + size_of::<(At, Id)>()
+    + ARC_COUNTS
+    + ALLOCATION;
 
 /// What a stored response is counted for besides its status, encoded headers and body:
 /// the reference counts and allocator's header of their one allocation.
@@ -260,7 +267,7 @@ impl Inner {
         let id = (self.scope(&id.0), id.1);
         self.bytes += record.cost(&id.1);
         self.running.insert((record.free_at(), id.clone()));
-        self.records.insert(id, record);
+        self.records.insert(id, Box::new(record));
     }
 
     /// Removes `id`'s record, if any; its entry, its bytes, and its scope's with its last
