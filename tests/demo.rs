@@ -569,7 +569,10 @@ async fn on_the_memory_store_the_demo_keeps_the_last_keys_and_counts_them_all() 
     let store = demo.line_starting_with("store:");
     assert!(store.starts_with("store: memory"), "{store:?}");
     assert!(store.contains("at most 3 keys or 64 MiB"), "{store:?}");
-    assert!(store.contains("the last 3 charges and payments"), "{store:?}");
+    assert!(
+        store.contains("the last 3 charges and payments"),
+        "{store:?}"
+    );
     let client = client();
     demo.wait_ready(&client).await;
 

@@ -47,8 +47,8 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// plus 206 bytes for the record itself and its share of the store's map and queues (on
 /// 64-bit targets), and each scope's name once for all of its records. On top of that
 /// come the map's spare room (a map whose keys come and go holds up to twice the slots
-/// its records fill) and the allocator's own overhead: resident memory runs at about
-/// RSSFACTOR times what it counts (docs/benchmarks.md).
+/// its records fill) and the allocator's own overhead: resident memory runs at 1.3 to
+/// 1.5 times what it counts (docs/benchmarks.md).
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
