@@ -1018,6 +1018,8 @@ mod tests {
         assert_eq!(rt.block_on(store.purge(100)).unwrap(), 100);
         assert_eq!(store.purge_expired(), 1000 - SWEPT_PER_CLAIM - 100);
         assert_eq!(store.len(), 1, "the live claim stays");
+        // The swept records gave their bytes back: the live claim's are left.
+        assert_eq!(store.bytes(), RECORD_BYTES + "new".len() + SCOPE_BYTES);
         // The purged records' entries went with them: the live claim's is left.
         let inner = store.lock();
         assert_eq!((inner.running.len(), inner.expiry.len()), (1, 0));
