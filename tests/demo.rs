@@ -559,6 +559,48 @@ async fn without_a_database_the_demo_uses_the_memory_store() {
     );
 }
 
+/// On the memory store the demo's memory is bounded: it says so when it starts, the
+/// store and the demo's ledger keep the last keys only, and `/stats` still counts every
+/// run, charge and payment. A key evicted from both is a new key: it runs, and is
+/// charged, again.
+#[tokio::test]
+async fn on_the_memory_store_the_demo_keeps_the_last_keys_and_counts_them_all() {
+    let mut demo = Demo::start_with(None, &["--memory-max-keys", "3"]);
+    let store = demo.line_starting_with("store:");
+    assert!(store.starts_with("store: memory"), "{store:?}");
+    assert!(store.contains("at most 3 keys or 64 MiB"), "{store:?}");
+    assert!(
+        store.contains("the last 3 charges and payments"),
+        "{store:?}"
+    );
+    let client = client();
+    demo.wait_ready(&client).await;
+
+    let payment = r#"{"amount":500,"currency":"USD"}"#;
+    for i in 0..5 {
+        let key = format!("bounded-{i}");
+        let reply = post_payment(&client, demo.addr, Some(&key), payment).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(!reply.replayed(), "{reply:?}");
+    }
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 5, "psp_calls": 5, "charges": 5, "payments": 5})
+    );
+    // The last keys are kept, and replayed.
+    let last = post_payment(&client, demo.addr, Some("bounded-4"), payment).await;
+    assert_eq!(last.status, StatusCode::CREATED, "{last:?}");
+    assert!(last.replayed(), "{last:?}");
+    // The first went, from the store and from the provider's memory alike.
+    let first = post_payment(&client, demo.addr, Some("bounded-0"), payment).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed(), "{first:?}");
+    assert_eq!(
+        stats(&client, demo.addr).await,
+        json!({"handler_runs": 6, "psp_calls": 6, "charges": 6, "payments": 6})
+    );
+}
+
 /// One query on the test's database, outside the demo.
 async fn query(sql: &str) -> Vec<tokio_postgres::Row> {
     let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)

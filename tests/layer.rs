@@ -24,6 +24,67 @@ mod memory {
         let layer = tower_idempotency::IdempotencyLayer::new(MemoryStore::new());
         crate::common::a_blocked_handler_keeps_its_lease(layer, false).await;
     }
+
+    /// A store at its bound: completed keys make room for new ones, soonest to expire
+    /// first, and a retry of an evicted key runs as a new key; running claims are kept,
+    /// and while only they are left a new key gets `503 store-unavailable` and nothing
+    /// runs.
+    #[tokio::test]
+    async fn a_full_store_evicts_completed_keys_and_refuses_new_ones_while_all_run() {
+        use std::time::Duration;
+
+        use tower_idempotency::{IdempotencyLayer, Outcome};
+
+        use crate::common::{app, in_flight, post, post_with_headers, send};
+
+        let store = MemoryStore::new().with_max_entries(3);
+        let layer = IdempotencyLayer::new(store.clone()).lease_duration(Duration::from_secs(60));
+        let (router, counter) = app(layer);
+        for i in 0..5 {
+            let done = send(&router, post(&format!("done{i}"), "{}")).await;
+            assert_eq!(done.status, 201);
+        }
+        assert_eq!((store.len(), store.evicted()), (3, 2));
+        assert!(store.bytes() <= store.max_bytes());
+        let kept = send(&router, post("done4", "{}")).await;
+        assert_eq!(kept.outcome, Some(Outcome::Replayed));
+        // done0 went first: a retry with it is a new key, and runs.
+        let again = send(&router, post("done0", "{}")).await;
+        assert_eq!(again.outcome, Some(Outcome::Executed));
+        assert_eq!(counter.runs_of("done0"), 2);
+        assert_eq!(store.len(), 3);
+
+        // Three requests still running fill the store...
+        let mut running = Vec::new();
+        for i in 0..3 {
+            let held = post_with_headers(&format!("run{i}"), &[("x-held", "1")]);
+            running.push(in_flight(&router, held, &counter).await);
+        }
+        assert_eq!((store.len(), store.evicted()), (3, 6));
+        // ...and a new key is refused before its handler runs.
+        let runs = counter.runs();
+        let refused = send(&router, post("late", "{}")).await;
+        assert_eq!(refused.status, 503);
+        assert_eq!(refused.problem(), "store-unavailable");
+        assert!(refused.header("retry-after").is_some());
+        assert_eq!(refused.outcome, Some(Outcome::StoreError));
+        assert_eq!(counter.runs(), runs);
+        assert_eq!(counter.runs_of("late"), 0);
+        // The running keys are all there: their duplicates are told so.
+        for i in 0..3 {
+            let dup = send(&router, post(&format!("run{i}"), "{}")).await;
+            assert_eq!(dup.status, 409);
+        }
+        counter.let_go(3);
+        for first in running {
+            assert_eq!(first.await.unwrap().status, 201);
+        }
+        // Once they are stored, there is room again.
+        let late = send(&router, post("late", "{}")).await;
+        assert_eq!(late.outcome, Some(Outcome::Executed));
+        assert_eq!(counter.runs_of("late"), 1);
+        assert_eq!(store.len(), 3);
+    }
 }
 
 mod postgres {

@@ -1,7 +1,7 @@
 //! Where the demo keeps its payments, its fake provider's charges and its counters.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -33,13 +33,67 @@ pub(crate) enum Backend {
     },
 }
 
-#[derive(Default)]
+/// The demo's own records on the memory store, bounded as the store is: it remembers
+/// the last charges and payments, and counts them all.
 pub(crate) struct Memory {
     handler_runs: i64,
     psp_calls: i64,
-    /// Provider key → (charge id, amount, currency).
-    charges: HashMap<String, (String, i64, String)>,
-    payments: HashMap<String, String>,
+    /// Charges made and payments recorded, each counted once, however many of them the
+    /// ledgers below still remember.
+    charges_made: i64,
+    payments_recorded: i64,
+    /// Provider key → charge: the fake provider remembers its last charges only, so a
+    /// key it has forgotten is charged anew, as a key the store evicted runs anew.
+    charges: Ledger<Charge>,
+    /// Payment id → charge id.
+    payments: Ledger<Box<str>>,
+}
+
+#[derive(Clone, Copy)]
+struct Charge {
+    /// The random number in the charge id, `ch_` and its 16 hex digits.
+    id: u64,
+    amount: i64,
+    currency: [u8; 3],
+}
+
+/// A map that keeps its last `cap` entries: past it, a new one pushes out the oldest.
+struct Ledger<V> {
+    entries: HashMap<Arc<str>, V>,
+    /// The keys, oldest first (each shares its name with its entry).
+    order: VecDeque<Arc<str>>,
+    cap: usize,
+}
+
+impl<V: Clone> Ledger<V> {
+    fn new(cap: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+            cap: cap.max(1),
+        }
+    }
+
+    /// The value of `key`, or `make()`'s, stored for it now; `true` if it is new.
+    fn get_or_insert_with(&mut self, key: &str, make: impl FnOnce() -> V) -> (V, bool) {
+        if let Some(value) = self.entries.get(key) {
+            return (value.clone(), false);
+        }
+        if self.entries.len() >= self.cap {
+            if let Some(oldest) = self.order.pop_front() {
+                self.entries.remove(&oldest);
+            }
+        }
+        let (key, value) = (Arc::<str>::from(key), make());
+        self.order.push_back(key.clone());
+        self.entries.insert(key, value.clone());
+        (value, true)
+    }
+}
+
+/// A charge id: `ch_` and 16 hex digits.
+fn charge_id(n: u64) -> String {
+    format!("ch_{n:016x}")
 }
 
 /// What the provider did with a charge.
@@ -51,8 +105,17 @@ pub(crate) enum Charged {
 }
 
 impl Backend {
-    pub(crate) fn memory() -> Self {
-        Self::Memory(Arc::default())
+    /// The demo's records in memory, remembering the last `remembered` charges and
+    /// payments.
+    pub(crate) fn memory(remembered: usize) -> Self {
+        Self::Memory(Arc::new(Mutex::new(Memory {
+            handler_runs: 0,
+            psp_calls: 0,
+            charges_made: 0,
+            payments_recorded: 0,
+            charges: Ledger::new(remembered),
+            payments: Ledger::new(remembered),
+        })))
     }
 
     /// Connects, migrates the idempotency table and the demo's own tables.
@@ -138,7 +201,8 @@ impl Backend {
         currency: &str,
     ) -> Result<Charged, Error> {
         self.bump("psp_calls").await?;
-        let fresh_id = format!("ch_{:016x}", rand_u64());
+        let fresh = rand_u64();
+        let fresh_id = charge_id(fresh);
         let settled = |(id, charged, charged_in): (String, i64, String)| {
             if charged == amount && charged_in == currency {
                 Charged::Charge(id)
@@ -151,13 +215,19 @@ impl Backend {
         };
         match self {
             Self::Memory(m) => {
+                let code: [u8; 3] = currency
+                    .as_bytes()
+                    .try_into()
+                    .map_err(|_| "a currency is 3 letters")?;
                 let mut m = Self::lock(m);
-                let charge = m
-                    .charges
-                    .entry(psp_key.to_owned())
-                    .or_insert_with(|| (fresh_id, amount, currency.to_owned()))
-                    .clone();
-                Ok(settled(charge))
+                let (charge, new) = m.charges.get_or_insert_with(psp_key, || Charge {
+                    id: fresh,
+                    amount,
+                    currency: code,
+                });
+                m.charges_made += i64::from(new);
+                let charged_in = String::from_utf8_lossy(&charge.currency).into_owned();
+                Ok(settled((charge_id(charge.id), charge.amount, charged_in)))
             }
             Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
@@ -196,10 +266,11 @@ impl Backend {
     ) -> Result<(), Error> {
         match self {
             Self::Memory(m) => {
-                Self::lock(m)
+                let mut m = Self::lock(m);
+                let (_, new) = m
                     .payments
-                    .entry(payment_id.to_owned())
-                    .or_insert_with(|| charge_id.to_owned());
+                    .get_or_insert_with(payment_id, || charge_id.into());
+                m.payments_recorded += i64::from(new);
             }
             Self::Postgres { pool, schema, .. } => {
                 let client = pool.get().await?;
@@ -260,8 +331,8 @@ impl Backend {
                 Ok(Stats {
                     handler_runs: m.handler_runs,
                     psp_calls: m.psp_calls,
-                    charges: m.charges.len() as i64,
-                    payments: m.payments.len() as i64,
+                    charges: m.charges_made,
+                    payments: m.payments_recorded,
                 })
             }
             Self::Postgres { pool, schema, .. } => {

@@ -3,11 +3,15 @@
 //! ```text
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
+//!     [--memory-max-keys N]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
 //! PostgreSQL (migrated on start; several processes may share one database). With
-//! neither it runs on the in-memory store.
+//! neither it runs on the in-memory store, which keeps at most `--memory-max-keys` keys
+//! (100 000 by default) or 64 MiB of them, evicting the completed keys soonest to expire
+//! first; the demo's own ledger of charges and payments keeps as many, its counters
+//! counting them all. However many distinct keys it is sent, its memory stays bounded.
 //!
 //! - `POST /payments` (Idempotency-Key required), body
 //!   `{"amount": 1250, "currency": "EUR", "delay_ms": 0}` → `201`
@@ -52,9 +56,10 @@ struct Args {
     schema: String,
     transactional: bool,
     wait_ms: u64,
+    memory_max_keys: usize,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -64,6 +69,7 @@ fn parse_args() -> Result<Args, String> {
         schema: "payments_demo".into(),
         transactional: false,
         wait_ms: 0,
+        memory_max_keys: MemoryStore::DEFAULT_MAX_ENTRIES,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -98,6 +104,12 @@ fn parse_args() -> Result<Args, String> {
                 args.wait_ms = v
                     .parse()
                     .map_err(|_| format!("--wait-ms {v:?}: expected milliseconds"))?;
+            }
+            "--memory-max-keys" => {
+                let v = value("--memory-max-keys")?;
+                args.memory_max_keys = v.parse().ok().filter(|n| *n >= 1).ok_or_else(|| {
+                    format!("--memory-max-keys {v:?}: expected a count, at least 1")
+                })?;
             }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -158,11 +170,23 @@ async fn run(args: Args) -> Result<(), backend::Error> {
                 "--mode transactional needs PostgreSQL: set DATABASE_URL or --database-url".into(),
             );
         }
-        None => (
-            Backend::memory(),
-            IdempotencyLayer::new(MemoryStore::new()),
-            "memory (in-process; set DATABASE_URL or --database-url to use PostgreSQL)".to_owned(),
-        ),
+        None => {
+            let store = MemoryStore::new().with_max_entries(args.memory_max_keys);
+            let name = format!(
+                "memory (in-process; set DATABASE_URL or --database-url to use PostgreSQL); \
+                 at most {} keys or {} MiB of them, each kept 24 h unless the completed keys \
+                 soonest to expire are evicted first to make room; the demo's ledger keeps \
+                 the last {} charges and payments",
+                store.max_entries(),
+                store.max_bytes() >> 20,
+                args.memory_max_keys
+            );
+            (
+                Backend::memory(args.memory_max_keys),
+                IdempotencyLayer::new(store),
+                name,
+            )
+        }
     };
     let layer = layer
         .require_key(true)

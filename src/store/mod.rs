@@ -230,7 +230,9 @@ pub struct StoreError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
-    /// The database could not be reached or dropped the connection.
+    /// The database could not be reached or dropped the connection; or a
+    /// [`MemoryStore`] at its bound holds only running claims, and takes no new key
+    /// until one of them finishes.
     Unavailable,
     /// No answer within the bound (pool wait, lock wait, statement timeout).
     Timeout,
