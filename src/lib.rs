@@ -49,3 +49,7 @@ struct SecurityDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/postgres.md")]
 struct PostgresDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/clients.md")]
+struct ClientsDoctests;
