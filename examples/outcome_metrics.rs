@@ -35,10 +35,10 @@ struct Counts(Arc<Mutex<BTreeMap<&'static str, u64>>>);
 /// Outside the idempotency layer: sees every response it produced, and its outcome.
 async fn count_outcomes(State(counts): State<Counts>, request: Request, next: Next) -> Response {
     let response = next.run(request).await;
-    if let Some(outcome) = response.extensions().get::<Outcome>() {
-        if let Ok(mut counts) = counts.0.lock() {
-            *counts.entry(outcome.as_str()).or_default() += 1;
-        }
+    if let Some(outcome) = response.extensions().get::<Outcome>()
+        && let Ok(mut counts) = counts.0.lock()
+    {
+        *counts.entry(outcome.as_str()).or_default() += 1;
     }
     response
 }

@@ -1,9 +1,19 @@
+// The README's links to the guides point at `docs/` in the repository; here, the same
+// links (the first definition of a label wins) point at the guides' pages.
+#![doc = "[problems]: crate::rejection"]
+#![doc = "[failure-modes]: crate::guide::failure_modes"]
+#![doc = "[modes]: crate::guide::modes"]
+#![doc = "[security]: crate::guide::security"]
+#![doc = "[postgres]: crate::guide::postgres"]
+#![doc = "[clients]: crate::guide::clients"]
+#![doc = "[standards]: crate::guide::standards"]
 #![doc = include_str!("../README.md")]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
 mod catch_panic;
 mod fingerprint;
+pub mod guide;
 pub mod job;
 mod key;
 mod layer;
@@ -33,23 +43,3 @@ pub use scope::Scope;
 pub use service::{Idempotency, ResponseFuture};
 pub use shutdown::ShutdownHandle;
 
-/// The examples in `docs/` are compiled and run as doctests.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/failure-modes.md")]
-struct FailureModesDoctests;
-
-#[cfg(doctest)]
-#[doc = include_str!("../docs/modes.md")]
-struct ModesDoctests;
-
-#[cfg(doctest)]
-#[doc = include_str!("../docs/security.md")]
-struct SecurityDoctests;
-
-#[cfg(doctest)]
-#[doc = include_str!("../docs/postgres.md")]
-struct PostgresDoctests;
-
-#[cfg(doctest)]
-#[doc = include_str!("../docs/clients.md")]
-struct ClientsDoctests;

@@ -130,14 +130,14 @@ impl Renewal {
             if let Poll::Ready(output) = future.as_mut().poll(cx) {
                 return Poll::Ready(output);
             }
-            if let Some(task) = &mut self.task {
-                if let Poll::Ready(ended) = Pin::new(task).poll(cx) {
-                    self.task = None;
-                    if let Err(e) = ended {
-                        if e.is_panic() {
-                            std::panic::resume_unwind(e.into_panic());
-                        }
-                    }
+            if let Some(task) = &mut self.task
+                && let Poll::Ready(ended) = Pin::new(task).poll(cx)
+            {
+                self.task = None;
+                if let Err(e) = ended
+                    && e.is_panic()
+                {
+                    std::panic::resume_unwind(e.into_panic());
                 }
             }
             Poll::Pending

@@ -79,13 +79,11 @@ pin_project! {
 
     impl<F, B, E> PinnedDrop for ResponseFuture<F, B, E> {
         fn drop(this: Pin<&mut Self>) {
-            if let KindProj::Guarded { future, detach, handoff } = this.project().kind.project() {
-                if let Some(future) = future.take() {
-                    if handoff.detach() {
+            if let KindProj::Guarded { future, detach, handoff } = this.project().kind.project()
+                && let Some(future) = future.take()
+                    && handoff.detach() {
                         detach(future);
                     }
-                }
-            }
         }
     }
 }
@@ -269,10 +267,10 @@ where
                     Ok(handler_failed())
                 }
             };
-            if let Ok(res) = &res {
-                if let Some(outcome) = res.extensions().get::<Outcome>() {
-                    Span::current().record("outcome", outcome.as_str());
-                }
+            if let Ok(res) = &res
+                && let Some(outcome) = res.extensions().get::<Outcome>()
+            {
+                Span::current().record("outcome", outcome.as_str());
             }
             res
         };

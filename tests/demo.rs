@@ -222,10 +222,10 @@ impl Demo {
             if let Some(status) = self.child.try_wait().expect("the demo's status") {
                 panic!("the demo at {} exited before serving: {status}", self.addr);
             }
-            if let Ok(reply) = request(client, Method::GET, self.addr, "/stats", None, "").await {
-                if reply.status == StatusCode::OK {
-                    return;
-                }
+            if let Ok(reply) = request(client, Method::GET, self.addr, "/stats", None, "").await
+                && reply.status == StatusCode::OK
+            {
+                return;
             }
             tokio::time::sleep(POLL_INTERVAL).await;
         }

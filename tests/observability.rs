@@ -103,20 +103,19 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Spans {
     }
 
     fn on_record(&self, id: &span::Id, values: &span::Record<'_>, ctx: Context<'_, S>) {
-        if let Some(span) = ctx.span(id) {
-            if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
-                values.record(fields);
-            }
+        if let Some(span) = ctx.span(id)
+            && let Some(fields) = span.extensions_mut().get_mut::<Fields>()
+        {
+            values.record(fields);
         }
     }
 
     fn on_close(&self, id: span::Id, ctx: Context<'_, S>) {
-        if let Some(span) = ctx.span(&id) {
-            if span.name() == "idempotency" {
-                if let Some(fields) = span.extensions().get::<Fields>() {
-                    self.0.lock().unwrap().push(fields.0.clone());
-                }
-            }
+        if let Some(span) = ctx.span(&id)
+            && span.name() == "idempotency"
+            && let Some(fields) = span.extensions().get::<Fields>()
+        {
+            self.0.lock().unwrap().push(fields.0.clone());
         }
     }
 }

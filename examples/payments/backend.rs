@@ -79,10 +79,10 @@ impl<V: Clone> Ledger<V> {
         if let Some(value) = self.entries.get(key) {
             return (value.clone(), false);
         }
-        if self.entries.len() >= self.cap {
-            if let Some(oldest) = self.order.pop_front() {
-                self.entries.remove(&oldest);
-            }
+        if self.entries.len() >= self.cap
+            && let Some(oldest) = self.order.pop_front()
+        {
+            self.entries.remove(&oldest);
         }
         let (key, value) = (Arc::<str>::from(key), make());
         self.order.push_back(key.clone());

@@ -337,18 +337,18 @@ impl Inner {
             if gone == removed {
                 break;
             }
-            if let Some((at, _)) = self.running.first() {
-                if *at <= now {
-                    if let Some((_, id)) = self.running.pop_first() {
-                        // Its entry is gone already; the record follows.
-                        if let Some((id, record)) = self.records.remove_entry(&id) {
-                            self.bytes -= record.cost(&id.1);
-                            self.drop_scope(&id.0);
-                            gone += 1;
-                        }
+            if let Some((at, _)) = self.running.first()
+                && *at <= now
+            {
+                if let Some((_, id)) = self.running.pop_first() {
+                    // Its entry is gone already; the record follows.
+                    if let Some((id, record)) = self.records.remove_entry(&id) {
+                        self.bytes -= record.cost(&id.1);
+                        self.drop_scope(&id.0);
+                        gone += 1;
                     }
-                    continue;
                 }
+                continue;
             }
             match self.expiry.peek() {
                 Some(Reverse((at, _))) if *at <= now => {}

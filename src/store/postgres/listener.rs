@@ -71,10 +71,10 @@ pub(super) struct Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Ok(mut started) = self.started.lock() {
-            if let Some(task) = started.take() {
-                task.abort();
-            }
+        if let Ok(mut started) = self.started.lock()
+            && let Some(task) = started.take()
+        {
+            task.abort();
         }
     }
 }
@@ -234,8 +234,8 @@ async fn listen(
                 let mut check: Option<BoxFuture<'_, bool>> = None;
                 loop {
                     let event = std::future::poll_fn(|cx| {
-                        if !subscribed {
-                            if let Poll::Ready(r) = listening.as_mut().poll(cx) {
+                        if !subscribed
+                            && let Poll::Ready(r) = listening.as_mut().poll(cx) {
                                 let failed = match r {
                                     Ok(Ok(true)) => None,
                                     Ok(Ok(false)) => Some("the check after LISTEN failed".to_owned()),
@@ -256,7 +256,6 @@ async fn listen(
                                     me.wake_everyone();
                                 }
                             }
-                        }
                         if subscribed {
                             // Ends with the running check or the timer pending, so one of
                             // them wakes the task: the timer is polled as soon as the
