@@ -42,4 +42,3 @@ pub use record::StoredResponse;
 pub use scope::Scope;
 pub use service::{Idempotency, ResponseFuture};
 pub use shutdown::ShutdownHandle;
-
