@@ -445,8 +445,11 @@ impl JobRunner {
         E: Send + 'static,
     {
         use crate::{
-            store::rollback,
-            transactional::{Committed, Opened, TransactionHandle, commit, open, roll_back},
+            store::roll_back_or_close,
+            transactional::{
+                Committed, Opened, RolledBack, TransactionHandle, commit, open,
+                roll_back_unless_ended,
+            },
         };
 
         let (conn, claimed) = match open(
@@ -461,7 +464,7 @@ impl JobRunner {
             // A run that waited on another worker's row may get it after `close()`:
             // nothing is claimed after the close, so it lets the row go.
             Opened::Acquired(conn, _) if self.shutdown.is_closed() => {
-                rollback(conn, self.store_timeout).await;
+                roll_back_or_close(conn, self.store_timeout).await;
                 return Err(JobError::ShuttingDown);
             }
             Opened::Acquired(conn, claimed) => (conn, claimed),
@@ -521,7 +524,7 @@ impl JobRunner {
             None => {
                 let conn = TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
                 if let Some(conn) = conn.await {
-                    rollback(conn, store_timeout).await;
+                    roll_back_or_close(conn, store_timeout).await;
                 }
                 return Err(JobError::Panicked);
             }
@@ -555,7 +558,9 @@ impl JobRunner {
             }
             // Rolled back, unless the work ended the transaction itself.
             failed => {
-                if roll_back(store, conn, &claimed, request, store_timeout).await {
+                let rolled_back =
+                    roll_back_unless_ended(store, conn, &claimed, request, store_timeout);
+                if rolled_back.await == RolledBack::Ended {
                     return Err(JobError::TransactionEnded);
                 }
                 Err(match failed {

@@ -92,7 +92,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower_service::Service;
 
 use crate::{
-    IdempotencyKey, Outcome,
+    IdempotencyKey, Outcome, StoredResponse,
     body::{BoxError, ResponseBody},
     catch_panic::CatchPanic,
     layer::Config,
@@ -102,10 +102,10 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{Backend, Checkout, ClaimRequest, PostgresStore, rollback},
+    store::{Backend, Checkout, ClaimRequest, PostgresStore, roll_back_or_close},
 };
 
-pub(crate) use ended::{is_stored as is_transaction_ended, roll_back};
+pub(crate) use ended::{RolledBack, is_stored as is_transaction_ended, roll_back_unless_ended};
 pub(crate) use lifecycle::{Committed, Opened, commit, open};
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -365,7 +365,7 @@ where
         // A duplicate that waited on the first request's row may get it after
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
-            rollback(conn, store_timeout).await;
+            roll_back_or_close(conn, store_timeout).await;
             return Ok(shutting_down());
         }
         Opened::Acquired(conn, claimed) => {
@@ -406,63 +406,17 @@ where
     let Some(conn) = taken.await else {
         return Ok(handler_failed());
     };
-    // Rolls back, unless the handler ended the transaction itself: then the key is
-    // completed with `500 transaction-ended`, which is the answer.
-    let roll_back = |conn| ended::roll_back(&store, conn, &claimed, &request, store_timeout);
-    let produced = match produced {
-        Ok(produced) => produced,
-        Err(panic) => {
-            tracing::error!(
-                panic = crate::catch_panic::message(&panic),
-                "the handler panicked; rolling back"
-            );
-            if roll_back(conn).await {
-                return Ok(ended::response());
-            }
-            return Ok(handler_failed());
-        }
-    };
-    let (stored, res) = match produced {
-        Produced::ServiceFailed(e) => {
-            if roll_back(conn).await {
-                return Ok(ended::response());
-            }
-            return Err(e);
-        }
-        Produced::BodyFailed(_, e) => {
-            tracing::error!(error = %e, "the response body failed; rolling back");
-            if roll_back(conn).await {
-                return Ok(ended::response());
-            }
-            return Ok(handler_failed());
-        }
-        Produced::Buffered(parts, body) => {
-            if !crate::policy::is_stored(&config.policy, &parts) {
-                // Not kept: neither are the handler's writes.
-                if roll_back(conn).await {
-                    return Ok(ended::response());
-                }
-                let res = Response::from_parts(parts, ResponseBody::full(body));
-                return Ok(with_outcome(res, Outcome::Executed));
-            }
-            let stored = crate::service::to_store(&config, &parts, &body);
-            let mut res = Response::from_parts(parts, ResponseBody::full(body));
-            res.headers_mut().remove(http::header::CONTENT_LENGTH);
-            (stored, res)
-        }
-        Produced::Unbuffered(parts, prefix, rest, why) => {
-            if !crate::policy::is_stored(&config.policy, &parts) {
-                if roll_back(conn).await {
-                    return Ok(ended::response());
-                }
-                let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
-                return Ok(with_outcome(res, Outcome::Executed));
-            }
-            let stored = crate::service::not_stored_problem(&config, why);
-            (
-                stored,
-                Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)),
-            )
+    let (stored, res) = match decide(&config, produced) {
+        Decision::Commit(stored, res) => (stored, res),
+        // Rolled back, unless the handler ended the transaction itself: then the key is
+        // completed with `500 transaction-ended`, which is the answer.
+        Decision::RollBack(answer) => {
+            let rolled_back =
+                ended::roll_back_unless_ended(&store, conn, &claimed, &request, store_timeout);
+            return match rolled_back.await {
+                RolledBack::Yes => answer,
+                RolledBack::Ended => Ok(ended::response()),
+            };
         }
     };
     let committed = commit(
@@ -495,5 +449,65 @@ where
         Committed::No => Ok(not_committed(NOT_COMMITTED)),
         Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
         Committed::Ended => Ok(ended::response()),
+    }
+}
+
+/// What the layer does with the transaction once the handler has produced its answer.
+enum Decision<B, E> {
+    /// Commit it, with the response to store, and answer the response.
+    Commit(StoredResponse, Response<ResponseBody<B>>),
+    /// Roll it back, and answer this.
+    RollBack(Answer<B, E>),
+}
+
+/// Decides what becomes of the transaction after the handler `produced` its answer
+/// (or panicked): an answer the storage policy keeps commits, with it stored; a panic,
+/// a service error, a failed body and an answer the policy does not keep roll back.
+fn decide<B, E>(
+    config: &Config,
+    produced: Result<Produced<B, E>, crate::catch_panic::Panicked>,
+) -> Decision<B, E>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let produced = match produced {
+        Ok(produced) => produced,
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the handler panicked; rolling back"
+            );
+            return Decision::RollBack(Ok(handler_failed()));
+        }
+    };
+    match produced {
+        Produced::ServiceFailed(e) => Decision::RollBack(Err(e)),
+        Produced::BodyFailed(_, e) => {
+            tracing::error!(error = %e, "the response body failed; rolling back");
+            Decision::RollBack(Ok(handler_failed()))
+        }
+        // Not kept: neither are the handler's writes.
+        Produced::Buffered(parts, body) if !crate::policy::is_stored(&config.policy, &parts) => {
+            let res = Response::from_parts(parts, ResponseBody::full(body));
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+        }
+        Produced::Buffered(parts, body) => {
+            let stored = crate::service::to_store(config, &parts, &body);
+            let mut res = Response::from_parts(parts, ResponseBody::full(body));
+            res.headers_mut().remove(http::header::CONTENT_LENGTH);
+            Decision::Commit(stored, res)
+        }
+        Produced::Unbuffered(parts, prefix, rest, _)
+            if !crate::policy::is_stored(&config.policy, &parts) =>
+        {
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+        }
+        Produced::Unbuffered(parts, prefix, rest, why) => {
+            let stored = crate::service::not_stored_problem(config, why);
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Decision::Commit(stored, res)
+        }
     }
 }

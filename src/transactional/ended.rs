@@ -11,7 +11,7 @@
 //! Found out at no extra cost on the path of a transaction that commits: the completion
 //! matches only a claim row the open transaction wrote
 //! ([`PostgresStore::complete_in_transaction`]). Where the layer rolls back instead, the
-//! same check goes with the `ROLLBACK`, pipelined ([`roll_back`]).
+//! same check goes with the `ROLLBACK`, pipelined ([`roll_back_unless_ended`]).
 
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use crate::{
     body::ResponseBody,
     rejection::Problem,
     service::with_outcome,
-    store::{Checkout, ClaimRequest, PostgresStore, rollback},
+    store::{Checkout, ClaimRequest, PostgresStore, roll_back_or_close},
 };
 
 /// The `detail` of `500 transaction-ended`.
@@ -120,19 +120,31 @@ pub(crate) async fn finish(
     }
 }
 
+/// What became of a transaction the layer rolled back after its handler ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub(crate) enum RolledBack {
+    /// Rolled back (or its connection closed, which rolls it back): nothing of it
+    /// committed, and the key is free.
+    Yes,
+    /// It had ended under the layer; the key is finished with `500 transaction-ended`
+    /// ([`finish`]), which is the answer.
+    Ended,
+}
+
 /// Rolls back the transaction of `claimed` after its handler ran, bounded by
 /// `store_timeout`, unless it had already ended under the layer: then the key is
-/// finished ([`finish`]) and this returns `true`. One round trip: the check that the
-/// claim row is still the transaction's goes with the `ROLLBACK` (and, the first time
-/// on a connection, one more to prepare it). A transaction aborted by a failed
-/// statement cannot be checked, and is taken as the layer's own.
-pub(crate) async fn roll_back(
+/// finished ([`finish`]). One round trip: the check that the claim row is still the
+/// transaction's goes with the `ROLLBACK` (and, the first time on a connection, one
+/// more to prepare it). A transaction aborted by a failed statement cannot be checked,
+/// and is taken as the layer's own.
+pub(crate) async fn roll_back_unless_ended(
     store: &PostgresStore,
     conn: Checkout,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
-) -> bool {
+) -> RolledBack {
     let deadline = Instant::now() + store_timeout;
     let client = &*conn;
     // Prepared first, so that its Execute is on the wire before the ROLLBACK.
@@ -140,17 +152,17 @@ pub(crate) async fn roll_back(
         Ok(Ok(())) => {}
         // In a transaction aborted by a statement of the handler's, say.
         Ok(Err(_)) => {
-            rollback(conn, deadline.saturating_duration_since(Instant::now())).await;
-            return false;
+            roll_back_or_close(conn, deadline.saturating_duration_since(Instant::now())).await;
+            return RolledBack::Yes;
         }
         Err(_) => {
             tracing::warn!("no answer in time before ROLLBACK; closing the connection");
-            return false;
+            return RolledBack::Yes;
         }
     }
     let (ours, rolled_back) = tokio::join!(
         timeout_at(deadline, store.still_ours(client, &claimed.lease)),
-        timeout_at(deadline, store.roll_back_on(client)),
+        timeout_at(deadline, store.send_rollback(client)),
     );
     let conn = match rolled_back {
         Ok(Ok(())) => Some(conn),
@@ -166,10 +178,10 @@ pub(crate) async fn roll_back(
     };
     if matches!(ours, Ok(Ok(false))) {
         finish(store, conn, claimed, request, store_timeout).await;
-        return true;
+        return RolledBack::Ended;
     }
     if let Some(conn) = conn {
         conn.done();
     }
-    false
+    RolledBack::Yes
 }

@@ -11,7 +11,7 @@ use crate::{
     StoredResponse,
     store::{
         Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, Resolution, StoreErrorKind,
-        begin, commit_on, connection_lost, in_an_aborted_transaction, rollback,
+        begin, commit_on, connection_lost, in_an_aborted_transaction, roll_back_or_close,
         statement_cancelled,
     },
 };
@@ -80,7 +80,7 @@ pub(crate) async fn open(
             let begin = &begin;
             async move {
                 if retry {
-                    store.roll_back_on(client).await?;
+                    store.send_rollback(client).await?;
                 }
                 let token = crate::store::fresh_token();
                 let then = (claim_wait != lock_timeout).then_some(lock_timeout);
@@ -100,14 +100,14 @@ pub(crate) async fn open(
             // Nothing was written: the answer need not wait for the ROLLBACK; the
             // connection goes back to the pool when it is done, or is closed if the
             // database does not answer it in time.
-            tokio::spawn(rollback(conn, store_timeout));
+            tokio::spawn(roll_back_or_close(conn, store_timeout));
             Opened::Found(found)
         }
         // A lock timeout on the first request's row, or a key that kept changing under
         // the claim: another request is at work on it. A statement cancelled by
         // `statement_timeout` is a slow database, like any other store failure.
         Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout && !statement_cancelled(&e) => {
-            rollback(conn, store_timeout).await;
+            roll_back_or_close(conn, store_timeout).await;
             Opened::Busy
         }
         Ok(Err(e)) => {
@@ -168,7 +168,7 @@ async fn resolve(
                 sent,
             )
             .await;
-        rollback(conn, store_timeout).await;
+        roll_back_or_close(conn, store_timeout).await;
         resolved.ok()
     })
     .await
@@ -197,7 +197,7 @@ pub(crate) async fn commit(
     match timeout(store_timeout, store.prepare_completion(client)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) if in_an_aborted_transaction(&e) => {
-            rollback(conn, store_timeout).await;
+            roll_back_or_close(conn, store_timeout).await;
             return Committed::Aborted;
         }
         Ok(Err(e)) => {

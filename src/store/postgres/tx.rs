@@ -138,9 +138,9 @@ fn backend_pid(messages: &[SimpleQueryMessage]) -> Result<i32, StoreError> {
         })
 }
 
-/// `ROLLBACK` on `conn`: back to the pool if the server answers it, closed (which
-/// rolls back) if not, or if it takes longer than `bound`.
-pub(crate) async fn rollback(conn: Checkout, bound: Duration) {
+/// `ROLLBACK` on `conn`, then the connection back to the pool; closed instead (which
+/// rolls back) if the server does not answer within `bound`, or fails.
+pub(crate) async fn roll_back_or_close(conn: Checkout, bound: Duration) {
     match tokio::time::timeout(bound, conn.batch_execute("ROLLBACK")).await {
         Ok(Ok(())) => conn.done(),
         // Dropping the Checkout closes the connection, which rolls back.
@@ -221,8 +221,9 @@ impl PostgresStore {
             .map_err(failed)
     }
 
-    /// Rolls back the transaction on `client` (to begin another), waiting for it.
-    pub(crate) async fn roll_back_on(&self, client: &ClientWrapper) -> Result<(), StoreError> {
+    /// Sends `ROLLBACK` on `client` and waits for its answer; the connection stays the
+    /// caller's (to begin another transaction on, say).
+    pub(crate) async fn send_rollback(&self, client: &ClientWrapper) -> Result<(), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
         client.batch_execute("ROLLBACK").await.map_err(failed)
     }
