@@ -27,7 +27,9 @@
 //!   committed without its response, so the layer completes the key with that answer,
 //!   outside the ended transaction, rather than say "no effect" or run it again. The
 //!   completion matches only a claim row written by the transaction still open (its
-//!   `xmin`), which costs nothing on the way to a commit;
+//!   `xmin`), which costs nothing on the way to a commit. A transaction found aborted
+//!   by a failed statement may be one the handler began after its `COMMIT`: once it
+//!   is rolled back, the claim row committed `running` tells;
 //! - every statement the layer sends in the transaction (`BEGIN` with the claim, the
 //!   completion with `COMMIT`, `ROLLBACK`, in the background too) is bounded by
 //!   [`store_timeout`](crate::IdempotencyLayer::store_timeout): a `COMMIT` with no

@@ -896,6 +896,52 @@ async fn transactional_a_client_kept_for_good_by_the_work_does_not_hold_the_key(
     let kept: String = schema.query(&accounts).await[0].get(0);
     assert_eq!(kept, "second", "the kept work's write never commits");
 }
+/// A transactional work that commits the runner's transaction, begins another, and has
+/// a statement fail in it (two helpers written for a plain connection): the aborted
+/// transaction is the work's own, not the runner's, whose claim the work's `COMMIT`
+/// committed. The run says the transaction ended, and a redelivery does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_work_that_commits_begins_and_fails_a_statement_is_not_run_again() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let credit = || {
+        let (table, runs) = (table.clone(), runs.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            let insert = format!("INSERT INTO {table} VALUES ('acct-1', 100)");
+            client
+                .execute(&insert, &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            client
+                .batch_execute("COMMIT; BEGIN")
+                .await
+                .map_err(|e| e.to_string())?;
+            // A failure the work shrugs off (an audit row it tolerates losing, say).
+            let failed = client.batch_execute("SELECT 1 / 0").await;
+            assert!(failed.is_err());
+            Ok::<_, String>(Bytes::from_static(b"credited"))
+        }
+    };
+    let first = runner.run(&scope, "msg-12", b"+100", credit()).await;
+    assert!(
+        matches!(first, Err(JobError::TransactionEnded)),
+        "{first:?}"
+    );
+    let again = runner.run(&scope, "msg-12", b"+100", credit()).await;
+    assert!(
+        matches!(again, Err(JobError::TransactionEnded)),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let count_sql = format!("SELECT count(*) FROM {table}");
+    assert_eq!(schema.query(&count_sql).await[0].get::<_, i64>(0), 1);
+}
+
 /// A transactional work that commits the runner's transaction itself (a helper written
 /// for a plain connection): the run says so, and the key is completed with that
 /// outcome, so a redelivery does not run the work again.

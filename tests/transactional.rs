@@ -1503,8 +1503,10 @@ async fn a_client_kept_for_good_past_the_request_does_not_hold_the_key() {
 /// written for a plain connection does, as `x-end` says: `commit` (`COMMIT`),
 /// `begin-commit` (`BEGIN`, the write, `COMMIT`: its own transaction, it thinks),
 /// `rollback` (`ROLLBACK`), `commit-begin` (`COMMIT`, then `BEGIN` again, leaving a
-/// transaction of its own open), or `none` (it leaves the transaction alone). It then
-/// answers `x-status` (201 by default), or panics with `x-panic`.
+/// transaction of its own open), `commit-begin-fail` (the same, then a statement of a
+/// second such helper fails on a unique key, which aborts the handler's own
+/// transaction), or `none` (it leaves the transaction alone). It then answers
+/// `x-status` (201 by default), or panics with `x-panic`.
 async fn ends_its_transaction(
     State(app): State<App>,
     key: IdempotencyKey,
@@ -1531,11 +1533,23 @@ async fn ends_its_transaction(
         .unwrap();
     let ending = match end.as_str() {
         "rollback" => "ROLLBACK",
-        "commit-begin" => "COMMIT; BEGIN",
+        "commit-begin" | "commit-begin-fail" => "COMMIT; BEGIN",
         "none" => "",
         _ => "COMMIT",
     };
     client.batch_execute(ending).await.unwrap();
+    if end == "commit-begin-fail" {
+        let failed = client
+            .batch_execute(
+                "CREATE TEMP TABLE once (id int PRIMARY KEY) ON COMMIT DROP;
+                 INSERT INTO once VALUES (1), (1)",
+            )
+            .await;
+        assert_eq!(
+            failed.err().and_then(|e| e.code().cloned()),
+            Some(tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+        );
+    }
     drop(client);
     app.counter.count_finished();
     if headers.contains_key("x-panic") {
@@ -1596,6 +1610,64 @@ async fn a_handler_that_begins_and_commits_gets_transaction_ended_and_runs_once(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_commits_and_begins_again_gets_transaction_ended_and_runs_once() {
     a_transaction_ended_by_the_handler("commit-begin", 1).await;
+}
+
+/// `COMMIT; BEGIN` and then a failed statement: the transaction the layer finds
+/// aborted is the handler's own, and its claim row was committed `running` by the
+/// handler's `COMMIT`. Neither "unstored, the key free" for its answer nor "no effect"
+/// is true then: the key is finished as for any transaction ended by its handler. With
+/// `status`, the handler's answer, the layer commits (a 409, which the storage policy
+/// keeps) or rolls back (a 500); on a pool of one connection, once before the layer's
+/// statement for that is prepared on it and once after, since the failed statement
+/// shows up in either.
+async fn a_failed_statement_after_the_handler_s_commit(status: &str) {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 1).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let failing = [("x-end", "commit-begin-fail"), ("x-status", status)];
+    let first = common::send_bounded(&router, post_with("k1", &failing)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    // The same answer, stored, by a handler that leaves the transaction alone: the
+    // layer's statement is now prepared on the connection.
+    let plain = [("x-end", "none"), ("x-status", status)];
+    let plain = common::send_bounded(&router, post_with("w", &plain)).await;
+    assert_eq!(plain.status.as_str(), status);
+    let second = common::send_bounded(&router, post_with("k2", &failing)).await;
+    assert_eq!(second.status, 500, "{:?}", second.body);
+    assert_eq!(second.problem(), "transaction-ended");
+    for key in ["k1", "k2"] {
+        let retry = common::send_bounded(&router, post_with(key, &failing)).await;
+        assert_eq!(
+            retry.outcome,
+            Some(Outcome::Replayed),
+            "{key}: {:?}",
+            retry.body
+        );
+        assert_eq!(retry.problem(), "transaction-ended");
+    }
+    assert_eq!(counter.runs(), 3, "each key ran once");
+    let ended = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key IN ('k1', 'k2') AND state = 'completed' AND status = 500",
+        schema.name
+    );
+    assert_eq!(count(&schema, &ended).await, 2);
+    // What the handlers committed stays; the plain one's write too if it committed.
+    let committed = if status == "409" { 3 } else { 2 };
+    assert_eq!(rows_in(&schema, &table).await, committed);
+    common::idle(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_begins_and_fails_a_statement_gets_transaction_ended() {
+    a_failed_statement_after_the_handler_s_commit("409").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_begins_and_fails_then_answers_500_gets_transaction_ended() {
+    a_failed_statement_after_the_handler_s_commit("500").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -16,6 +16,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use deadpool_postgres::ClientWrapper;
 use http::Response;
 use tokio::time::{Instant, timeout, timeout_at};
 
@@ -25,7 +26,10 @@ use crate::{
     body::ResponseBody,
     rejection::Problem,
     service::with_outcome,
-    store::{Checkout, ClaimRequest, PostgresStore, roll_back_or_close},
+    store::{
+        Checkout, ClaimRequest, PostgresStore, in_an_aborted_transaction, roll_back_keeping,
+        roll_back_or_close,
+    },
 };
 
 /// The `detail` of `500 transaction-ended`.
@@ -136,8 +140,8 @@ pub(crate) enum RolledBack {
 /// `store_timeout`, unless it had already ended under the layer: then the key is
 /// finished ([`finish`]). One round trip: the check that the claim row is still the
 /// transaction's goes with the `ROLLBACK` (and, the first time on a connection, one
-/// more to prepare it). A transaction aborted by a failed statement cannot be checked,
-/// and is taken as the layer's own.
+/// more to prepare it). A transaction aborted by a failed statement cannot be checked
+/// so; once rolled back, [`after_abort`] tells.
 pub(crate) async fn roll_back_unless_ended(
     store: &PostgresStore,
     conn: Checkout,
@@ -151,6 +155,11 @@ pub(crate) async fn roll_back_unless_ended(
     match timeout_at(deadline, store.prepare_ours(client)).await {
         Ok(Ok(())) => {}
         // In a transaction aborted by a statement of the handler's, say.
+        Ok(Err(e)) if in_an_aborted_transaction(&e) => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let conn = roll_back_keeping(conn, left).await;
+            return after_abort(store, conn, claimed, request, store_timeout).await;
+        }
         Ok(Err(_)) => {
             roll_back_or_close(conn, deadline.saturating_duration_since(Instant::now())).await;
             return RolledBack::Yes;
@@ -176,12 +185,64 @@ pub(crate) async fn roll_back_unless_ended(
             None
         }
     };
-    if matches!(ours, Ok(Ok(false))) {
-        finish(store, conn, claimed, request, store_timeout).await;
-        return RolledBack::Ended;
+    match ours {
+        Ok(Ok(false)) => {
+            finish(store, conn, claimed, request, store_timeout).await;
+            RolledBack::Ended
+        }
+        Ok(Err(e)) if in_an_aborted_transaction(&e) => {
+            after_abort(store, conn, claimed, request, store_timeout).await
+        }
+        _ => {
+            if let Some(conn) = conn {
+                conn.done();
+            }
+            RolledBack::Yes
+        }
     }
-    if let Some(conn) = conn {
-        conn.done();
+}
+
+/// After a transaction that a failed statement had aborted was rolled back (on `conn`,
+/// which is back outside any transaction, or is `None` if the `ROLLBACK` got no
+/// answer): whether the aborted transaction was the layer's own, or one the handler
+/// began after it committed the layer's (`COMMIT; BEGIN` and then a failed statement,
+/// from helpers written for a plain connection). In that case the claim row is
+/// committed `running`, as the claim wrote it ([`PostgresStore::claim_committed_alone`]),
+/// and the key is finished ([`finish`]). One read of one row, on this path only;
+/// bounded by `store_timeout`. If the read fails, the transaction is taken as the
+/// layer's own, as before.
+pub(crate) async fn after_abort(
+    store: &PostgresStore,
+    conn: Option<Checkout>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> RolledBack {
+    let client = conn.as_ref().map(|conn| -> &ClientWrapper { conn });
+    let alone = store.claim_committed_alone(client, &claimed.lease, &claimed.backend);
+    match timeout(store_timeout, alone).await {
+        Ok(Ok(true)) => {
+            finish(store, conn, claimed, request, store_timeout).await;
+            RolledBack::Ended
+        }
+        Ok(Ok(false)) => {
+            if let Some(conn) = conn {
+                conn.done();
+            }
+            RolledBack::Yes
+        }
+        Ok(Err(e)) => {
+            tracing::error!(
+                error = %e,
+                "a statement failed in the request's transaction, and whether the handler had committed it before could not be checked; taken as not committed"
+            );
+            RolledBack::Yes
+        }
+        Err(_) => {
+            tracing::error!(
+                "a statement failed in the request's transaction, and whether the handler had committed it before could not be checked in time; taken as not committed"
+            );
+            RolledBack::Yes
+        }
     }
-    RolledBack::Yes
 }

@@ -11,8 +11,8 @@ use crate::{
     StoredResponse,
     store::{
         Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, Resolution, StoreErrorKind,
-        begin, commit_on, connection_lost, in_an_aborted_transaction, roll_back_or_close,
-        statement_cancelled,
+        begin, commit_on, connection_lost, in_an_aborted_transaction, roll_back_keeping,
+        roll_back_or_close, statement_cancelled,
     },
 };
 
@@ -141,6 +141,22 @@ pub(crate) enum Committed {
     Ended,
 }
 
+/// A transaction found aborted by a failed statement, and rolled back (on `conn`, back
+/// outside any transaction): [`Committed::Aborted`], unless the aborted transaction was
+/// one the handler began after committing the layer's ([`ended::after_abort`]).
+async fn aborted(
+    store: &PostgresStore,
+    conn: Option<Checkout>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> Committed {
+    match ended::after_abort(store, conn, claimed, request, store_timeout).await {
+        ended::RolledBack::Yes => Committed::Aborted,
+        ended::RolledBack::Ended => Committed::Ended,
+    }
+}
+
 /// Finds out how a transaction whose `COMMIT` was in doubt ended (`None`: the
 /// database could not tell in time), on another connection, in a transaction of its own
 /// that it rolls back: it waits for the first transaction to end if the server is still
@@ -197,8 +213,8 @@ pub(crate) async fn commit(
     match timeout(store_timeout, store.prepare_completion(client)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) if in_an_aborted_transaction(&e) => {
-            roll_back_or_close(conn, store_timeout).await;
-            return Committed::Aborted;
+            let conn = roll_back_keeping(conn, store_timeout).await;
+            return aborted(store, conn, claimed, request, store_timeout).await;
         }
         Ok(Err(e)) => {
             tracing::error!(error = %e, "the transaction was not committed");
@@ -245,8 +261,7 @@ pub(crate) async fn commit(
         }
         // The COMMIT of an aborted transaction rolls it back, and succeeds at that.
         Ok(Err(ref e)) if in_an_aborted_transaction(e) && matches!(committed, Ok(Ok(()))) => {
-            conn.done();
-            return Committed::Aborted;
+            return aborted(store, Some(conn), claimed, request, store_timeout).await;
         }
         _ => {}
     }

@@ -10,7 +10,7 @@
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::ClientWrapper;
-use tokio_postgres::{SimpleQueryMessage, types::ToSql};
+use tokio_postgres::{Row, SimpleQueryMessage, types::ToSql};
 
 use super::{Checkout, PostgresStore, classify, ms};
 use crate::{
@@ -46,6 +46,8 @@ pub(super) struct Statements {
     complete: String,
     /// Whether the claim row is still this transaction's.
     ours: String,
+    /// Whether the claim row is committed `running`, as the claim wrote it.
+    claim_alone: String,
     /// Completes the key after its transaction ended under the layer.
     finish_ended: String,
     /// Ends a transaction on the server from another session.
@@ -61,6 +63,14 @@ impl Statements {
             complete,
             ours: format!(
                 "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3{WRITTEN_BY_THIS_TRANSACTION}"
+            ),
+            // The claim's signature: its token, and `created_at` the claim's
+            // transaction start (no other claim, a takeover with the same token
+            // included, has both), still `running`: committed so by a `COMMIT` of the
+            // handler's, since the layer's own commits it completed.
+            claim_alone: format!(
+                "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3
+                                     AND state = 'running' AND created_at = $4"
             ),
             // Outside any transaction of the claim's: the claim row, committed
             // `running` by the handler's own COMMIT (its token, and `created_at` the
@@ -141,11 +151,26 @@ fn backend_pid(messages: &[SimpleQueryMessage]) -> Result<i32, StoreError> {
 /// `ROLLBACK` on `conn`, then the connection back to the pool; closed instead (which
 /// rolls back) if the server does not answer within `bound`, or fails.
 pub(crate) async fn roll_back_or_close(conn: Checkout, bound: Duration) {
+    if let Some(conn) = roll_back_keeping(conn, bound).await {
+        conn.done();
+    }
+}
+
+/// `ROLLBACK` on `conn`, which is given back outside any transaction; `None` if the
+/// server does not answer within `bound`, or fails (the connection is then closed,
+/// which rolls back).
+pub(crate) async fn roll_back_keeping(conn: Checkout, bound: Duration) -> Option<Checkout> {
     match tokio::time::timeout(bound, conn.batch_execute("ROLLBACK")).await {
-        Ok(Ok(())) => conn.done(),
+        Ok(Ok(())) => Some(conn),
         // Dropping the Checkout closes the connection, which rolls back.
-        Ok(Err(e)) => tracing::warn!(error = %e, "rollback failed; closing the connection"),
-        Err(_) => tracing::warn!("no answer to ROLLBACK in time; closing the connection"),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "rollback failed; closing the connection");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("no answer to ROLLBACK in time; closing the connection");
+            None
+        }
     }
 }
 
@@ -326,6 +351,47 @@ impl PostgresStore {
         let params: [&(dyn ToSql + Sync); 3] = [&lease.scope.as_str(), &&*lease.key, &lease.token];
         let rows = self.query_on(client, &self.sql.tx.ours, &params).await?;
         Ok(rows.len() == 1)
+    }
+
+    /// Whether the claim of `lease`, made on `backend`, is committed `running` with
+    /// nothing else (see `Statements::claim_alone`): the handler committed the
+    /// transaction that made it. Outside that transaction: on `client`, or, with `None`,
+    /// on a connection that does not wait behind the pool (see `running_client`).
+    pub(crate) async fn claim_committed_alone(
+        &self,
+        client: Option<&ClientWrapper>,
+        lease: &Lease,
+        backend: &Backend,
+    ) -> Result<bool, StoreError> {
+        let params: [&(dyn ToSql + Sync); 4] = [
+            &lease.scope.as_str(),
+            &&*lease.key,
+            &lease.token,
+            &backend.started,
+        ];
+        let rows = self
+            .query_apart(client, &self.sql.tx.claim_alone, &params)
+            .await?;
+        Ok(rows.len() == 1)
+    }
+
+    /// Runs `sql` on `client`, or, with `None`, on an idle pooled connection taken
+    /// without waiting, else on the store's reserve (`running_client`): a statement
+    /// for a claim the handler may have committed `running`, which must not queue
+    /// behind a pool that the handlers hold.
+    async fn query_apart(
+        &self,
+        client: Option<&ClientWrapper>,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        if let Some(client) = client {
+            return self.query_on(client, sql, params).await;
+        }
+        let client = self.running_client().await?;
+        let rows = client.answer(self.query_on(&client, sql, params)).await;
+        client.done(&rows);
+        rows
     }
 
     /// Completes the key of `lease` with `response`, outside the transaction that
