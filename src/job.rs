@@ -448,7 +448,7 @@ impl JobRunner {
             store::roll_back_or_close,
             transactional::{
                 Committed, Opened, RolledBack, TransactionHandle, commit, open,
-                roll_back_unless_ended,
+                roll_back_unless_ended, settle_kept,
             },
         };
 
@@ -523,20 +523,29 @@ impl JobRunner {
             }
             None => {
                 let conn = TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
-                if let Some(conn) = conn.await {
+                // The work never began, so it kept nothing.
+                if let Ok(conn) = conn.await {
                     roll_back_or_close(conn, store_timeout).await;
                 }
                 return Err(JobError::Panicked);
             }
         };
-        let Some(conn) = conn else {
-            // The work still held the transaction's client: nothing can be committed.
-            // What became of the work says more than that.
-            return Err(match joined {
-                Ok(Err(e)) => JobError::Failed(e),
-                Err(_) => JobError::Panicked,
-                Ok(Ok(_)) => JobError::NotCommitted,
-            });
+        let conn = match conn {
+            Ok(conn) => conn,
+            // The work still held the transaction's client: nothing can be committed,
+            // and the transaction may have ended under the runner meanwhile. Otherwise
+            // what became of the work says more than that.
+            Err(kept) => {
+                let settled = settle_kept(store, kept, &claimed, request, store_timeout);
+                if settled.await == RolledBack::Ended {
+                    return Err(JobError::TransactionEnded);
+                }
+                return Err(match joined {
+                    Ok(Err(e)) => JobError::Failed(e),
+                    Err(_) => JobError::Panicked,
+                    Ok(Ok(_)) => JobError::NotCommitted,
+                });
+            }
         };
         match joined {
             Ok(Ok(result)) => {

@@ -41,8 +41,10 @@
 //! - work that keeps the [`TransactionClient`] past the response (a task the handler
 //!   spawned) has `store_timeout` to let go of it; then the layer ends the transaction
 //!   on the server from another connection (`pg_terminate_backend` on the session
-//!   running it, only while it still runs that transaction), so that nothing of it
-//!   commits and its key is free, and answers `500 handler-failed`.
+//!   running it, only while it still runs that transaction, on a connection that does
+//!   not wait behind the pool), so that nothing of it commits and its key is free, and
+//!   answers `500 handler-failed`; if the work had committed or rolled back the
+//!   transaction itself, `500 transaction-ended`, as above.
 //!
 //! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
 //! and an app role that may signal its own sessions (any role may, unless its
@@ -104,10 +106,12 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{Backend, Checkout, ClaimRequest, PostgresStore, roll_back_or_close},
+    store::{Backend, Checkout, ClaimRequest, Ending, PostgresStore, roll_back_or_close},
 };
 
-pub(crate) use ended::{RolledBack, is_stored as is_transaction_ended, roll_back_unless_ended};
+pub(crate) use ended::{
+    RolledBack, is_stored as is_transaction_ended, kept as settle_kept, roll_back_unless_ended,
+};
 pub(crate) use lifecycle::{Committed, Opened, commit, open};
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -120,7 +124,8 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// handler spawned, say) has until the layer's `store_timeout` to let go of it; past
 /// that, the layer ends the transaction on the server (it terminates the session
 /// running it, from another connection), so nothing of it commits and its key is
-/// free, and the request answers `500 handler-failed`; the client's connection is
+/// free, and the request answers `500 handler-failed` (or `500 transaction-ended` if
+/// the work had ended the transaction itself by then); the client's connection is
 /// closed once the work drops it.
 #[derive(Clone)]
 pub struct TransactionHandle {
@@ -138,6 +143,21 @@ pub struct TransactionHandle {
 /// may then have committed without its response. `ROLLBACK TO SAVEPOINT` is fine.
 pub struct TransactionClient {
     guard: OwnedMutexGuard<Option<Checkout>>,
+}
+
+/// What became of a transaction whose work kept its client past the response, when the
+/// layer gave up waiting for it ([`TransactionHandle::take`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// Nothing of it commits: it was ended on the server, or, if it could not be, it
+    /// rolls back once the work lets go of its client.
+    RolledBack,
+    /// It had ended before, on a session that lives on: the handler committed or rolled
+    /// it back on its client.
+    Ended,
+    /// Its session had ended, and the transaction with it: rolled back, unless the
+    /// handler had committed it before.
+    SessionGone,
 }
 
 /// [`TransactionHandle::client`] after the transaction ended.
@@ -159,42 +179,70 @@ impl TransactionHandle {
         (Self { slot: slot.clone() }, slot)
     }
 
-    /// Takes the transaction back once the work is done; `None` if the work still holds
-    /// the connection after `bound`. The transaction is then ended on the server at
-    /// once, from another connection (`backend`'s session is terminated, each step
-    /// bounded by `bound`), so that nothing of it commits and its row lock, and so its
-    /// key, is let go, whatever the work does with its [`TransactionClient`]; the
-    /// connection is closed as soon as the work lets go of the client, even if it keeps
-    /// a clone of the handle.
+    /// Takes the transaction back once the work is done; [`Kept`] if the work still
+    /// holds the connection after `bound`. The transaction is then ended on the server
+    /// at once, from another connection (`backend`'s session is terminated, each step
+    /// bounded by `bound`, on a connection that does not wait behind the pool), so that
+    /// nothing of it commits and its row lock, and so its key, is let go, whatever the
+    /// work does with its [`TransactionClient`]; the connection is closed as soon as the
+    /// work lets go of the client, even if it keeps a clone of the handle. If the
+    /// transaction had ended before (the handler committed or rolled it back on its
+    /// client, or its session ended), [`Kept`] says so, for the caller to settle the
+    /// key (`ended::kept`).
     pub(crate) async fn take(
         slot: &Arc<Mutex<Option<Checkout>>>,
         store: &PostgresStore,
         backend: &Backend,
         bound: Duration,
-    ) -> Option<Checkout> {
+    ) -> Result<Checkout, Kept> {
         if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
-            return taken.take();
+            // Empty only if taken back already, and then dropped, which rolled back.
+            return taken.take().ok_or(Kept::RolledBack);
         }
         // Queued on the lock behind the work's client: the handle's later calls queue
         // behind this and find the transaction ended.
         let queued = slot.clone();
         tokio::spawn(async move { drop(queued.lock().await.take()) });
+        const KEPT: &str = "the work kept the transaction's connection past the response";
         match tokio::time::timeout(bound, store.end_transaction(backend)).await {
-            Ok(Ok(true)) => tracing::error!(
-                "the work kept the transaction's connection past the response; the transaction was ended on the server, so nothing of it commits"
-            ),
-            Ok(Ok(false)) => tracing::error!(
-                "the work kept the transaction's connection past the response; its transaction had already ended on the server"
-            ),
-            Ok(Err(e)) => tracing::error!(
-                error = %e,
-                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
-            ),
-            Err(_) => tracing::error!(
-                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
-            ),
+            Ok(Ok(Ending::Terminated)) => {
+                tracing::error!(
+                    "{KEPT}; the transaction was ended on the server, so nothing of it commits"
+                );
+                Err(Kept::RolledBack)
+            }
+            Ok(Ok(Ending::AlreadyEnded)) => {
+                tracing::error!(
+                    "{KEPT}; its transaction had already ended, on a session that lives on"
+                );
+                Err(Kept::Ended)
+            }
+            Ok(Ok(Ending::SessionGone)) => {
+                tracing::error!(
+                    "{KEPT}; its session had already ended, and its transaction with it"
+                );
+                Err(Kept::SessionGone)
+            }
+            Ok(Ok(Ending::CannotEnd)) => {
+                tracing::error!(
+                    "{KEPT}, and the transaction could not be ended on the server (may this role see and signal its own sessions?); it rolls back once the work lets the connection go"
+                );
+                Err(Kept::RolledBack)
+            }
+            Ok(Err(e)) => {
+                tracing::error!(
+                    error = %e,
+                    "{KEPT}, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
+                );
+                Err(Kept::RolledBack)
+            }
+            Err(_) => {
+                tracing::error!(
+                    "{KEPT}, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
+                );
+                Err(Kept::RolledBack)
+            }
         }
-        None
     }
 
     /// The transaction's connection.
@@ -405,8 +453,17 @@ where
     let _in_flight = in_flight;
     let produced = CatchPanic::new(run_inner(inner, req, &config)).await;
     let taken = TransactionHandle::take(&slot, &store, &claimed.backend, store_timeout);
-    let Some(conn) = taken.await else {
-        return Ok(handler_failed());
+    let conn = match taken.await {
+        Ok(conn) => conn,
+        // The work kept its client: nothing can be committed, and the transaction may
+        // have ended under the layer meanwhile.
+        Err(kept) => {
+            let settled = ended::kept(&store, kept, &claimed, &request, store_timeout);
+            return Ok(match settled.await {
+                RolledBack::Yes => handler_failed(),
+                RolledBack::Ended => ended::response(),
+            });
+        }
     };
     let (stored, res) = match decide(&config, produced) {
         Decision::Commit(stored, res) => (stored, res),

@@ -15,7 +15,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{MethodRouter, post},
 };
-use common::{Counter, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
+use common::{Counter, Reply, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
     transactional::TransactionHandle,
@@ -1497,6 +1497,209 @@ async fn a_client_kept_for_good_past_the_request_does_not_hold_the_key() {
         "the kept write never commits"
     );
     assert_eq!(rows_in(&schema, &table).await, 1);
+}
+
+/// Where a handler that keeps its client (`keeps_its_client`) puts every other
+/// connection of the pool (`x-exhaust`), until the test lets them go.
+type Held = Arc<std::sync::Mutex<Vec<deadpool_postgres::Object>>>;
+
+/// `POST /payments` whose handler, with `x-keep`, leaves its transaction's client with a task that
+/// writes its ledger row, ends the transaction as `x-end` says (`commit`, `rollback`;
+/// by default it leaves it open), and then keeps the client for good. With `x-kill`,
+/// the handler then terminates the session that runs it, from a connection of its own,
+/// and waits until it is gone; with `x-exhaust`, it checks out every other connection
+/// of `store`'s pool into `held`. Then it answers 201.
+fn keeps_its_client(store: &PostgresStore, held: &Held) -> MethodRouter<App> {
+    let (store, held) = (store.clone(), held.clone());
+    post(
+        move |State(app): State<App>,
+              key: IdempotencyKey,
+              tx: TransactionHandle,
+              headers: HeaderMap| {
+            let (store, held) = (store.clone(), held.clone());
+            async move {
+                if !headers.contains_key("x-keep") {
+                    let run = write_a_row(&app, &key, &tx).await;
+                    return (StatusCode::CREATED, format!("{{\"run\":{run}}}")).into_response();
+                }
+                let run = app.counter.count_run();
+                let end = headers
+                    .get("x-end")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_owned();
+                let (wrote, written) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move {
+                    let client = tx.client().await.expect("transaction");
+                    let insert = format!(
+                        "INSERT INTO {} (key, run, body) VALUES ($1, $2, 'kept')",
+                        app.table
+                    );
+                    client
+                        .execute(&insert, &[&key.as_str(), &(run as i32)])
+                        .await
+                        .unwrap();
+                    match end.as_str() {
+                        "commit" => client.batch_execute("COMMIT").await.unwrap(),
+                        "rollback" => client.batch_execute("ROLLBACK").await.unwrap(),
+                        _ => {}
+                    }
+                    let pid: i32 = client
+                        .query_one("SELECT pg_backend_pid()", &[])
+                        .await
+                        .unwrap()
+                        .get(0);
+                    let _ = wrote.send(pid);
+                    std::future::pending::<()>().await;
+                    drop(client);
+                });
+                let pid = written.await.unwrap();
+                if headers.contains_key("x-kill") {
+                    let (killer, connection) =
+                        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+                            .await
+                            .unwrap();
+                    tokio::spawn(connection);
+                    killer
+                        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                        .await
+                        .unwrap();
+                    let gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
+                    for _ in 0..500 {
+                        let left: i64 = killer.query_one(gone, &[&pid]).await.unwrap().get(0);
+                        if left == 0 {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                if headers.contains_key("x-exhaust") {
+                    // Every connection but the transaction's, which the task keeps.
+                    for _ in 1..store.pool().status().max_size {
+                        let conn = store.pool().get().await.unwrap();
+                        held.lock().unwrap().push(conn);
+                    }
+                }
+                (StatusCode::CREATED, "{}").into_response()
+            }
+        },
+    )
+}
+
+/// How many rows of work that kept its client (`keeps_its_client`) `table` holds.
+async fn kept_rows(schema: &TestSchema, table: &str) -> i64 {
+    count(
+        schema,
+        &format!("SELECT count(*) FROM {table} WHERE body = 'kept'"),
+    )
+    .await
+}
+
+/// A handler whose work kept the transaction's client (`x-keep`, with `headers`), on a
+/// pool of three connections: its first answer, then the retries' (which keep nothing)
+/// until one that is not a 409 (10 s at most), the pool's other connections let go
+/// first.
+async fn kept_and_retried(headers: &[(&str, &str)]) -> (TestSchema, String, Counter, Reply, Reply) {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 3).await;
+    let table = setup(&schema, &store).await;
+    let held = Held::default();
+    // The retry may wait on the row for a moment while an ended backend exits.
+    let layer = IdempotencyLayer::transactional(store.clone())
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_secs(5));
+    let (router, counter) = app_on(keeps_its_client(&store, &held), layer, &table);
+    let kept: Vec<_> = [("x-keep", "1")].iter().chain(headers).copied().collect();
+    let first = common::send_bounded(&router, post_with("k", &kept)).await;
+    held.lock().unwrap().clear();
+    let started = std::time::Instant::now();
+    let mut statuses = Vec::new();
+    let retry = loop {
+        let r = common::send_bounded(&router, post_with("k", &[])).await;
+        statuses.push(r.status.as_u16());
+        if r.status != 409 || started.elapsed() > Duration::from_secs(10) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_ne!(retry.status, 409, "{statuses:?}");
+    (schema, table, counter, first, retry)
+}
+
+/// The work committed the transaction, then kept its client: when the layer gives up
+/// on it, the transaction had ended, with the claim committed `running`. That is a
+/// transaction the handler ended, not one that left nothing held: `500
+/// transaction-ended`, stored, and the handler does not run again. The pool is held by
+/// other work meanwhile, and the layer still finds the transaction ended and finishes
+/// the key, on connections that do not wait behind the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_after_the_handler_s_commit_gets_transaction_ended_and_runs_once() {
+    let headers = [("x-end", "commit"), ("x-exhaust", "1")];
+    let (schema, table, counter, first, retry) = kept_and_retried(&headers).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(kept_rows(&schema, &table).await, 1, "its COMMIT stays");
+    let ended = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed' AND status = 500",
+        schema.name
+    );
+    assert_eq!(count(&schema, &ended).await, 1);
+}
+
+/// The same after the work's `ROLLBACK`: what it wrote after that may have committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_after_the_handler_s_rollback_gets_transaction_ended_and_runs_once() {
+    let (schema, table, counter, first, retry) = kept_and_retried(&[("x-end", "rollback")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(
+        rows_in(&schema, &table).await,
+        0,
+        "its ROLLBACK took its write"
+    );
+}
+
+/// A client kept for good while every other connection of the pool is checked out:
+/// the layer still ends the transaction on the server, on a connection that does not
+/// wait behind the pool, so the key is free once the pool is, rather than held for as
+/// long as the work keeps the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_while_the_pool_is_exhausted_does_not_hold_the_key() {
+    let (schema, table, counter, first, retry) = kept_and_retried(&[("x-exhaust", "1")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    let kept = kept_rows(&schema, &table).await;
+    assert_eq!(kept, 0, "the kept write never commits");
+    assert_eq!(rows_in(&schema, &table).await, 1);
+}
+
+/// A client kept by work whose session then ended (its connection failed): its
+/// transaction rolled back with it, so nothing is held, and the retry runs. Had the
+/// work committed first, the key is finished as for any transaction the handler ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_by_a_session_that_ended_frees_the_key_unless_it_had_committed() {
+    let (schema, table, counter, first, retry) = kept_and_retried(&[("x-kill", "1")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(kept_rows(&schema, &table).await, 0);
+
+    let (schema, table, counter, first, retry) =
+        kept_and_retried(&[("x-end", "commit"), ("x-kill", "1")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(kept_rows(&schema, &table).await, 1);
 }
 
 /// Writes its ledger row, then ends the request's transaction itself, as a helper

@@ -20,7 +20,7 @@ use deadpool_postgres::ClientWrapper;
 use http::Response;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use super::lifecycle::Claimed;
+use super::{Kept, lifecycle::Claimed};
 use crate::{
     Outcome, StoredResponse,
     body::ResponseBody,
@@ -66,8 +66,8 @@ pub(crate) fn is_stored(response: &StoredResponse) -> bool {
 /// which ended under the layer: the claim row if the handler committed it, or the key
 /// afresh if the handler's `ROLLBACK` left it free; never a key another request holds
 /// ([`PostgresStore::finish_ended`]). On `conn` if it is fit for it (its transaction
-/// over), else on a pooled connection; bounded by `store_timeout`. Logged at `error`,
-/// with a hash of the key.
+/// over), else on a connection that does not wait behind the pool; bounded by
+/// `store_timeout`. Logged at `error`, with a hash of the key.
 pub(crate) async fn finish(
     store: &PostgresStore,
     conn: Option<Checkout>,
@@ -78,13 +78,10 @@ pub(crate) async fn finish(
     let key_hash = crate::service::short_hash(request.key.as_bytes());
     let token = claimed.lease.token;
     let finished = timeout(store_timeout, async {
-        let conn = match conn {
-            Some(conn) => conn,
-            None => store.client().await?,
-        };
+        let client = conn.as_ref().map(|conn| -> &ClientWrapper { conn });
         let finished = store
             .finish_ended(
-                &conn,
+                client,
                 &claimed.lease,
                 &claimed.backend,
                 &request.fingerprint,
@@ -92,7 +89,7 @@ pub(crate) async fn finish(
                 request.ttl,
             )
             .await;
-        if finished.is_ok() {
+        if let (Ok(_), Some(conn)) = (&finished, conn) {
             conn.done();
         }
         finished
@@ -141,7 +138,7 @@ pub(crate) enum RolledBack {
 /// finished ([`finish`]). One round trip: the check that the claim row is still the
 /// transaction's goes with the `ROLLBACK` (and, the first time on a connection, one
 /// more to prepare it). A transaction aborted by a failed statement cannot be checked
-/// so; once rolled back, [`after_abort`] tells.
+/// so; once rolled back, [`finish_if_claim_committed`] tells.
 pub(crate) async fn roll_back_unless_ended(
     store: &PostgresStore,
     conn: Checkout,
@@ -158,7 +155,7 @@ pub(crate) async fn roll_back_unless_ended(
         Ok(Err(e)) if in_an_aborted_transaction(&e) => {
             let left = deadline.saturating_duration_since(Instant::now());
             let conn = roll_back_keeping(conn, left).await;
-            return after_abort(store, conn, claimed, request, store_timeout).await;
+            return finish_if_claim_committed(store, conn, claimed, request, store_timeout).await;
         }
         Ok(Err(_)) => {
             roll_back_or_close(conn, deadline.saturating_duration_since(Instant::now())).await;
@@ -191,7 +188,7 @@ pub(crate) async fn roll_back_unless_ended(
             RolledBack::Ended
         }
         Ok(Err(e)) if in_an_aborted_transaction(&e) => {
-            after_abort(store, conn, claimed, request, store_timeout).await
+            finish_if_claim_committed(store, conn, claimed, request, store_timeout).await
         }
         _ => {
             if let Some(conn) = conn {
@@ -202,16 +199,17 @@ pub(crate) async fn roll_back_unless_ended(
     }
 }
 
-/// After a transaction that a failed statement had aborted was rolled back (on `conn`,
-/// which is back outside any transaction, or is `None` if the `ROLLBACK` got no
-/// answer): whether the aborted transaction was the layer's own, or one the handler
-/// began after it committed the layer's (`COMMIT; BEGIN` and then a failed statement,
-/// from helpers written for a plain connection). In that case the claim row is
-/// committed `running`, as the claim wrote it ([`PostgresStore::claim_committed_alone`]),
-/// and the key is finished ([`finish`]). One read of one row, on this path only;
-/// bounded by `store_timeout`. If the read fails, the transaction is taken as the
-/// layer's own, as before.
-pub(crate) async fn after_abort(
+/// Finishes the key ([`finish`]) if the handler had committed the layer's transaction,
+/// which then ended in a way that could not tell: the claim row is committed `running`,
+/// as the claim wrote it ([`PostgresStore::claim_committed_alone`]). For a transaction
+/// found aborted by a failed statement, and rolled back since (on `conn`, back outside
+/// any transaction, or `None` if the `ROLLBACK` got no answer): it may be one the
+/// handler began after its `COMMIT` (`COMMIT; BEGIN` and then a failed statement, from
+/// helpers written for a plain connection). For one whose session ended while its work
+/// kept the client (`conn` is `None`). One read of one row, on these paths only;
+/// bounded by `store_timeout`. If the read fails, the transaction is taken as rolled
+/// back, as it usually is.
+pub(crate) async fn finish_if_claim_committed(
     store: &PostgresStore,
     conn: Option<Checkout>,
     claimed: &Claimed,
@@ -234,15 +232,39 @@ pub(crate) async fn after_abort(
         Ok(Err(e)) => {
             tracing::error!(
                 error = %e,
-                "a statement failed in the request's transaction, and whether the handler had committed it before could not be checked; taken as not committed"
+                "whether the handler had committed the request's transaction could not be checked; taken as not committed"
             );
             RolledBack::Yes
         }
         Err(_) => {
             tracing::error!(
-                "a statement failed in the request's transaction, and whether the handler had committed it before could not be checked in time; taken as not committed"
+                "whether the handler had committed the request's transaction could not be checked in time; taken as not committed"
             );
             RolledBack::Yes
+        }
+    }
+}
+
+/// Settles a transaction whose work kept its client past the response
+/// ([`TransactionHandle::take`](super::TransactionHandle::take) gave up on it): one that
+/// had ended under the layer, its session living on, was ended by the handler
+/// ([`finish`]); one whose session is gone was rolled back with it, unless the handler
+/// had committed it before ([`finish_if_claim_committed`]).
+pub(crate) async fn kept(
+    store: &PostgresStore,
+    kept: Kept,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> RolledBack {
+    match kept {
+        Kept::RolledBack => RolledBack::Yes,
+        Kept::Ended => {
+            finish(store, None, claimed, request, store_timeout).await;
+            RolledBack::Ended
+        }
+        Kept::SessionGone => {
+            finish_if_claim_committed(store, None, claimed, request, store_timeout).await
         }
     }
 }

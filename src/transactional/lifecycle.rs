@@ -143,7 +143,7 @@ pub(crate) enum Committed {
 
 /// A transaction found aborted by a failed statement, and rolled back (on `conn`, back
 /// outside any transaction): [`Committed::Aborted`], unless the aborted transaction was
-/// one the handler began after committing the layer's ([`ended::after_abort`]).
+/// one the handler began after committing the layer's ([`ended::finish_if_claim_committed`]).
 async fn aborted(
     store: &PostgresStore,
     conn: Option<Checkout>,
@@ -151,7 +151,7 @@ async fn aborted(
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
 ) -> Committed {
-    match ended::after_abort(store, conn, claimed, request, store_timeout).await {
+    match ended::finish_if_claim_committed(store, conn, claimed, request, store_timeout).await {
         ended::RolledBack::Yes => Committed::Aborted,
         ended::RolledBack::Ended => Committed::Ended,
     }

@@ -105,9 +105,11 @@ impl Statements {
             ),
             // Only while that backend still runs that transaction: a backend whose
             // session ended may be another's now, and one behind a pooler serves
-            // other clients once the transaction is over.
-            end: "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                  WHERE pid = $1 AND xact_start = $2"
+            // other clients once the transaction is over. Its row tells those apart:
+            // none, the session is gone; `state` null, this role may not see it.
+            end: "SELECT CASE WHEN xact_start = $2 THEN pg_terminate_backend(pid) END,
+                         state IS NOT NULL
+                  FROM pg_stat_activity WHERE pid = $1"
                 .to_owned(),
         }
     }
@@ -177,6 +179,23 @@ pub(crate) async fn roll_back_keeping(conn: Checkout, bound: Duration) -> Option
 /// `COMMIT` on `client`, as the driver answers it.
 pub(crate) async fn commit_on(client: &ClientWrapper) -> Result<(), tokio_postgres::Error> {
     client.batch_execute("COMMIT").await
+}
+
+/// What [`PostgresStore::end_transaction`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// The session ran the transaction, and is terminated: the transaction rolls back.
+    Terminated,
+    /// The session runs that transaction no more, but lives on: the transaction ended
+    /// on it (its `COMMIT` or `ROLLBACK`), or, behind a pooler, it serves another
+    /// client now.
+    AlreadyEnded,
+    /// No session has that pid: it ended, and the transaction with it (rolled back,
+    /// unless committed before).
+    SessionGone,
+    /// The session could not be told apart or signalled: it runs as a role whose
+    /// sessions this one may not see, or the signal failed.
+    CannotEnd,
 }
 
 /// How a transaction whose `COMMIT` was in doubt ended ([`PostgresStore::committed_on`]).
@@ -396,10 +415,12 @@ impl PostgresStore {
 
     /// Completes the key of `lease` with `response`, outside the transaction that
     /// claimed it, which ended under the layer (see `Statements::finish_ended`):
-    /// `Ok(false)` when another request holds the key.
+    /// `Ok(false)` when another request holds the key. On `client`, or, with `None`, as
+    /// [`query_apart`](Self::query_apart) runs it: with the transaction's connection
+    /// gone, the claim may be committed `running`, and the pool held by the handlers.
     pub(crate) async fn finish_ended(
         &self,
-        client: &ClientWrapper,
+        client: Option<&ClientWrapper>,
         lease: &Lease,
         backend: &Backend,
         fingerprint: &Fingerprint,
@@ -424,19 +445,28 @@ impl PostgresStore {
             &id,
         ];
         let rows = self
-            .query_on(client, &self.sql.tx.finish_ended, &params)
+            .query_apart(client, &self.sql.tx.finish_ended, &params)
             .await?;
         Ok(rows.len() == 1)
     }
 
-    /// Ends the transaction `backend` runs, from a pooled connection: its session is
-    /// terminated, which rolls the transaction back and lets its locks go. `Ok(false)`
-    /// when that backend no longer runs that transaction.
-    pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<bool, StoreError> {
-        let client = self.client().await?;
+    /// Ends the transaction `backend` runs, from another session: its session is
+    /// terminated, which rolls the transaction back and lets its locks go, only while it
+    /// still runs that transaction ([`Ending`] says what was found). On an idle pooled
+    /// connection taken without waiting, else on the store's reserve (`running_client`):
+    /// the pool may be exhausted by the very work that keeps the transaction, and a
+    /// transaction left open keeps its row lock, and so its key.
+    pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<Ending, StoreError> {
         let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
-        let ended = self.query_on(&client, &self.sql.tx.end, &params).await;
-        client.done();
-        Ok(ended?.first().is_some_and(|row| row.get::<_, bool>(0)))
+        let rows = self.query_apart(None, &self.sql.tx.end, &params).await?;
+        Ok(match rows.first() {
+            None => Ending::SessionGone,
+            Some(row) if !row.get::<_, bool>(1) => Ending::CannotEnd,
+            Some(row) => match row.get::<_, Option<bool>>(0) {
+                Some(true) => Ending::Terminated,
+                Some(false) => Ending::CannotEnd,
+                None => Ending::AlreadyEnded,
+            },
+        })
     }
 }
