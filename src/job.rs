@@ -447,7 +447,7 @@ impl JobRunner {
         use crate::{
             store::roll_back_or_close,
             transactional::{
-                Committed, Opened, RolledBack, TransactionHandle, commit, open,
+                Committed, Opened, RolledBack, TransactionHandle, commit, keeping_claim, open,
                 roll_back_unless_ended, settle_kept,
             },
         };
@@ -495,89 +495,98 @@ impl JobRunner {
             transaction: Some(handle),
         };
         let store_timeout = self.store_timeout;
-        let (joined, conn) = match started(work, ctx) {
-            Some(work) => {
-                // Counted while it runs, even if the run is dropped and rolls back: a
-                // drain waits for work that may still call other systems. The task
-                // takes the transaction back from the work's handle itself: if the run
-                // was dropped meanwhile, the connection is dropped with the task's
-                // output, which rolls back, whatever copies of the handle live on.
-                // A panic is caught there too, so that it is taken back then as well.
-                let counted = in_flight.clone();
-                let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
-                let work = async move {
-                    let _counted = counted;
-                    let result = crate::catch_panic::CatchPanic::new(work).await.ok();
-                    let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
-                    (result, conn.await)
-                };
-                match tokio::spawn(work.in_current_span()).await {
-                    Ok((result, conn)) => (result.ok_or(()), conn),
-                    // The task itself was cancelled (the runtime shutting down).
-                    Err(_) => {
-                        let conn =
-                            TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
-                        (Err(()), conn.await)
+        // Renewed should the work commit the claim itself (see `keeping_claim`).
+        let run = async {
+            let (joined, conn) = match started(work, ctx) {
+                Some(work) => {
+                    // Counted while it runs, even if the run is dropped and rolls back: a
+                    // drain waits for work that may still call other systems. The task
+                    // takes the transaction back from the work's handle itself: if the run
+                    // was dropped meanwhile, the connection is dropped with the task's
+                    // output, which rolls back, whatever copies of the handle live on.
+                    // A panic is caught there too, so that it is taken back then as well.
+                    let counted = in_flight.clone();
+                    let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
+                    let work = async move {
+                        let _counted = counted;
+                        let result = crate::catch_panic::CatchPanic::new(work).await.ok();
+                        let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
+                        (result, conn.await)
+                    };
+                    match tokio::spawn(work.in_current_span()).await {
+                        Ok((result, conn)) => (result.ok_or(()), conn),
+                        // The task itself was cancelled (the runtime shutting down).
+                        Err(_) => {
+                            let conn = TransactionHandle::take(
+                                &slot,
+                                store,
+                                &claimed.backend,
+                                store_timeout,
+                            );
+                            (Err(()), conn.await)
+                        }
                     }
                 }
-            }
-            None => {
-                let conn = TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
-                // The work never began, so it kept nothing.
-                if let Ok(conn) = conn.await {
-                    roll_back_or_close(conn, store_timeout).await;
-                }
-                return Err(JobError::Panicked);
-            }
-        };
-        let conn = match conn {
-            Ok(conn) => conn,
-            // The work still held the transaction's client: nothing can be committed,
-            // and the transaction may have ended under the runner meanwhile. Otherwise
-            // what became of the work says more than that.
-            Err(kept) => {
-                let settled = settle_kept(store, kept, &claimed, request, store_timeout);
-                if settled.await == RolledBack::Ended {
-                    return Err(JobError::TransactionEnded);
-                }
-                return Err(match joined {
-                    Ok(Err(e)) => JobError::Failed(e),
-                    Err(_) => JobError::Panicked,
-                    Ok(Ok(_)) => JobError::NotCommitted,
-                });
-            }
-        };
-        match joined {
-            Ok(Ok(result)) => {
-                // A work that succeeded although one of its statements failed (and so
-                // aborted the transaction) has had no effect either.
-                let sent = stored(&result);
-                let timeouts = (lock_timeout, store_timeout);
-                match commit(
-                    store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
-                )
-                .await
-                {
-                    Committed::Yes => Ok(JobOutcome::Ran(result)),
-                    Committed::Aborted | Committed::No | Committed::Unknown => {
-                        Err(JobError::NotCommitted)
+                None => {
+                    let conn =
+                        TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                    // The work never began, so it kept nothing.
+                    if let Ok(conn) = conn.await {
+                        roll_back_or_close(conn, store_timeout).await;
                     }
-                    Committed::Ended => Err(JobError::TransactionEnded),
+                    return Err(JobError::Panicked);
+                }
+            };
+            let conn = match conn {
+                Ok(conn) => conn,
+                // The work still held the transaction's client: nothing can be committed,
+                // and the transaction may have ended under the runner meanwhile. Otherwise
+                // what became of the work says more than that.
+                Err(kept) => {
+                    let settled = settle_kept(store, kept, &claimed, request, store_timeout);
+                    if settled.await == RolledBack::Ended {
+                        return Err(JobError::TransactionEnded);
+                    }
+                    return Err(match joined {
+                        Ok(Err(e)) => JobError::Failed(e),
+                        Err(_) => JobError::Panicked,
+                        Ok(Ok(_)) => JobError::NotCommitted,
+                    });
+                }
+            };
+            match joined {
+                Ok(Ok(result)) => {
+                    // A work that succeeded although one of its statements failed (and so
+                    // aborted the transaction) has had no effect either.
+                    let sent = stored(&result);
+                    let timeouts = (lock_timeout, store_timeout);
+                    match commit(
+                        store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
+                    )
+                    .await
+                    {
+                        Committed::Yes => Ok(JobOutcome::Ran(result)),
+                        Committed::Aborted | Committed::No | Committed::Unknown => {
+                            Err(JobError::NotCommitted)
+                        }
+                        Committed::Ended => Err(JobError::TransactionEnded),
+                    }
+                }
+                // Rolled back, unless the work ended the transaction itself.
+                failed => {
+                    let rolled_back =
+                        roll_back_unless_ended(store, conn, &claimed, request, store_timeout);
+                    if rolled_back.await == RolledBack::Ended {
+                        return Err(JobError::TransactionEnded);
+                    }
+                    Err(match failed {
+                        Ok(Err(e)) => JobError::Failed(e),
+                        _ => JobError::Panicked,
+                    })
                 }
             }
-            // Rolled back, unless the work ended the transaction itself.
-            failed => {
-                let rolled_back =
-                    roll_back_unless_ended(store, conn, &claimed, request, store_timeout);
-                if rolled_back.await == RolledBack::Ended {
-                    return Err(JobError::TransactionEnded);
-                }
-                Err(match failed {
-                    Ok(Err(e)) => JobError::Failed(e),
-                    _ => JobError::Panicked,
-                })
-            }
-        }
+        };
+        keeping_claim(store, &claimed, request, run).await
     }
 }
 

@@ -29,7 +29,11 @@
 //!   completion matches only a claim row written by the transaction still open (its
 //!   `xmin`), which costs nothing on the way to a commit. A transaction found aborted
 //!   by a failed statement may be one the handler began after its `COMMIT`: once it
-//!   is rolled back, the claim row committed `running` tells;
+//!   is rolled back, the claim row committed `running` tells. After a `COMMIT` of the
+//!   handler's, that row's lease is renewed until the key is finished, so a handler
+//!   that runs on is not taken over; after a `ROLLBACK`, nothing holds the key until
+//!   the handler returns, and a retry in that time runs it again (its answer is the
+//!   one kept);
 //! - every statement the layer sends in the transaction (`BEGIN` with the claim, the
 //!   completion with `COMMIT`, `ROLLBACK`, in the background too) is bounded by
 //!   [`store_timeout`](crate::IdempotencyLayer::store_timeout): a `COMMIT` with no
@@ -110,9 +114,10 @@ use crate::{
 };
 
 pub(crate) use ended::{
-    RolledBack, is_stored as is_transaction_ended, kept as settle_kept, roll_back_unless_ended,
+    RolledBack, is_stored as is_transaction_ended, keeping_claim, kept as settle_kept,
+    roll_back_unless_ended,
 };
-pub(crate) use lifecycle::{Committed, Opened, commit, open};
+pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
@@ -140,7 +145,9 @@ pub struct TransactionHandle {
 /// anyway, the layer finds out when it completes or rolls back, and answers `500
 /// transaction-ended` (so does every retry with the key: it is completed with that
 /// answer, and the handler does not run again under it), since what the handler wrote
-/// may then have committed without its response. `ROLLBACK TO SAVEPOINT` is fine.
+/// may then have committed without its response. After a `ROLLBACK`, though, nothing
+/// holds the key until the handler returns: a retry in that time runs it again.
+/// `ROLLBACK TO SAVEPOINT` is fine.
 pub struct TransactionClient {
     guard: OwnedMutexGuard<Option<Checkout>>,
 }
@@ -451,27 +458,51 @@ where
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
     let _in_flight = in_flight;
-    let produced = CatchPanic::new(run_inner(inner, req, &config)).await;
-    let taken = TransactionHandle::take(&slot, &store, &claimed.backend, store_timeout);
+    let run = run_and_end(&config, &store, inner, req, &slot, &claimed, &request);
+    ended::keeping_claim(&store, &claimed, &request, run).await
+}
+
+/// Runs the handler in the transaction of `claimed`, then ends that transaction:
+/// commits it with the response, or rolls it back, or finds it ended under the layer.
+async fn run_and_end<S, ReqBody, ResBody>(
+    config: &Config,
+    store: &PostgresStore,
+    inner: S,
+    req: Request<ReqBody>,
+    slot: &Arc<Mutex<Option<Checkout>>>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let store_timeout = config.store_timeout;
+    let produced = CatchPanic::new(run_inner(inner, req, config)).await;
+    let taken = TransactionHandle::take(slot, store, &claimed.backend, store_timeout);
     let conn = match taken.await {
         Ok(conn) => conn,
         // The work kept its client: nothing can be committed, and the transaction may
         // have ended under the layer meanwhile.
         Err(kept) => {
-            let settled = ended::kept(&store, kept, &claimed, &request, store_timeout);
+            let settled = ended::kept(store, kept, claimed, request, store_timeout);
             return Ok(match settled.await {
                 RolledBack::Yes => handler_failed(),
                 RolledBack::Ended => ended::response(),
             });
         }
     };
-    let (stored, res) = match decide(&config, produced) {
+    let (stored, res) = match decide(config, produced) {
         Decision::Commit(stored, res) => (stored, res),
         // Rolled back, unless the handler ended the transaction itself: then the key is
         // completed with `500 transaction-ended`, which is the answer.
         Decision::RollBack(answer) => {
             let rolled_back =
-                ended::roll_back_unless_ended(&store, conn, &claimed, &request, store_timeout);
+                ended::roll_back_unless_ended(store, conn, claimed, request, store_timeout);
             return match rolled_back.await {
                 RolledBack::Yes => answer,
                 RolledBack::Ended => Ok(ended::response()),
@@ -479,10 +510,10 @@ where
         }
     };
     let committed = commit(
-        &store,
+        store,
         conn,
-        &claimed,
-        &request,
+        claimed,
+        request,
         &stored,
         config.lock_timeout,
         store_timeout,

@@ -1708,8 +1708,9 @@ async fn a_client_kept_by_a_session_that_ended_frees_the_key_unless_it_had_commi
 /// `rollback` (`ROLLBACK`), `commit-begin` (`COMMIT`, then `BEGIN` again, leaving a
 /// transaction of its own open), `commit-begin-fail` (the same, then a statement of a
 /// second such helper fails on a unique key, which aborts the handler's own
-/// transaction), or `none` (it leaves the transaction alone). It then answers
-/// `x-status` (201 by default), or panics with `x-panic`.
+/// transaction), or `none` (it leaves the transaction alone). With `x-held` it then
+/// waits until the test lets it go. It then answers `x-status` (201 by default), or
+/// panics with `x-panic`.
 async fn ends_its_transaction(
     State(app): State<App>,
     key: IdempotencyKey,
@@ -1741,6 +1742,10 @@ async fn ends_its_transaction(
         _ => "COMMIT",
     };
     client.batch_execute(ending).await.unwrap();
+    if headers.contains_key("x-held") {
+        // Runs on with the transaction ended, the client kept.
+        app.counter.held().await;
+    }
     if end == "commit-begin-fail" {
         let failed = client
             .batch_execute(
@@ -1876,6 +1881,81 @@ async fn a_handler_that_commits_begins_and_fails_then_answers_500_gets_transacti
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_rolls_the_transaction_back_gets_transaction_ended_and_runs_once() {
     a_transaction_ended_by_the_handler("rollback", 0).await;
+}
+
+/// A handler that commits the layer's transaction and then runs on for several leases:
+/// its claim row is committed `running`, with the lease its claim set, and no longer in
+/// a transaction the layer holds. The layer keeps it from lapsing until it finishes the
+/// key, so duplicates meanwhile get 409, never a takeover and a second run, and then
+/// the stored `500 transaction-ended`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_and_runs_on_past_its_lease_is_not_taken_over() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 4).await;
+    let table = setup(&schema, &store).await;
+    // Renewed every 0.5 s from 0.5 s on, the lease outlasts a stall of a second.
+    let lease = Duration::from_millis(1500);
+    let layer = IdempotencyLayer::transactional(store.clone()).lease_duration(lease);
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    let running = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'running'",
+        schema.name
+    );
+    for _ in 0..500 {
+        if count(&schema, &running).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(count(&schema, &running).await, 1, "the handler's COMMIT");
+    let until = tokio::time::Instant::now() + 3 * lease;
+    let mut duplicates = Vec::new();
+    while tokio::time::Instant::now() < until {
+        let duplicate = common::send_bounded(&router, post_with("k", &[])).await;
+        duplicates.push(duplicate.status.as_u16());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    counter.let_go(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert!(duplicates.iter().all(|s| *s == 409), "{duplicates:?}");
+    let retry = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(rows_in(&schema, &table).await, 1);
+    common::idle(&store).await;
+}
+
+/// What the layer cannot prevent: a handler's `ROLLBACK` lets go of its claim row and
+/// its lock, and nothing holds the key until the handler returns. A retry in that time
+/// takes the key and runs the handler again; the first request's client then gets `500
+/// transaction-ended` unstored, and the key keeps the retry's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_after_a_handler_s_rollback_runs_again_and_keeps_its_answer() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 4).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let rolled_back = [("x-end", "rollback"), ("x-held", "1")];
+    let first = in_flight(&router, post_with("k", &rolled_back), &counter).await;
+    let retry =
+        common::retry_until_created_with(&router, || post_with("k", &[("x-end", "none")]), &[409])
+            .await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    counter.let_go(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    let replay = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, retry.body);
+    assert_eq!(counter.runs(), 2, "the retry ran it again");
+    assert_eq!(records_of(&schema, "k").await, 1);
+    common::idle(&store).await;
 }
 
 /// A handler that rolls back the takeover of an expired record: the record is left as

@@ -13,12 +13,15 @@
 //! ([`PostgresStore::complete_in_transaction`]). Where the layer rolls back instead, the
 //! same check goes with the `ROLLBACK`, pipelined ([`roll_back_unless_ended`]).
 
-use std::time::Duration;
+use std::{task::Poll, time::Duration};
 
 use bytes::Bytes;
 use deadpool_postgres::ClientWrapper;
 use http::Response;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::{
+    sync::oneshot,
+    time::{Instant, timeout, timeout_at},
+};
 
 use super::{Kept, lifecycle::Claimed};
 use crate::{
@@ -27,8 +30,8 @@ use crate::{
     rejection::Problem,
     service::with_outcome,
     store::{
-        Checkout, ClaimRequest, PostgresStore, in_an_aborted_transaction, roll_back_keeping,
-        roll_back_or_close,
+        Backend, Checkout, ClaimRequest, Lease, PostgresStore, in_an_aborted_transaction,
+        roll_back_keeping, roll_back_or_close,
     },
 };
 
@@ -265,6 +268,97 @@ pub(crate) async fn kept(
         }
         Kept::SessionGone => {
             finish_if_claim_committed(store, None, claimed, request, store_timeout).await
+        }
+    }
+}
+
+/// Runs `future`, the rest of a request whose key `claimed` holds (its handler, and the
+/// end of its transaction), keeping the claim from lapsing should the handler commit
+/// it. A `COMMIT` of the handler's commits the claim row `running`, with the lease the
+/// claim gave it (`lease`, from the transaction's start), outside any transaction the
+/// layer holds; nothing else renews it, and a handler that ran on past that lease would
+/// be taken over by a retry and run again before the layer finishes the key. So from a
+/// third of the lease on, a task of its own renews the lease of the claim row every
+/// third of the lease, if it is committed `running` as the claim wrote it
+/// ([`PostgresStore::renew_committed_claim`]), until `future` is done. While the
+/// transaction is open, which is always unless the handler ends it, that statement
+/// matches nothing and waits on nothing. A request that ends within a third of the
+/// lease costs a timer and nothing more. The task is started when this future is
+/// polled after a third of the lease: a handler that blocks its thread from before then
+/// starts it only when it yields.
+pub(crate) async fn keeping_claim<F: Future>(
+    store: &PostgresStore,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    future: F,
+) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let mut due = std::pin::pin!(tokio::time::sleep(request.lease / 3));
+    let mut renewing: Option<oneshot::Sender<()>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(output) = future.as_mut().poll(cx) {
+            return Poll::Ready(output);
+        }
+        if renewing.is_none() && due.as_mut().poll(cx).is_ready() {
+            let (stop, stopped) = oneshot::channel();
+            let key_hash = crate::service::short_hash(request.key.as_bytes());
+            let renewal = renew(
+                store.clone(),
+                claimed.lease.clone(),
+                claimed.backend,
+                request.lease,
+                key_hash,
+                stopped,
+            );
+            tokio::spawn(renewal);
+            renewing = Some(stop);
+        }
+        Poll::Pending
+    })
+    .await
+    // Dropping `renewing` stops the task.
+}
+
+/// The renewal task of [`keeping_claim`]: renews at once, then every third of `lease`,
+/// until `stopped` (its sender dropped).
+async fn renew(
+    store: PostgresStore,
+    claim: Lease,
+    backend: Backend,
+    lease: Duration,
+    key_hash: String,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let period = lease / 3;
+    let mut told = false;
+    loop {
+        // Not raced against the stop: a renewal on its way finishes (dropped midway, it
+        // would close its connection).
+        let renewed = timeout(period, store.renew_committed_claim(&claim, &backend, lease));
+        match renewed.await {
+            Ok(Ok(true)) if !told => {
+                told = true;
+                tracing::error!(
+                    key_hash,
+                    token = claim.token,
+                    "the handler committed the request's transaction itself and runs on; its claim is kept running until the layer finishes the key"
+                );
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(
+                key_hash,
+                error = %e,
+                "could not renew the lease of a claim its handler may have committed"
+            ),
+            Err(_) => tracing::warn!(
+                key_hash,
+                "no answer in time to the renewal of a claim its handler may have committed"
+            ),
+        }
+        tokio::select! {
+            biased;
+            _ = &mut stopped => return,
+            () = tokio::time::sleep(period) => {}
         }
     }
 }

@@ -48,6 +48,8 @@ pub(super) struct Statements {
     ours: String,
     /// Whether the claim row is committed `running`, as the claim wrote it.
     claim_alone: String,
+    /// Renews the lease of a claim row committed `running`, as the claim wrote it.
+    renew_alone: String,
     /// Completes the key after its transaction ended under the layer.
     finish_ended: String,
     /// Ends a transaction on the server from another session.
@@ -71,6 +73,17 @@ impl Statements {
             claim_alone: format!(
                 "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3
                                      AND state = 'running' AND created_at = $4"
+            ),
+            // The same row, its lease renewed. It matches nothing while the claim's
+            // transaction is open, and never waits on it: to other sessions, the row
+            // that transaction inserted does not exist, and one it took over still
+            // carries the token before the takeover's.
+            renew_alone: format!(
+                "UPDATE {t} SET locked_until = now() + {lease},
+                                expires_at = greatest(expires_at, now() + {lease})
+                 WHERE scope = $1 AND key = $2 AND token = $3
+                   AND state = 'running' AND created_at = $4",
+                lease = "$5::bigint * interval '1 millisecond'",
             ),
             // Outside any transaction of the claim's: the claim row, committed
             // `running` by the handler's own COMMIT (its token, and `created_at` the
@@ -392,6 +405,31 @@ impl PostgresStore {
             .query_apart(client, &self.sql.tx.claim_alone, &params)
             .await?;
         Ok(rows.len() == 1)
+    }
+
+    /// Renews for `duration` the lease of the claim of `lease`, made on `backend`, if it
+    /// is committed `running` as the claim wrote it (the handler committed the
+    /// transaction that made it); `Ok(false)` if not, as while that transaction is
+    /// open. On a connection that does not wait behind the pool (`running_client`).
+    pub(crate) async fn renew_committed_claim(
+        &self,
+        lease: &Lease,
+        backend: &Backend,
+        duration: Duration,
+    ) -> Result<bool, StoreError> {
+        let params: [&(dyn ToSql + Sync); 5] = [
+            &lease.scope.as_str(),
+            &&*lease.key,
+            &lease.token,
+            &backend.started,
+            &ms(duration),
+        ];
+        let client = self.running_client().await?;
+        let renewed = client
+            .answer(self.execute_on(&client, &self.sql.tx.renew_alone, &params))
+            .await;
+        client.done(&renewed);
+        renewed.map(|n| n == 1)
     }
 
     /// Runs `sql` on `client`, or, with `None`, on an idle pooled connection taken
