@@ -1505,7 +1505,8 @@ type Held = Arc<std::sync::Mutex<Vec<deadpool_postgres::Object>>>;
 
 /// `POST /payments` whose handler, with `x-keep`, leaves its transaction's client with a task that
 /// writes its ledger row, ends the transaction as `x-end` says (`commit`, `rollback`;
-/// by default it leaves it open), and then keeps the client for good. With `x-kill`,
+/// by default it leaves it open), and then keeps the client for good (with
+/// `x-untracked`, its session stops reporting its activity first). With `x-kill`,
 /// the handler then terminates the session that runs it, from a connection of its own,
 /// and waits until it is gone; with `x-exhaust`, it checks out every other connection
 /// of `store`'s pool into `held`. Then it answers 201.
@@ -1529,8 +1530,15 @@ fn keeps_its_client(store: &PostgresStore, held: &Held) -> MethodRouter<App> {
                     .unwrap_or("")
                     .to_owned();
                 let (wrote, written) = tokio::sync::oneshot::channel();
+                let untracked = headers.contains_key("x-untracked");
                 tokio::spawn(async move {
                     let client = tx.client().await.expect("transaction");
+                    if untracked {
+                        client
+                            .batch_execute("SET track_activities = off")
+                            .await
+                            .unwrap();
+                    }
                     let insert = format!(
                         "INSERT INTO {} (key, run, body) VALUES ($1, $2, 'kept')",
                         app.table
@@ -1679,6 +1687,35 @@ async fn a_client_kept_while_the_pool_is_exhausted_does_not_hold_the_key() {
     let kept = kept_rows(&schema, &table).await;
     assert_eq!(kept, 0, "the kept write never commits");
     assert_eq!(rows_in(&schema, &table).await, 1);
+}
+
+/// A client kept on a session that does not report its transactions
+/// (`track_activities` off): the layer cannot tell that its transaction is still open,
+/// and must not take it for one the handler ended (finishing the key would wait on the
+/// open transaction's row, and answer `transaction-ended` for a transaction that rolls
+/// back): `500 handler-failed`, and nothing stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_on_a_session_that_hides_its_transaction_is_not_taken_for_ended() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 3).await;
+    let table = setup(&schema, &store).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let (router, _) = app_on(keeps_its_client(&store, &Held::default()), layer, &table);
+    let kept = [("x-keep", "1"), ("x-untracked", "1")];
+    let first = common::send_bounded(&router, post_with("k", &kept)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(records_of(&schema, "k").await, 0, "nothing was stored");
+    // The kept transaction rolls back once its session ends.
+    schema
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE state = 'disabled' AND datname = current_database()",
+        )
+        .await;
+    let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
 }
 
 /// A client kept by work whose session then ended (its connection failed): its

@@ -275,8 +275,8 @@ pub(crate) async fn kept(
 /// Runs `future`, the rest of a request whose key `claimed` holds (its handler, and the
 /// end of its transaction), keeping the claim from lapsing should the handler commit
 /// it. A `COMMIT` of the handler's commits the claim row `running`, with the lease the
-/// claim gave it (`lease`, from the transaction's start), outside any transaction the
-/// layer holds; nothing else renews it, and a handler that ran on past that lease would
+/// claim gave it (`request.lease`, from the transaction's start), outside any
+/// transaction the layer holds; nothing else renews it, and a handler that ran on past that lease would
 /// be taken over by a retry and run again before the layer finishes the key. So from a
 /// third of the lease on, a task of its own renews the lease of the claim row every
 /// third of the lease, if it is committed `running` as the claim wrote it

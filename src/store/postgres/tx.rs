@@ -119,9 +119,11 @@ impl Statements {
             // Only while that backend still runs that transaction: a backend whose
             // session ended may be another's now, and one behind a pooler serves
             // other clients once the transaction is over. Its row tells those apart:
-            // none, the session is gone; `state` null, this role may not see it.
+            // none, the session is gone; `state` null, this role may not see it;
+            // `disabled`, the session does not report its transactions
+            // (`track_activities` off), so its `xact_start` tells nothing.
             end: "SELECT CASE WHEN xact_start = $2 THEN pg_terminate_backend(pid) END,
-                         state IS NOT NULL
+                         coalesce(state <> 'disabled', false)
                   FROM pg_stat_activity WHERE pid = $1"
                 .to_owned(),
         }
@@ -207,7 +209,8 @@ pub(crate) enum Ending {
     /// unless committed before).
     SessionGone,
     /// The session could not be told apart or signalled: it runs as a role whose
-    /// sessions this one may not see, or the signal failed.
+    /// sessions this one may not see, it does not report its transactions
+    /// (`track_activities` off), or the signal failed.
     CannotEnd,
 }
 
