@@ -82,7 +82,8 @@ pub enum JobOutcome {
     /// Another worker is running it now: do not acknowledge the message; deliver it
     /// again later (that worker may still fail and release the key). In transactional
     /// mode: the other worker's transaction held the key past the runner's
-    /// `lock_timeout`.
+    /// `lock_timeout`, or that worker's work committed the transaction itself and runs
+    /// on (see [`JobError::TransactionEnded`]).
     Running {
         /// Time left on that worker's lease (transactional mode: 1 s).
         retry_after: Duration,
@@ -126,6 +127,9 @@ pub enum JobError<E> {
     /// `ROLLBACK` on its client), so what it wrote may have committed without its
     /// result. The key is completed with this outcome, so a redelivery returns it too
     /// rather than running the work again: acknowledge the message, and raise an alarm.
+    /// After the work's `ROLLBACK`, though, nothing holds the key until the work
+    /// returns: a redelivery in that time runs it again, and the key keeps that run's
+    /// outcome.
     TransactionEnded,
     /// Lease mode: the work ran and returned this result, but meanwhile its lease was
     /// taken over (the store was out of reach for longer than a lease, and a redelivery
