@@ -82,7 +82,8 @@ pub enum JobOutcome {
     /// Another worker is running it now: do not acknowledge the message; deliver it
     /// again later (that worker may still fail and release the key). In transactional
     /// mode: the other worker's transaction held the key past the runner's
-    /// `lock_timeout`.
+    /// `lock_timeout`, or that worker's work committed the transaction itself and runs
+    /// on (see [`JobError::TransactionEnded`]).
     Running {
         /// Time left on that worker's lease (transactional mode: 1 s).
         retry_after: Duration,
@@ -126,6 +127,9 @@ pub enum JobError<E> {
     /// `ROLLBACK` on its client), so what it wrote may have committed without its
     /// result. The key is completed with this outcome, so a redelivery returns it too
     /// rather than running the work again: acknowledge the message, and raise an alarm.
+    /// After the work's `ROLLBACK`, though, nothing holds the key until the work
+    /// returns: a redelivery in that time runs it again, and the key keeps that run's
+    /// outcome.
     TransactionEnded,
     /// Lease mode: the work ran and returned this result, but meanwhile its lease was
     /// taken over (the store was out of reach for longer than a lease, and a redelivery
@@ -445,8 +449,11 @@ impl JobRunner {
         E: Send + 'static,
     {
         use crate::{
-            store::rollback,
-            transactional::{Committed, Opened, TransactionHandle, commit, open, roll_back},
+            store::roll_back_or_close,
+            transactional::{
+                Committed, Opened, RolledBack, TransactionHandle, commit, keeping_claim, open,
+                roll_back_unless_ended, settle_kept,
+            },
         };
 
         let (conn, claimed) = match open(
@@ -461,7 +468,7 @@ impl JobRunner {
             // A run that waited on another worker's row may get it after `close()`:
             // nothing is claimed after the close, so it lets the row go.
             Opened::Acquired(conn, _) if self.shutdown.is_closed() => {
-                rollback(conn, self.store_timeout).await;
+                roll_back_or_close(conn, self.store_timeout).await;
                 return Err(JobError::ShuttingDown);
             }
             Opened::Acquired(conn, claimed) => (conn, claimed),
@@ -492,78 +499,98 @@ impl JobRunner {
             transaction: Some(handle),
         };
         let store_timeout = self.store_timeout;
-        let (joined, conn) = match started(work, ctx) {
-            Some(work) => {
-                // Counted while it runs, even if the run is dropped and rolls back: a
-                // drain waits for work that may still call other systems. The task
-                // takes the transaction back from the work's handle itself: if the run
-                // was dropped meanwhile, the connection is dropped with the task's
-                // output, which rolls back, whatever copies of the handle live on.
-                // A panic is caught there too, so that it is taken back then as well.
-                let counted = in_flight.clone();
-                let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
-                let work = async move {
-                    let _counted = counted;
-                    let result = crate::catch_panic::CatchPanic::new(work).await.ok();
-                    let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
-                    (result, conn.await)
-                };
-                match tokio::spawn(work.in_current_span()).await {
-                    Ok((result, conn)) => (result.ok_or(()), conn),
-                    // The task itself was cancelled (the runtime shutting down).
-                    Err(_) => {
-                        let conn =
-                            TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
-                        (Err(()), conn.await)
+        // Renewed should the work commit the claim itself (see `keeping_claim`).
+        let run = async {
+            let (joined, conn) = match started(work, ctx) {
+                Some(work) => {
+                    // Counted while it runs, even if the run is dropped and rolls back: a
+                    // drain waits for work that may still call other systems. The task
+                    // takes the transaction back from the work's handle itself: if the run
+                    // was dropped meanwhile, the connection is dropped with the task's
+                    // output, which rolls back, whatever copies of the handle live on.
+                    // A panic is caught there too, so that it is taken back then as well.
+                    let counted = in_flight.clone();
+                    let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
+                    let work = async move {
+                        let _counted = counted;
+                        let result = crate::catch_panic::CatchPanic::new(work).await.ok();
+                        let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
+                        (result, conn.await)
+                    };
+                    match tokio::spawn(work.in_current_span()).await {
+                        Ok((result, conn)) => (result.ok_or(()), conn),
+                        // The task itself was cancelled (the runtime shutting down).
+                        Err(_) => {
+                            let conn = TransactionHandle::take(
+                                &slot,
+                                store,
+                                &claimed.backend,
+                                store_timeout,
+                            );
+                            (Err(()), conn.await)
+                        }
                     }
                 }
-            }
-            None => {
-                let conn = TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
-                if let Some(conn) = conn.await {
-                    rollback(conn, store_timeout).await;
-                }
-                return Err(JobError::Panicked);
-            }
-        };
-        let Some(conn) = conn else {
-            // The work still held the transaction's client: nothing can be committed.
-            // What became of the work says more than that.
-            return Err(match joined {
-                Ok(Err(e)) => JobError::Failed(e),
-                Err(_) => JobError::Panicked,
-                Ok(Ok(_)) => JobError::NotCommitted,
-            });
-        };
-        match joined {
-            Ok(Ok(result)) => {
-                // A work that succeeded although one of its statements failed (and so
-                // aborted the transaction) has had no effect either.
-                let sent = stored(&result);
-                let timeouts = (lock_timeout, store_timeout);
-                match commit(
-                    store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
-                )
-                .await
-                {
-                    Committed::Yes => Ok(JobOutcome::Ran(result)),
-                    Committed::Aborted | Committed::No | Committed::Unknown => {
-                        Err(JobError::NotCommitted)
+                None => {
+                    let conn =
+                        TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                    // The work never began, so it kept nothing.
+                    if let Ok(conn) = conn.await {
+                        roll_back_or_close(conn, store_timeout).await;
                     }
-                    Committed::Ended => Err(JobError::TransactionEnded),
+                    return Err(JobError::Panicked);
+                }
+            };
+            let conn = match conn {
+                Ok(conn) => conn,
+                // The work still held the transaction's client: nothing can be committed,
+                // and the transaction may have ended under the runner meanwhile. Otherwise
+                // what became of the work says more than that.
+                Err(kept) => {
+                    let settled = settle_kept(store, kept, &claimed, request, store_timeout);
+                    if settled.await == RolledBack::Ended {
+                        return Err(JobError::TransactionEnded);
+                    }
+                    return Err(match joined {
+                        Ok(Err(e)) => JobError::Failed(e),
+                        Err(_) => JobError::Panicked,
+                        Ok(Ok(_)) => JobError::NotCommitted,
+                    });
+                }
+            };
+            match joined {
+                Ok(Ok(result)) => {
+                    // A work that succeeded although one of its statements failed (and so
+                    // aborted the transaction) has had no effect either.
+                    let sent = stored(&result);
+                    let timeouts = (lock_timeout, store_timeout);
+                    match commit(
+                        store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
+                    )
+                    .await
+                    {
+                        Committed::Yes => Ok(JobOutcome::Ran(result)),
+                        Committed::Aborted | Committed::No | Committed::Unknown => {
+                            Err(JobError::NotCommitted)
+                        }
+                        Committed::Ended => Err(JobError::TransactionEnded),
+                    }
+                }
+                // Rolled back, unless the work ended the transaction itself.
+                failed => {
+                    let rolled_back =
+                        roll_back_unless_ended(store, conn, &claimed, request, store_timeout);
+                    if rolled_back.await == RolledBack::Ended {
+                        return Err(JobError::TransactionEnded);
+                    }
+                    Err(match failed {
+                        Ok(Err(e)) => JobError::Failed(e),
+                        _ => JobError::Panicked,
+                    })
                 }
             }
-            // Rolled back, unless the work ended the transaction itself.
-            failed => {
-                if roll_back(store, conn, &claimed, request, store_timeout).await {
-                    return Err(JobError::TransactionEnded);
-                }
-                Err(match failed {
-                    Ok(Err(e)) => JobError::Failed(e),
-                    _ => JobError::Panicked,
-                })
-            }
-        }
+        };
+        keeping_claim(store, &claimed, request, run).await
     }
 }
 

@@ -27,7 +27,13 @@
 //!   committed without its response, so the layer completes the key with that answer,
 //!   outside the ended transaction, rather than say "no effect" or run it again. The
 //!   completion matches only a claim row written by the transaction still open (its
-//!   `xmin`), which costs nothing on the way to a commit;
+//!   `xmin`), which costs nothing on the way to a commit. A transaction found aborted
+//!   by a failed statement may be one the handler began after its `COMMIT`: once it
+//!   is rolled back, the claim row committed `running` tells. After a `COMMIT` of the
+//!   handler's, that row's lease is renewed until the key is finished, so a handler
+//!   that runs on is not taken over; after a `ROLLBACK`, nothing holds the key until
+//!   the handler returns, and a retry in that time runs it again (its answer is the
+//!   one kept);
 //! - every statement the layer sends in the transaction (`BEGIN` with the claim, the
 //!   completion with `COMMIT`, `ROLLBACK`, in the background too) is bounded by
 //!   [`store_timeout`](crate::IdempotencyLayer::store_timeout): a `COMMIT` with no
@@ -39,8 +45,10 @@
 //! - work that keeps the [`TransactionClient`] past the response (a task the handler
 //!   spawned) has `store_timeout` to let go of it; then the layer ends the transaction
 //!   on the server from another connection (`pg_terminate_backend` on the session
-//!   running it, only while it still runs that transaction), so that nothing of it
-//!   commits and its key is free, and answers `500 handler-failed`.
+//!   running it, only while it still runs that transaction, on a connection that does
+//!   not wait behind the pool), so that nothing of it commits and its key is free, and
+//!   answers `500 handler-failed`; if the work had committed or rolled back the
+//!   transaction itself, `500 transaction-ended`, as above.
 //!
 //! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
 //! and an app role that may signal its own sessions (any role may, unless its
@@ -92,7 +100,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower_service::Service;
 
 use crate::{
-    IdempotencyKey, Outcome,
+    IdempotencyKey, Outcome, StoredResponse,
     body::{BoxError, ResponseBody},
     catch_panic::CatchPanic,
     layer::Config,
@@ -102,11 +110,14 @@ use crate::{
         with_outcome,
     },
     shutdown::InFlight,
-    store::{Backend, Checkout, ClaimRequest, PostgresStore, rollback},
+    store::{Backend, Checkout, ClaimRequest, Ending, PostgresStore, roll_back_or_close},
 };
 
-pub(crate) use ended::{is_stored as is_transaction_ended, roll_back};
-pub(crate) use lifecycle::{Committed, Opened, commit, open};
+pub(crate) use ended::{
+    RolledBack, is_stored as is_transaction_ended, keeping_claim, kept as settle_kept,
+    roll_back_unless_ended,
+};
+pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
@@ -118,7 +129,8 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// handler spawned, say) has until the layer's `store_timeout` to let go of it; past
 /// that, the layer ends the transaction on the server (it terminates the session
 /// running it, from another connection), so nothing of it commits and its key is
-/// free, and the request answers `500 handler-failed`; the client's connection is
+/// free, and the request answers `500 handler-failed` (or `500 transaction-ended` if
+/// the work had ended the transaction itself by then); the client's connection is
 /// closed once the work drops it.
 #[derive(Clone)]
 pub struct TransactionHandle {
@@ -133,9 +145,26 @@ pub struct TransactionHandle {
 /// anyway, the layer finds out when it completes or rolls back, and answers `500
 /// transaction-ended` (so does every retry with the key: it is completed with that
 /// answer, and the handler does not run again under it), since what the handler wrote
-/// may then have committed without its response. `ROLLBACK TO SAVEPOINT` is fine.
+/// may then have committed without its response. After a `ROLLBACK`, though, nothing
+/// holds the key until the handler returns: a retry in that time runs it again.
+/// `ROLLBACK TO SAVEPOINT` is fine.
 pub struct TransactionClient {
     guard: OwnedMutexGuard<Option<Checkout>>,
+}
+
+/// What became of a transaction whose work kept its client past the response, when the
+/// layer gave up waiting for it ([`TransactionHandle::take`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// Nothing of it commits: it was ended on the server, or, if it could not be, it
+    /// rolls back once the work lets go of its client.
+    RolledBack,
+    /// It had ended before, on a session that lives on: the handler committed or rolled
+    /// it back on its client.
+    Ended,
+    /// Its session had ended, and the transaction with it: rolled back, unless the
+    /// handler had committed it before.
+    SessionGone,
 }
 
 /// [`TransactionHandle::client`] after the transaction ended.
@@ -157,42 +186,70 @@ impl TransactionHandle {
         (Self { slot: slot.clone() }, slot)
     }
 
-    /// Takes the transaction back once the work is done; `None` if the work still holds
-    /// the connection after `bound`. The transaction is then ended on the server at
-    /// once, from another connection (`backend`'s session is terminated, each step
-    /// bounded by `bound`), so that nothing of it commits and its row lock, and so its
-    /// key, is let go, whatever the work does with its [`TransactionClient`]; the
-    /// connection is closed as soon as the work lets go of the client, even if it keeps
-    /// a clone of the handle.
+    /// Takes the transaction back once the work is done; [`Kept`] if the work still
+    /// holds the connection after `bound`. The transaction is then ended on the server
+    /// at once, from another connection (`backend`'s session is terminated, each step
+    /// bounded by `bound`, on a connection that does not wait behind the pool), so that
+    /// nothing of it commits and its row lock, and so its key, is let go, whatever the
+    /// work does with its [`TransactionClient`]; the connection is closed as soon as the
+    /// work lets go of the client, even if it keeps a clone of the handle. If the
+    /// transaction had ended before (the handler committed or rolled it back on its
+    /// client, or its session ended), [`Kept`] says so, for the caller to settle the
+    /// key (`ended::kept`).
     pub(crate) async fn take(
         slot: &Arc<Mutex<Option<Checkout>>>,
         store: &PostgresStore,
         backend: &Backend,
         bound: Duration,
-    ) -> Option<Checkout> {
+    ) -> Result<Checkout, Kept> {
         if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
-            return taken.take();
+            // Empty only if taken back already, and then dropped, which rolled back.
+            return taken.take().ok_or(Kept::RolledBack);
         }
         // Queued on the lock behind the work's client: the handle's later calls queue
         // behind this and find the transaction ended.
         let queued = slot.clone();
         tokio::spawn(async move { drop(queued.lock().await.take()) });
+        const KEPT: &str = "the work kept the transaction's connection past the response";
         match tokio::time::timeout(bound, store.end_transaction(backend)).await {
-            Ok(Ok(true)) => tracing::error!(
-                "the work kept the transaction's connection past the response; the transaction was ended on the server, so nothing of it commits"
-            ),
-            Ok(Ok(false)) => tracing::error!(
-                "the work kept the transaction's connection past the response; its transaction had already ended on the server"
-            ),
-            Ok(Err(e)) => tracing::error!(
-                error = %e,
-                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
-            ),
-            Err(_) => tracing::error!(
-                "the work kept the transaction's connection past the response, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
-            ),
+            Ok(Ok(Ending::Terminated)) => {
+                tracing::error!(
+                    "{KEPT}; the transaction was ended on the server, so nothing of it commits"
+                );
+                Err(Kept::RolledBack)
+            }
+            Ok(Ok(Ending::AlreadyEnded)) => {
+                tracing::error!(
+                    "{KEPT}; its transaction had already ended, on a session that lives on"
+                );
+                Err(Kept::Ended)
+            }
+            Ok(Ok(Ending::SessionGone)) => {
+                tracing::error!(
+                    "{KEPT}; its session had already ended, and its transaction with it"
+                );
+                Err(Kept::SessionGone)
+            }
+            Ok(Ok(Ending::CannotEnd)) => {
+                tracing::error!(
+                    "{KEPT}, and the transaction could not be ended on the server (may this role see and signal its own sessions?); it rolls back once the work lets the connection go"
+                );
+                Err(Kept::RolledBack)
+            }
+            Ok(Err(e)) => {
+                tracing::error!(
+                    error = %e,
+                    "{KEPT}, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
+                );
+                Err(Kept::RolledBack)
+            }
+            Err(_) => {
+                tracing::error!(
+                    "{KEPT}, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
+                );
+                Err(Kept::RolledBack)
+            }
         }
-        None
     }
 
     /// The transaction's connection.
@@ -365,7 +422,7 @@ where
         // A duplicate that waited on the first request's row may get it after
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
-            rollback(conn, store_timeout).await;
+            roll_back_or_close(conn, store_timeout).await;
             return Ok(shutting_down());
         }
         Opened::Acquired(conn, claimed) => {
@@ -405,75 +462,62 @@ where
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
     let _in_flight = in_flight;
-    let produced = CatchPanic::new(run_inner(inner, req, &config)).await;
-    let taken = TransactionHandle::take(&slot, &store, &claimed.backend, store_timeout);
-    let Some(conn) = taken.await else {
-        return Ok(handler_failed());
-    };
-    // Rolls back, unless the handler ended the transaction itself: then the key is
-    // completed with `500 transaction-ended`, which is the answer.
-    let roll_back = |conn| ended::roll_back(&store, conn, &claimed, &request, store_timeout);
-    let produced = match produced {
-        Ok(produced) => produced,
-        Err(panic) => {
-            tracing::error!(
-                panic = crate::catch_panic::message(&panic),
-                "the handler panicked; rolling back"
-            );
-            if roll_back(conn).await {
-                return Ok(ended::response());
-            }
-            return Ok(handler_failed());
+    let run = run_and_end(&config, &store, inner, req, &slot, &claimed, &request);
+    ended::keeping_claim(&store, &claimed, &request, run).await
+}
+
+/// Runs the handler in the transaction of `claimed`, then ends that transaction:
+/// commits it with the response, or rolls it back, or finds it ended under the layer.
+async fn run_and_end<S, ReqBody, ResBody>(
+    config: &Config,
+    store: &PostgresStore,
+    inner: S,
+    req: Request<ReqBody>,
+    slot: &Arc<Mutex<Option<Checkout>>>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let store_timeout = config.store_timeout;
+    let produced = CatchPanic::new(run_inner(inner, req, config)).await;
+    let taken = TransactionHandle::take(slot, store, &claimed.backend, store_timeout);
+    let conn = match taken.await {
+        Ok(conn) => conn,
+        // The work kept its client: nothing can be committed, and the transaction may
+        // have ended under the layer meanwhile.
+        Err(kept) => {
+            let settled = ended::kept(store, kept, claimed, request, store_timeout);
+            return Ok(match settled.await {
+                RolledBack::Yes => handler_failed(),
+                RolledBack::Ended => ended::response(),
+            });
         }
     };
-    let (stored, res) = match produced {
-        Produced::ServiceFailed(e) => {
-            if roll_back(conn).await {
-                return Ok(ended::response());
-            }
-            return Err(e);
-        }
-        Produced::BodyFailed(_, e) => {
-            tracing::error!(error = %e, "the response body failed; rolling back");
-            if roll_back(conn).await {
-                return Ok(ended::response());
-            }
-            return Ok(handler_failed());
-        }
-        Produced::Buffered(parts, body) => {
-            if !crate::policy::is_stored(&config.policy, &parts) {
-                // Not kept: neither are the handler's writes.
-                if roll_back(conn).await {
-                    return Ok(ended::response());
-                }
-                let res = Response::from_parts(parts, ResponseBody::full(body));
-                return Ok(with_outcome(res, Outcome::Executed));
-            }
-            let stored = crate::service::to_store(&config, &parts, &body);
-            let mut res = Response::from_parts(parts, ResponseBody::full(body));
-            res.headers_mut().remove(http::header::CONTENT_LENGTH);
-            (stored, res)
-        }
-        Produced::Unbuffered(parts, prefix, rest, why) => {
-            if !crate::policy::is_stored(&config.policy, &parts) {
-                if roll_back(conn).await {
-                    return Ok(ended::response());
-                }
-                let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
-                return Ok(with_outcome(res, Outcome::Executed));
-            }
-            let stored = crate::service::not_stored_problem(&config, why);
-            (
-                stored,
-                Response::from_parts(parts, ResponseBody::prefixed(prefix, rest)),
-            )
+    let (stored, res) = match decide(config, produced) {
+        Decision::Commit(stored, res) => (stored, res),
+        // Rolled back, unless the handler ended the transaction itself: then the key is
+        // completed with `500 transaction-ended`, which is the answer.
+        Decision::RollBack(answer) => {
+            let rolled_back =
+                ended::roll_back_unless_ended(store, conn, claimed, request, store_timeout);
+            return match rolled_back.await {
+                RolledBack::Yes => answer,
+                RolledBack::Ended => Ok(ended::response()),
+            };
         }
     };
     let committed = commit(
-        &store,
+        store,
         conn,
-        &claimed,
-        &request,
+        claimed,
+        request,
         &stored,
         config.lock_timeout,
         store_timeout,
@@ -499,5 +543,65 @@ where
         Committed::No => Ok(not_committed(NOT_COMMITTED)),
         Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
         Committed::Ended => Ok(ended::response()),
+    }
+}
+
+/// What the layer does with the transaction once the handler has produced its answer.
+enum Decision<B, E> {
+    /// Commit it, with the response to store, and answer the response.
+    Commit(StoredResponse, Response<ResponseBody<B>>),
+    /// Roll it back, and answer this.
+    RollBack(Answer<B, E>),
+}
+
+/// Decides what becomes of the transaction after the handler `produced` its answer
+/// (or panicked): an answer the storage policy keeps commits, with it stored; a panic,
+/// a service error, a failed body and an answer the policy does not keep roll back.
+fn decide<B, E>(
+    config: &Config,
+    produced: Result<Produced<B, E>, crate::catch_panic::Panicked>,
+) -> Decision<B, E>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let produced = match produced {
+        Ok(produced) => produced,
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the handler panicked; rolling back"
+            );
+            return Decision::RollBack(Ok(handler_failed()));
+        }
+    };
+    match produced {
+        Produced::ServiceFailed(e) => Decision::RollBack(Err(e)),
+        Produced::BodyFailed(_, e) => {
+            tracing::error!(error = %e, "the response body failed; rolling back");
+            Decision::RollBack(Ok(handler_failed()))
+        }
+        // Not kept: neither are the handler's writes.
+        Produced::Buffered(parts, body) if !crate::policy::is_stored(&config.policy, &parts) => {
+            let res = Response::from_parts(parts, ResponseBody::full(body));
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+        }
+        Produced::Buffered(parts, body) => {
+            let stored = crate::service::to_store(config, &parts, &body);
+            let mut res = Response::from_parts(parts, ResponseBody::full(body));
+            res.headers_mut().remove(http::header::CONTENT_LENGTH);
+            Decision::Commit(stored, res)
+        }
+        Produced::Unbuffered(parts, prefix, rest, _)
+            if !crate::policy::is_stored(&config.policy, &parts) =>
+        {
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+        }
+        Produced::Unbuffered(parts, prefix, rest, why) => {
+            let stored = crate::service::not_stored_problem(config, why);
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Decision::Commit(stored, res)
+        }
     }
 }

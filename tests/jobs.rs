@@ -896,6 +896,173 @@ async fn transactional_a_client_kept_for_good_by_the_work_does_not_hold_the_key(
     let kept: String = schema.query(&accounts).await[0].get(0);
     assert_eq!(kept, "second", "the kept work's write never commits");
 }
+/// A transactional work whose spawned task commits the runner's transaction and then
+/// keeps its client for good: when the runner gives up on it, the transaction had
+/// ended with the claim committed. The run says so, and the key is completed with that
+/// outcome, so a redelivery neither meets `Running` until the lease lapses nor runs
+/// the work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_client_kept_after_the_work_s_commit_is_not_run_again() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
+    let runner = runner
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_secs(5));
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let credit = || {
+        let (table, runs) = (table.clone(), runs.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let tx = ctx.transaction.expect("transactional mode");
+            let (written, wrote) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let client = tx.client().await.expect("transaction");
+                let insert = format!("INSERT INTO {table} VALUES ('kept', 100)");
+                client.execute(&insert, &[]).await.unwrap();
+                client.batch_execute("COMMIT").await.unwrap();
+                let _ = written.send(());
+                std::future::pending::<()>().await;
+                drop(client);
+            });
+            wrote.await.unwrap();
+            Ok::<_, String>(Bytes::from_static(b"credited"))
+        }
+    };
+    let first = runner.run(&scope, "msg-13", b"+100", credit()).await;
+    assert!(
+        matches!(first, Err(JobError::TransactionEnded)),
+        "{first:?}"
+    );
+    let again = runner.run(&scope, "msg-13", b"+100", credit()).await;
+    assert!(
+        matches!(again, Err(JobError::TransactionEnded)),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let count_sql = format!("SELECT count(*) FROM {table}");
+    assert_eq!(schema.query(&count_sql).await[0].get::<_, i64>(0), 1);
+}
+
+/// A transactional work that commits the runner's transaction and runs on for several
+/// leases: its claim, committed `running`, is kept from lapsing until the runner
+/// finishes the key, so redeliveries meanwhile get `Running`, never a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_work_that_commits_and_runs_on_past_its_lease_is_not_taken_over() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
+    let lease = Duration::from_millis(1500);
+    let runner = runner.lease_duration(lease);
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (committed, has_committed) = tokio::sync::oneshot::channel();
+    let first = tokio::spawn({
+        let (runner, scope, table, runs, gate) = (
+            runner.clone(),
+            scope.clone(),
+            table.clone(),
+            runs.clone(),
+            gate.clone(),
+        );
+        async move {
+            let work = move |ctx: tower_idempotency::job::JobContext| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let tx = ctx.transaction.expect("transactional mode");
+                let client = tx.client().await.map_err(|e| e.to_string())?;
+                let insert = format!("INSERT INTO {table} VALUES ('acct-1', 100)");
+                client
+                    .execute(&insert, &[])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                client
+                    .batch_execute("COMMIT")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let _ = committed.send(());
+                gate.acquire().await.expect("the gate").forget();
+                Ok::<_, String>(Bytes::from_static(b"credited"))
+            };
+            runner.run(&scope, "msg-14", b"+100", work).await
+        }
+    });
+    has_committed.await.unwrap();
+    let again = || {
+        let runs = runs.clone();
+        move |_: tower_idempotency::job::JobContext| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>(Bytes::from_static(b"again"))
+        }
+    };
+    let until = tokio::time::Instant::now() + 3 * lease;
+    while tokio::time::Instant::now() < until {
+        let redelivered = runner.run(&scope, "msg-14", b"+100", again()).await;
+        assert!(
+            matches!(redelivered, Ok(JobOutcome::Running { .. })),
+            "{redelivered:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    gate.add_permits(1);
+    let first = first.await.unwrap();
+    assert!(
+        matches!(first, Err(JobError::TransactionEnded)),
+        "{first:?}"
+    );
+    let after = runner.run(&scope, "msg-14", b"+100", again()).await;
+    assert!(
+        matches!(after, Err(JobError::TransactionEnded)),
+        "{after:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A transactional work that commits the runner's transaction, begins another, and has
+/// a statement fail in it (two helpers written for a plain connection): the aborted
+/// transaction is the work's own, not the runner's, whose claim the work's `COMMIT`
+/// committed. The run says the transaction ended, and a redelivery does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_a_work_that_commits_begins_and_fails_a_statement_is_not_run_again() {
+    let schema = TestSchema::new();
+    let (runner, table) = with_balances(&schema).await;
+    let scope = Scope::new("consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let credit = || {
+        let (table, runs) = (table.clone(), runs.clone());
+        move |ctx: tower_idempotency::job::JobContext| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let tx = ctx.transaction.expect("transactional mode");
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            let insert = format!("INSERT INTO {table} VALUES ('acct-1', 100)");
+            client
+                .execute(&insert, &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            client
+                .batch_execute("COMMIT; BEGIN")
+                .await
+                .map_err(|e| e.to_string())?;
+            // A failure the work shrugs off (an audit row it tolerates losing, say).
+            let failed = client.batch_execute("SELECT 1 / 0").await;
+            assert!(failed.is_err());
+            Ok::<_, String>(Bytes::from_static(b"credited"))
+        }
+    };
+    let first = runner.run(&scope, "msg-12", b"+100", credit()).await;
+    assert!(
+        matches!(first, Err(JobError::TransactionEnded)),
+        "{first:?}"
+    );
+    let again = runner.run(&scope, "msg-12", b"+100", credit()).await;
+    assert!(
+        matches!(again, Err(JobError::TransactionEnded)),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let count_sql = format!("SELECT count(*) FROM {table}");
+    assert_eq!(schema.query(&count_sql).await[0].get::<_, i64>(0), 1);
+}
+
 /// A transactional work that commits the runner's transaction itself (a helper written
 /// for a plain connection): the run says so, and the key is completed with that
 /// outcome, so a redelivery does not run the work again.

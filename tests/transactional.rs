@@ -15,7 +15,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{MethodRouter, post},
 };
-use common::{Counter, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
+use common::{Counter, Reply, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
     transactional::TransactionHandle,
@@ -1514,12 +1514,255 @@ async fn a_client_kept_for_good_past_the_request_does_not_hold_the_key() {
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
+/// Where a handler that keeps its client (`keeps_its_client`) puts every other
+/// connection of the pool (`x-exhaust`), until the test lets them go.
+type Held = Arc<std::sync::Mutex<Vec<deadpool_postgres::Object>>>;
+
+/// `POST /payments` whose handler, with `x-keep`, leaves its transaction's client with a task that
+/// writes its ledger row, ends the transaction as `x-end` says (`commit`, `rollback`;
+/// by default it leaves it open), and then keeps the client for good (with
+/// `x-untracked`, its session stops reporting its activity first). With `x-kill`,
+/// the handler then terminates the session that runs it, from a connection of its own,
+/// and waits until it is gone; with `x-exhaust`, it checks out every other connection
+/// of `store`'s pool into `held`. Then it answers 201.
+fn keeps_its_client(store: &PostgresStore, held: &Held) -> MethodRouter<App> {
+    let (store, held) = (store.clone(), held.clone());
+    post(
+        move |State(app): State<App>,
+              key: IdempotencyKey,
+              tx: TransactionHandle,
+              headers: HeaderMap| {
+            let (store, held) = (store.clone(), held.clone());
+            async move {
+                if !headers.contains_key("x-keep") {
+                    let run = write_a_row(&app, &key, &tx).await;
+                    return (StatusCode::CREATED, format!("{{\"run\":{run}}}")).into_response();
+                }
+                let run = app.counter.count_run();
+                let end = headers
+                    .get("x-end")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_owned();
+                let (wrote, written) = tokio::sync::oneshot::channel();
+                let untracked = headers.contains_key("x-untracked");
+                tokio::spawn(async move {
+                    let client = tx.client().await.expect("transaction");
+                    if untracked {
+                        client
+                            .batch_execute("SET track_activities = off")
+                            .await
+                            .unwrap();
+                    }
+                    let insert = format!(
+                        "INSERT INTO {} (key, run, body) VALUES ($1, $2, 'kept')",
+                        app.table
+                    );
+                    client
+                        .execute(&insert, &[&key.as_str(), &(run as i32)])
+                        .await
+                        .unwrap();
+                    match end.as_str() {
+                        "commit" => client.batch_execute("COMMIT").await.unwrap(),
+                        "rollback" => client.batch_execute("ROLLBACK").await.unwrap(),
+                        _ => {}
+                    }
+                    let pid: i32 = client
+                        .query_one("SELECT pg_backend_pid()", &[])
+                        .await
+                        .unwrap()
+                        .get(0);
+                    let _ = wrote.send(pid);
+                    std::future::pending::<()>().await;
+                    drop(client);
+                });
+                let pid = written.await.unwrap();
+                if headers.contains_key("x-kill") {
+                    let (killer, connection) =
+                        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+                            .await
+                            .unwrap();
+                    tokio::spawn(connection);
+                    killer
+                        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                        .await
+                        .unwrap();
+                    let gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
+                    for _ in 0..500 {
+                        let left: i64 = killer.query_one(gone, &[&pid]).await.unwrap().get(0);
+                        if left == 0 {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                if headers.contains_key("x-exhaust") {
+                    // Every connection but the transaction's, which the task keeps.
+                    for _ in 1..store.pool().status().max_size {
+                        let conn = store.pool().get().await.unwrap();
+                        held.lock().unwrap().push(conn);
+                    }
+                }
+                (StatusCode::CREATED, "{}").into_response()
+            }
+        },
+    )
+}
+
+/// How many rows of work that kept its client (`keeps_its_client`) `table` holds.
+async fn kept_rows(schema: &TestSchema, table: &str) -> i64 {
+    count(
+        schema,
+        &format!("SELECT count(*) FROM {table} WHERE body = 'kept'"),
+    )
+    .await
+}
+
+/// A handler whose work kept the transaction's client (`x-keep`, with `headers`), on a
+/// pool of three connections: its first answer, then the retries' (which keep nothing)
+/// until one that is not a 409 (10 s at most), the pool's other connections let go
+/// first.
+async fn kept_and_retried(headers: &[(&str, &str)]) -> (TestSchema, String, Counter, Reply, Reply) {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 3).await;
+    let table = setup(&schema, &store).await;
+    let held = Held::default();
+    // The retry may wait on the row for a moment while an ended backend exits.
+    let layer = IdempotencyLayer::transactional(store.clone())
+        .store_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_secs(5));
+    let (router, counter) = app_on(keeps_its_client(&store, &held), layer, &table);
+    let kept: Vec<_> = [("x-keep", "1")].iter().chain(headers).copied().collect();
+    let first = common::send_bounded(&router, post_with("k", &kept)).await;
+    held.lock().unwrap().clear();
+    let started = std::time::Instant::now();
+    let mut statuses = Vec::new();
+    let retry = loop {
+        let r = common::send_bounded(&router, post_with("k", &[])).await;
+        statuses.push(r.status.as_u16());
+        if r.status != 409 || started.elapsed() > Duration::from_secs(10) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_ne!(retry.status, 409, "{statuses:?}");
+    (schema, table, counter, first, retry)
+}
+
+/// The work committed the transaction, then kept its client: when the layer gives up
+/// on it, the transaction had ended, with the claim committed `running`. That is a
+/// transaction the handler ended, not one that left nothing held: `500
+/// transaction-ended`, stored, and the handler does not run again. The pool is held by
+/// other work meanwhile, and the layer still finds the transaction ended and finishes
+/// the key, on connections that do not wait behind the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_after_the_handler_s_commit_gets_transaction_ended_and_runs_once() {
+    let headers = [("x-end", "commit"), ("x-exhaust", "1")];
+    let (schema, table, counter, first, retry) = kept_and_retried(&headers).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(kept_rows(&schema, &table).await, 1, "its COMMIT stays");
+    let ended = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed' AND status = 500",
+        schema.name
+    );
+    assert_eq!(count(&schema, &ended).await, 1);
+}
+
+/// The same after the work's `ROLLBACK`: what it wrote after that may have committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_after_the_handler_s_rollback_gets_transaction_ended_and_runs_once() {
+    let (schema, table, counter, first, retry) = kept_and_retried(&[("x-end", "rollback")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(
+        rows_in(&schema, &table).await,
+        0,
+        "its ROLLBACK took its write"
+    );
+}
+
+/// A client kept for good while every other connection of the pool is checked out:
+/// the layer still ends the transaction on the server, on a connection that does not
+/// wait behind the pool, so the key is free once the pool is, rather than held for as
+/// long as the work keeps the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_while_the_pool_is_exhausted_does_not_hold_the_key() {
+    let (schema, table, counter, first, retry) = kept_and_retried(&[("x-exhaust", "1")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    let kept = kept_rows(&schema, &table).await;
+    assert_eq!(kept, 0, "the kept write never commits");
+    assert_eq!(rows_in(&schema, &table).await, 1);
+}
+
+/// A client kept on a session that does not report its transactions
+/// (`track_activities` off): the layer cannot tell that its transaction is still open,
+/// and must not take it for one the handler ended (finishing the key would wait on the
+/// open transaction's row, and answer `transaction-ended` for a transaction that rolls
+/// back): `500 handler-failed`, and nothing stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_on_a_session_that_hides_its_transaction_is_not_taken_for_ended() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 3).await;
+    let table = setup(&schema, &store).await;
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).store_timeout(Duration::from_millis(500));
+    let (router, _) = app_on(keeps_its_client(&store, &Held::default()), layer, &table);
+    let kept = [("x-keep", "1"), ("x-untracked", "1")];
+    let first = common::send_bounded(&router, post_with("k", &kept)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(records_of(&schema, "k").await, 0, "nothing was stored");
+    // The kept transaction rolls back once its session ends.
+    schema
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE state = 'disabled' AND datname = current_database()",
+        )
+        .await;
+    let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+}
+
+/// A client kept by work whose session then ended (its connection failed): its
+/// transaction rolled back with it, so nothing is held, and the retry runs. Had the
+/// work committed first, the key is finished as for any transaction the handler ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_kept_by_a_session_that_ended_frees_the_key_unless_it_had_committed() {
+    let (schema, table, counter, first, retry) = kept_and_retried(&[("x-kill", "1")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "handler-failed");
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(kept_rows(&schema, &table).await, 0);
+
+    let (schema, table, counter, first, retry) =
+        kept_and_retried(&[("x-end", "commit"), ("x-kill", "1")]).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(kept_rows(&schema, &table).await, 1);
+}
+
 /// Writes its ledger row, then ends the request's transaction itself, as a helper
 /// written for a plain connection does, as `x-end` says: `commit` (`COMMIT`),
 /// `begin-commit` (`BEGIN`, the write, `COMMIT`: its own transaction, it thinks),
 /// `rollback` (`ROLLBACK`), `commit-begin` (`COMMIT`, then `BEGIN` again, leaving a
-/// transaction of its own open), or `none` (it leaves the transaction alone). It then
-/// answers `x-status` (201 by default), or panics with `x-panic`.
+/// transaction of its own open), `commit-begin-fail` (the same, then a statement of a
+/// second such helper fails on a unique key, which aborts the handler's own
+/// transaction), or `none` (it leaves the transaction alone). With `x-held` it then
+/// waits until the test lets it go. It then answers `x-status` (201 by default), or
+/// panics with `x-panic`.
 async fn ends_its_transaction(
     State(app): State<App>,
     key: IdempotencyKey,
@@ -1546,11 +1789,27 @@ async fn ends_its_transaction(
         .unwrap();
     let ending = match end.as_str() {
         "rollback" => "ROLLBACK",
-        "commit-begin" => "COMMIT; BEGIN",
+        "commit-begin" | "commit-begin-fail" => "COMMIT; BEGIN",
         "none" => "",
         _ => "COMMIT",
     };
     client.batch_execute(ending).await.unwrap();
+    if headers.contains_key("x-held") {
+        // Runs on with the transaction ended, the client kept.
+        app.counter.held().await;
+    }
+    if end == "commit-begin-fail" {
+        let failed = client
+            .batch_execute(
+                "CREATE TEMP TABLE once (id int PRIMARY KEY) ON COMMIT DROP;
+                 INSERT INTO once VALUES (1), (1)",
+            )
+            .await;
+        assert_eq!(
+            failed.err().and_then(|e| e.code().cloned()),
+            Some(tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+        );
+    }
     drop(client);
     app.counter.count_finished();
     if headers.contains_key("x-panic") {
@@ -1613,9 +1872,142 @@ async fn a_handler_that_commits_and_begins_again_gets_transaction_ended_and_runs
     a_transaction_ended_by_the_handler("commit-begin", 1).await;
 }
 
+/// `COMMIT; BEGIN` and then a failed statement: the transaction the layer finds
+/// aborted is the handler's own, and its claim row was committed `running` by the
+/// handler's `COMMIT`. Neither "unstored, the key free" for its answer nor "no effect"
+/// is true then: the key is finished as for any transaction ended by its handler. With
+/// `status`, the handler's answer, the layer commits (a 409, which the storage policy
+/// keeps) or rolls back (a 500); on a pool of one connection, once before the layer's
+/// statement for that is prepared on it and once after, since the failed statement
+/// shows up in either.
+async fn a_failed_statement_after_the_handler_s_commit(status: &str) {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 1).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let failing = [("x-end", "commit-begin-fail"), ("x-status", status)];
+    let first = common::send_bounded(&router, post_with("k1", &failing)).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    // The same answer, stored, by a handler that leaves the transaction alone: the
+    // layer's statement is now prepared on the connection.
+    let plain = [("x-end", "none"), ("x-status", status)];
+    let plain = common::send_bounded(&router, post_with("w", &plain)).await;
+    assert_eq!(plain.status.as_str(), status);
+    let second = common::send_bounded(&router, post_with("k2", &failing)).await;
+    assert_eq!(second.status, 500, "{:?}", second.body);
+    assert_eq!(second.problem(), "transaction-ended");
+    for key in ["k1", "k2"] {
+        let retry = common::send_bounded(&router, post_with(key, &failing)).await;
+        assert_eq!(
+            retry.outcome,
+            Some(Outcome::Replayed),
+            "{key}: {:?}",
+            retry.body
+        );
+        assert_eq!(retry.problem(), "transaction-ended");
+    }
+    assert_eq!(counter.runs(), 3, "each key ran once");
+    let ended = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key IN ('k1', 'k2') AND state = 'completed' AND status = 500",
+        schema.name
+    );
+    assert_eq!(count(&schema, &ended).await, 2);
+    // What the handlers committed stays; the plain one's write too if it committed.
+    let committed = if status == "409" { 3 } else { 2 };
+    assert_eq!(rows_in(&schema, &table).await, committed);
+    common::idle(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_begins_and_fails_a_statement_gets_transaction_ended() {
+    a_failed_statement_after_the_handler_s_commit("409").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_begins_and_fails_then_answers_500_gets_transaction_ended() {
+    a_failed_statement_after_the_handler_s_commit("500").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_rolls_the_transaction_back_gets_transaction_ended_and_runs_once() {
     a_transaction_ended_by_the_handler("rollback", 0).await;
+}
+
+/// A handler that commits the layer's transaction and then runs on for several leases:
+/// its claim row is committed `running`, with the lease its claim set, and no longer in
+/// a transaction the layer holds. The layer keeps it from lapsing until it finishes the
+/// key, so duplicates meanwhile get 409, never a takeover and a second run, and then
+/// the stored `500 transaction-ended`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_commits_and_runs_on_past_its_lease_is_not_taken_over() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 4).await;
+    let table = setup(&schema, &store).await;
+    // Renewed every 0.5 s from 0.5 s on, the lease outlasts a stall of a second.
+    let lease = Duration::from_millis(1500);
+    let layer = IdempotencyLayer::transactional(store.clone()).lease_duration(lease);
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    let running = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'running'",
+        schema.name
+    );
+    for _ in 0..500 {
+        if count(&schema, &running).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(count(&schema, &running).await, 1, "the handler's COMMIT");
+    let until = tokio::time::Instant::now() + 3 * lease;
+    let mut duplicates = Vec::new();
+    while tokio::time::Instant::now() < until {
+        let duplicate = common::send_bounded(&router, post_with("k", &[])).await;
+        duplicates.push(duplicate.status.as_u16());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    counter.let_go(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert!(duplicates.iter().all(|s| *s == 409), "{duplicates:?}");
+    let retry = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(rows_in(&schema, &table).await, 1);
+    common::idle(&store).await;
+}
+
+/// What the layer cannot prevent: a handler's `ROLLBACK` lets go of its claim row and
+/// its lock, and nothing holds the key until the handler returns. A retry in that time
+/// takes the key and runs the handler again; the first request's client then gets `500
+/// transaction-ended` unstored, and the key keeps the retry's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_after_a_handler_s_rollback_runs_again_and_keeps_its_answer() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 4).await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone());
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let rolled_back = [("x-end", "rollback"), ("x-held", "1")];
+    let first = in_flight(&router, post_with("k", &rolled_back), &counter).await;
+    let retry =
+        common::retry_until_created_with(&router, || post_with("k", &[("x-end", "none")]), &[409])
+            .await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    counter.let_go(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    let replay = common::send_bounded(&router, post_with("k", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, retry.body);
+    assert_eq!(counter.runs(), 2, "the retry ran it again");
+    assert_eq!(records_of(&schema, "k").await, 1);
+    common::idle(&store).await;
 }
 
 /// A handler that rolls back the takeover of an expired record: the record is left as

@@ -46,8 +46,9 @@ mod waiters;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{
-    Backend, Checkout, Resolution, again_if_it_lost_a_race, begin, commit_on, connection_lost,
-    in_an_aborted_transaction, rollback, statement_cancelled,
+    Backend, Checkout, Ending, Resolution, again_if_it_lost_a_race, begin, commit_on,
+    connection_lost, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
+    statement_cancelled,
 };
 #[cfg(feature = "postgres")]
 pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url, pool_for_url_with_tls};

@@ -11,21 +11,28 @@
 //! Found out at no extra cost on the path of a transaction that commits: the completion
 //! matches only a claim row the open transaction wrote
 //! ([`PostgresStore::complete_in_transaction`]). Where the layer rolls back instead, the
-//! same check goes with the `ROLLBACK`, pipelined ([`roll_back`]).
+//! same check goes with the `ROLLBACK`, pipelined ([`roll_back_unless_ended`]).
 
-use std::time::Duration;
+use std::{task::Poll, time::Duration};
 
 use bytes::Bytes;
+use deadpool_postgres::ClientWrapper;
 use http::Response;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::{
+    sync::oneshot,
+    time::{Instant, timeout, timeout_at},
+};
 
-use super::lifecycle::Claimed;
+use super::{Kept, lifecycle::Claimed};
 use crate::{
     Outcome, StoredResponse,
     body::ResponseBody,
     rejection::Problem,
     service::with_outcome,
-    store::{Checkout, ClaimRequest, PostgresStore, rollback},
+    store::{
+        Backend, Checkout, ClaimRequest, Lease, PostgresStore, in_an_aborted_transaction,
+        roll_back_keeping, roll_back_or_close,
+    },
 };
 
 /// The `detail` of `500 transaction-ended`.
@@ -62,8 +69,8 @@ pub(crate) fn is_stored(response: &StoredResponse) -> bool {
 /// which ended under the layer: the claim row if the handler committed it, or the key
 /// afresh if the handler's `ROLLBACK` left it free; never a key another request holds
 /// ([`PostgresStore::finish_ended`]). On `conn` if it is fit for it (its transaction
-/// over), else on a pooled connection; bounded by `store_timeout`. Logged at `error`,
-/// with a hash of the key.
+/// over), else on a connection that does not wait behind the pool; bounded by
+/// `store_timeout`. Logged at `error`, with a hash of the key.
 pub(crate) async fn finish(
     store: &PostgresStore,
     conn: Option<Checkout>,
@@ -75,13 +82,10 @@ pub(crate) async fn finish(
     let key_hash = key_hash.as_str();
     let token = claimed.lease.token;
     let finished = timeout(store_timeout, async {
-        let conn = match conn {
-            Some(conn) => conn,
-            None => store.client().await?,
-        };
+        let client = conn.as_ref().map(|conn| -> &ClientWrapper { conn });
         let finished = store
             .finish_ended(
-                &conn,
+                client,
                 &claimed.lease,
                 &claimed.backend,
                 &request.fingerprint,
@@ -89,7 +93,7 @@ pub(crate) async fn finish(
                 request.ttl,
             )
             .await;
-        if finished.is_ok() {
+        if let (Ok(_), Some(conn)) = (&finished, conn) {
             conn.done();
         }
         finished
@@ -121,37 +125,54 @@ pub(crate) async fn finish(
     }
 }
 
+/// What became of a transaction the layer rolled back after its handler ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub(crate) enum RolledBack {
+    /// Rolled back (or its connection closed, which rolls it back): nothing of it
+    /// committed, and the key is free.
+    Yes,
+    /// It had ended under the layer; the key is finished with `500 transaction-ended`
+    /// ([`finish`]), which is the answer.
+    Ended,
+}
+
 /// Rolls back the transaction of `claimed` after its handler ran, bounded by
 /// `store_timeout`, unless it had already ended under the layer: then the key is
-/// finished ([`finish`]) and this returns `true`. One round trip: the check that the
-/// claim row is still the transaction's goes with the `ROLLBACK` (and, the first time
-/// on a connection, one more to prepare it). A transaction aborted by a failed
-/// statement cannot be checked, and is taken as the layer's own.
-pub(crate) async fn roll_back(
+/// finished ([`finish`]). One round trip: the check that the claim row is still the
+/// transaction's goes with the `ROLLBACK` (and, the first time on a connection, one
+/// more to prepare it). A transaction aborted by a failed statement cannot be checked
+/// so; once rolled back, [`finish_if_claim_committed`] tells.
+pub(crate) async fn roll_back_unless_ended(
     store: &PostgresStore,
     conn: Checkout,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
-) -> bool {
+) -> RolledBack {
     let deadline = Instant::now() + store_timeout;
     let client = &*conn;
     // Prepared first, so that its Execute is on the wire before the ROLLBACK.
     match timeout_at(deadline, store.prepare_ours(client)).await {
         Ok(Ok(())) => {}
         // In a transaction aborted by a statement of the handler's, say.
+        Ok(Err(e)) if in_an_aborted_transaction(&e) => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let conn = roll_back_keeping(conn, left).await;
+            return finish_if_claim_committed(store, conn, claimed, request, store_timeout).await;
+        }
         Ok(Err(_)) => {
-            rollback(conn, deadline.saturating_duration_since(Instant::now())).await;
-            return false;
+            roll_back_or_close(conn, deadline.saturating_duration_since(Instant::now())).await;
+            return RolledBack::Yes;
         }
         Err(_) => {
             tracing::warn!("no answer in time before ROLLBACK; closing the connection");
-            return false;
+            return RolledBack::Yes;
         }
     }
     let (ours, rolled_back) = tokio::join!(
         timeout_at(deadline, store.still_ours(client, &claimed.lease)),
-        timeout_at(deadline, store.roll_back_on(client)),
+        timeout_at(deadline, store.send_rollback(client)),
     );
     let conn = match rolled_back {
         Ok(Ok(())) => Some(conn),
@@ -165,12 +186,180 @@ pub(crate) async fn roll_back(
             None
         }
     };
-    if matches!(ours, Ok(Ok(false))) {
-        finish(store, conn, claimed, request, store_timeout).await;
-        return true;
+    match ours {
+        Ok(Ok(false)) => {
+            finish(store, conn, claimed, request, store_timeout).await;
+            RolledBack::Ended
+        }
+        Ok(Err(e)) if in_an_aborted_transaction(&e) => {
+            finish_if_claim_committed(store, conn, claimed, request, store_timeout).await
+        }
+        _ => {
+            if let Some(conn) = conn {
+                conn.done();
+            }
+            RolledBack::Yes
+        }
     }
-    if let Some(conn) = conn {
-        conn.done();
+}
+
+/// Finishes the key ([`finish`]) if the handler had committed the layer's transaction,
+/// which then ended in a way that could not tell: the claim row is committed `running`,
+/// as the claim wrote it ([`PostgresStore::claim_committed_alone`]). For a transaction
+/// found aborted by a failed statement, and rolled back since (on `conn`, back outside
+/// any transaction, or `None` if the `ROLLBACK` got no answer): it may be one the
+/// handler began after its `COMMIT` (`COMMIT; BEGIN` and then a failed statement, from
+/// helpers written for a plain connection). For one whose session ended while its work
+/// kept the client (`conn` is `None`). One read of one row, on these paths only;
+/// bounded by `store_timeout`. If the read fails, the transaction is taken as rolled
+/// back, as it usually is.
+pub(crate) async fn finish_if_claim_committed(
+    store: &PostgresStore,
+    conn: Option<Checkout>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> RolledBack {
+    let client = conn.as_ref().map(|conn| -> &ClientWrapper { conn });
+    let alone = store.claim_committed_alone(client, &claimed.lease, &claimed.backend);
+    match timeout(store_timeout, alone).await {
+        Ok(Ok(true)) => {
+            finish(store, conn, claimed, request, store_timeout).await;
+            RolledBack::Ended
+        }
+        Ok(Ok(false)) => {
+            if let Some(conn) = conn {
+                conn.done();
+            }
+            RolledBack::Yes
+        }
+        Ok(Err(e)) => {
+            tracing::error!(
+                error = %e,
+                "whether the handler had committed the request's transaction could not be checked; taken as not committed"
+            );
+            RolledBack::Yes
+        }
+        Err(_) => {
+            tracing::error!(
+                "whether the handler had committed the request's transaction could not be checked in time; taken as not committed"
+            );
+            RolledBack::Yes
+        }
     }
-    false
+}
+
+/// Settles a transaction whose work kept its client past the response
+/// ([`TransactionHandle::take`](super::TransactionHandle::take) gave up on it): one that
+/// had ended under the layer, its session living on, was ended by the handler
+/// ([`finish`]); one whose session is gone was rolled back with it, unless the handler
+/// had committed it before ([`finish_if_claim_committed`]).
+pub(crate) async fn kept(
+    store: &PostgresStore,
+    kept: Kept,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> RolledBack {
+    match kept {
+        Kept::RolledBack => RolledBack::Yes,
+        Kept::Ended => {
+            finish(store, None, claimed, request, store_timeout).await;
+            RolledBack::Ended
+        }
+        Kept::SessionGone => {
+            finish_if_claim_committed(store, None, claimed, request, store_timeout).await
+        }
+    }
+}
+
+/// Runs `future`, the rest of a request whose key `claimed` holds (its handler, and the
+/// end of its transaction), keeping the claim from lapsing should the handler commit
+/// it. A `COMMIT` of the handler's commits the claim row `running`, with the lease the
+/// claim gave it (`request.lease`, from the transaction's start), outside any
+/// transaction the layer holds; nothing else renews it, and a handler that ran on past that lease would
+/// be taken over by a retry and run again before the layer finishes the key. So from a
+/// third of the lease on, a task of its own renews the lease of the claim row every
+/// third of the lease, if it is committed `running` as the claim wrote it
+/// ([`PostgresStore::renew_committed_claim`]), until `future` is done. While the
+/// transaction is open, which is always unless the handler ends it, that statement
+/// matches nothing and waits on nothing. A request that ends within a third of the
+/// lease costs a timer and nothing more. The task is started when this future is
+/// polled after a third of the lease: a handler that blocks its thread from before then
+/// starts it only when it yields.
+pub(crate) async fn keeping_claim<F: Future>(
+    store: &PostgresStore,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    future: F,
+) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let mut due = std::pin::pin!(tokio::time::sleep(request.lease / 3));
+    let mut renewing: Option<oneshot::Sender<()>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(output) = future.as_mut().poll(cx) {
+            return Poll::Ready(output);
+        }
+        if renewing.is_none() && due.as_mut().poll(cx).is_ready() {
+            let (stop, stopped) = oneshot::channel();
+            let key_hash = crate::service::short_hash(request.key.as_bytes());
+            let renewal = renew(
+                store.clone(),
+                claimed.lease.clone(),
+                claimed.backend,
+                request.lease,
+                key_hash,
+                stopped,
+            );
+            tokio::spawn(renewal);
+            renewing = Some(stop);
+        }
+        Poll::Pending
+    })
+    .await
+    // Dropping `renewing` stops the task.
+}
+
+/// The renewal task of [`keeping_claim`]: renews at once, then every third of `lease`,
+/// until `stopped` (its sender dropped).
+async fn renew(
+    store: PostgresStore,
+    claim: Lease,
+    backend: Backend,
+    lease: Duration,
+    key_hash: String,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let period = lease / 3;
+    let mut told = false;
+    loop {
+        // Not raced against the stop: a renewal on its way finishes (dropped midway, it
+        // would close its connection).
+        let renewed = timeout(period, store.renew_committed_claim(&claim, &backend, lease));
+        match renewed.await {
+            Ok(Ok(true)) if !told => {
+                told = true;
+                tracing::error!(
+                    key_hash,
+                    token = claim.token,
+                    "the handler committed the request's transaction itself and runs on; its claim is kept running until the layer finishes the key"
+                );
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(
+                key_hash,
+                error = %e,
+                "could not renew the lease of a claim its handler may have committed"
+            ),
+            Err(_) => tracing::warn!(
+                key_hash,
+                "no answer in time to the renewal of a claim its handler may have committed"
+            ),
+        }
+        tokio::select! {
+            biased;
+            _ = &mut stopped => return,
+            () = tokio::time::sleep(period) => {}
+        }
+    }
 }

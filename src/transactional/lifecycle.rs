@@ -11,8 +11,8 @@ use crate::{
     StoredResponse,
     store::{
         Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, Resolution, StoreErrorKind,
-        begin, commit_on, connection_lost, in_an_aborted_transaction, rollback,
-        statement_cancelled,
+        begin, commit_on, connection_lost, in_an_aborted_transaction, roll_back_keeping,
+        roll_back_or_close, statement_cancelled,
     },
 };
 
@@ -80,7 +80,7 @@ pub(crate) async fn open(
             let begin = &begin;
             async move {
                 if retry {
-                    store.roll_back_on(client).await?;
+                    store.send_rollback(client).await?;
                 }
                 let token = crate::store::fresh_token();
                 let then = (claim_wait != lock_timeout).then_some(lock_timeout);
@@ -100,14 +100,14 @@ pub(crate) async fn open(
             // Nothing was written: the answer need not wait for the ROLLBACK; the
             // connection goes back to the pool when it is done, or is closed if the
             // database does not answer it in time.
-            tokio::spawn(rollback(conn, store_timeout));
+            tokio::spawn(roll_back_or_close(conn, store_timeout));
             Opened::Found(found)
         }
         // A lock timeout on the first request's row, or a key that kept changing under
         // the claim: another request is at work on it. A statement cancelled by
         // `statement_timeout` is a slow database, like any other store failure.
         Ok(Err(e)) if e.kind() == StoreErrorKind::Timeout && !statement_cancelled(&e) => {
-            rollback(conn, store_timeout).await;
+            roll_back_or_close(conn, store_timeout).await;
             Opened::Busy
         }
         Ok(Err(e)) => {
@@ -141,6 +141,22 @@ pub(crate) enum Committed {
     Ended,
 }
 
+/// A transaction found aborted by a failed statement, and rolled back (on `conn`, back
+/// outside any transaction): [`Committed::Aborted`], unless the aborted transaction was
+/// one the handler began after committing the layer's ([`ended::finish_if_claim_committed`]).
+async fn aborted(
+    store: &PostgresStore,
+    conn: Option<Checkout>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    store_timeout: Duration,
+) -> Committed {
+    match ended::finish_if_claim_committed(store, conn, claimed, request, store_timeout).await {
+        ended::RolledBack::Yes => Committed::Aborted,
+        ended::RolledBack::Ended => Committed::Ended,
+    }
+}
+
 /// Finds out how a transaction whose `COMMIT` was in doubt ended (`None`: the
 /// database could not tell in time), on another connection, in a transaction of its own
 /// that it rolls back: it waits for the first transaction to end if the server is still
@@ -168,7 +184,7 @@ async fn resolve(
                 sent,
             )
             .await;
-        rollback(conn, store_timeout).await;
+        roll_back_or_close(conn, store_timeout).await;
         resolved.ok()
     })
     .await
@@ -197,8 +213,8 @@ pub(crate) async fn commit(
     match timeout(store_timeout, store.prepare_completion(client)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) if in_an_aborted_transaction(&e) => {
-            rollback(conn, store_timeout).await;
-            return Committed::Aborted;
+            let conn = roll_back_keeping(conn, store_timeout).await;
+            return aborted(store, conn, claimed, request, store_timeout).await;
         }
         Ok(Err(e)) => {
             tracing::error!(error = %e, "the transaction was not committed");
@@ -245,8 +261,7 @@ pub(crate) async fn commit(
         }
         // The COMMIT of an aborted transaction rolls it back, and succeeds at that.
         Ok(Err(ref e)) if in_an_aborted_transaction(e) && matches!(committed, Ok(Ok(()))) => {
-            conn.done();
-            return Committed::Aborted;
+            return aborted(store, Some(conn), claimed, request, store_timeout).await;
         }
         _ => {}
     }

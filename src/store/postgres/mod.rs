@@ -33,7 +33,9 @@ use purge::BackgroundPurge;
 use sha2::{Digest, Sha256};
 use shared::{Opened, Shared};
 use tls::Connector;
-pub(crate) use tx::{Backend, Resolution, begin, commit_on, rollback};
+pub(crate) use tx::{
+    Backend, Ending, Resolution, begin, commit_on, roll_back_keeping, roll_back_or_close,
+};
 
 use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
 use crate::{Fingerprint, Scope, StoredResponse};

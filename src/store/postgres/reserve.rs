@@ -16,7 +16,11 @@
 //! on each, the statement waits for the pool as before.
 //!
 //! Claims, a duplicate's registration to wait, purges, migrations and transactional
-//! mode do not use the reserve: none of them is holding a key that a retry could take.
+//! mode's own transactions do not use the reserve: none of them is holding a key that
+//! a retry could take. Transactional mode's statements from outside a transaction
+//! that ended under the layer, or that work kept past the response, do (ending that
+//! transaction on the server, finishing its key): the claim row may be committed
+//! `running` by then, or held by a row lock that only they can let go.
 
 use deadpool::managed::{TimeoutType, Timeouts};
 use deadpool_postgres::{ClientWrapper, PoolError};

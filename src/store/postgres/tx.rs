@@ -10,7 +10,7 @@
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::ClientWrapper;
-use tokio_postgres::{SimpleQueryMessage, types::ToSql};
+use tokio_postgres::{Row, SimpleQueryMessage, types::ToSql};
 
 use super::{Checkout, PostgresStore, classify, ms};
 use crate::{
@@ -46,6 +46,10 @@ pub(super) struct Statements {
     complete: String,
     /// Whether the claim row is still this transaction's.
     ours: String,
+    /// Whether the claim row is committed `running`, as the claim wrote it.
+    claim_alone: String,
+    /// Renews the lease of a claim row committed `running`, as the claim wrote it.
+    renew_alone: String,
     /// Completes the key after its transaction ended under the layer.
     finish_ended: String,
     /// Ends a transaction on the server from another session.
@@ -61,6 +65,25 @@ impl Statements {
             complete,
             ours: format!(
                 "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3{WRITTEN_BY_THIS_TRANSACTION}"
+            ),
+            // The claim's signature: its token, and `created_at` the claim's
+            // transaction start (no other claim, a takeover with the same token
+            // included, has both), still `running`: committed so by a `COMMIT` of the
+            // handler's, since the layer's own commits it completed.
+            claim_alone: format!(
+                "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3
+                                     AND state = 'running' AND created_at = $4"
+            ),
+            // The same row, its lease renewed. It matches nothing while the claim's
+            // transaction is open, and never waits on it: to other sessions, the row
+            // that transaction inserted does not exist, and one it took over still
+            // carries the token before the takeover's.
+            renew_alone: format!(
+                "UPDATE {t} SET locked_until = now() + {lease},
+                                expires_at = greatest(expires_at, now() + {lease})
+                 WHERE scope = $1 AND key = $2 AND token = $3
+                   AND state = 'running' AND created_at = $4",
+                lease = "$5::bigint * interval '1 millisecond'",
             ),
             // Outside any transaction of the claim's: the claim row, committed
             // `running` by the handler's own COMMIT (its token, and `created_at` the
@@ -95,9 +118,13 @@ impl Statements {
             ),
             // Only while that backend still runs that transaction: a backend whose
             // session ended may be another's now, and one behind a pooler serves
-            // other clients once the transaction is over.
-            end: "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                  WHERE pid = $1 AND xact_start = $2"
+            // other clients once the transaction is over. Its row tells those apart:
+            // none, the session is gone; `state` null, this role may not see it;
+            // `disabled`, the session does not report its transactions
+            // (`track_activities` off), so its `xact_start` tells nothing.
+            end: "SELECT CASE WHEN xact_start = $2 THEN pg_terminate_backend(pid) END,
+                         coalesce(state <> 'disabled', false)
+                  FROM pg_stat_activity WHERE pid = $1"
                 .to_owned(),
         }
     }
@@ -138,20 +165,53 @@ fn backend_pid(messages: &[SimpleQueryMessage]) -> Result<i32, StoreError> {
         })
 }
 
-/// `ROLLBACK` on `conn`: back to the pool if the server answers it, closed (which
-/// rolls back) if not, or if it takes longer than `bound`.
-pub(crate) async fn rollback(conn: Checkout, bound: Duration) {
+/// `ROLLBACK` on `conn`, then the connection back to the pool; closed instead (which
+/// rolls back) if the server does not answer within `bound`, or fails.
+pub(crate) async fn roll_back_or_close(conn: Checkout, bound: Duration) {
+    if let Some(conn) = roll_back_keeping(conn, bound).await {
+        conn.done();
+    }
+}
+
+/// `ROLLBACK` on `conn`, which is given back outside any transaction; `None` if the
+/// server does not answer within `bound`, or fails (the connection is then closed,
+/// which rolls back).
+pub(crate) async fn roll_back_keeping(conn: Checkout, bound: Duration) -> Option<Checkout> {
     match tokio::time::timeout(bound, conn.batch_execute("ROLLBACK")).await {
-        Ok(Ok(())) => conn.done(),
+        Ok(Ok(())) => Some(conn),
         // Dropping the Checkout closes the connection, which rolls back.
-        Ok(Err(e)) => tracing::warn!(error = %e, "rollback failed; closing the connection"),
-        Err(_) => tracing::warn!("no answer to ROLLBACK in time; closing the connection"),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "rollback failed; closing the connection");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("no answer to ROLLBACK in time; closing the connection");
+            None
+        }
     }
 }
 
 /// `COMMIT` on `client`, as the driver answers it.
 pub(crate) async fn commit_on(client: &ClientWrapper) -> Result<(), tokio_postgres::Error> {
     client.batch_execute("COMMIT").await
+}
+
+/// What [`PostgresStore::end_transaction`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// The session ran the transaction, and is terminated: the transaction rolls back.
+    Terminated,
+    /// The session runs that transaction no more, but lives on: the transaction ended
+    /// on it (its `COMMIT` or `ROLLBACK`), or, behind a pooler, it serves another
+    /// client now.
+    AlreadyEnded,
+    /// No session has that pid: it ended, and the transaction with it (rolled back,
+    /// unless committed before).
+    SessionGone,
+    /// The session could not be told apart or signalled: it runs as a role whose
+    /// sessions this one may not see, it does not report its transactions
+    /// (`track_activities` off), or the signal failed.
+    CannotEnd,
 }
 
 /// How a transaction whose `COMMIT` was in doubt ended ([`PostgresStore::committed_on`]).
@@ -221,8 +281,9 @@ impl PostgresStore {
             .map_err(failed)
     }
 
-    /// Rolls back the transaction on `client` (to begin another), waiting for it.
-    pub(crate) async fn roll_back_on(&self, client: &ClientWrapper) -> Result<(), StoreError> {
+    /// Sends `ROLLBACK` on `client` and waits for its answer; the connection stays the
+    /// caller's (to begin another transaction on, say).
+    pub(crate) async fn send_rollback(&self, client: &ClientWrapper) -> Result<(), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
         client.batch_execute("ROLLBACK").await.map_err(failed)
     }
@@ -327,12 +388,80 @@ impl PostgresStore {
         Ok(rows.len() == 1)
     }
 
+    /// Whether the claim of `lease`, made on `backend`, is committed `running` with
+    /// nothing else (see `Statements::claim_alone`): the handler committed the
+    /// transaction that made it. Outside that transaction: on `client`, or, with `None`,
+    /// on a connection that does not wait behind the pool (see `running_client`).
+    pub(crate) async fn claim_committed_alone(
+        &self,
+        client: Option<&ClientWrapper>,
+        lease: &Lease,
+        backend: &Backend,
+    ) -> Result<bool, StoreError> {
+        let params: [&(dyn ToSql + Sync); 4] = [
+            &lease.scope.as_str(),
+            &&*lease.key,
+            &lease.token,
+            &backend.started,
+        ];
+        let rows = self
+            .query_apart(client, &self.sql.tx.claim_alone, &params)
+            .await?;
+        Ok(rows.len() == 1)
+    }
+
+    /// Renews for `duration` the lease of the claim of `lease`, made on `backend`, if it
+    /// is committed `running` as the claim wrote it (the handler committed the
+    /// transaction that made it); `Ok(false)` if not, as while that transaction is
+    /// open. On a connection that does not wait behind the pool (`running_client`).
+    pub(crate) async fn renew_committed_claim(
+        &self,
+        lease: &Lease,
+        backend: &Backend,
+        duration: Duration,
+    ) -> Result<bool, StoreError> {
+        let params: [&(dyn ToSql + Sync); 5] = [
+            &lease.scope.as_str(),
+            &&*lease.key,
+            &lease.token,
+            &backend.started,
+            &ms(duration),
+        ];
+        let client = self.running_client().await?;
+        let renewed = client
+            .answer(self.execute_on(&client, &self.sql.tx.renew_alone, &params))
+            .await;
+        client.done(&renewed);
+        renewed.map(|n| n == 1)
+    }
+
+    /// Runs `sql` on `client`, or, with `None`, on an idle pooled connection taken
+    /// without waiting, else on the store's reserve (`running_client`): a statement
+    /// for a claim the handler may have committed `running`, which must not queue
+    /// behind a pool that the handlers hold.
+    async fn query_apart(
+        &self,
+        client: Option<&ClientWrapper>,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        if let Some(client) = client {
+            return self.query_on(client, sql, params).await;
+        }
+        let client = self.running_client().await?;
+        let rows = client.answer(self.query_on(&client, sql, params)).await;
+        client.done(&rows);
+        rows
+    }
+
     /// Completes the key of `lease` with `response`, outside the transaction that
     /// claimed it, which ended under the layer (see `Statements::finish_ended`):
-    /// `Ok(false)` when another request holds the key.
+    /// `Ok(false)` when another request holds the key. On `client`, or, with `None`, as
+    /// [`query_apart`](Self::query_apart) runs it: with the transaction's connection
+    /// gone, the claim may be committed `running`, and the pool held by the handlers.
     pub(crate) async fn finish_ended(
         &self,
-        client: &ClientWrapper,
+        client: Option<&ClientWrapper>,
         lease: &Lease,
         backend: &Backend,
         fingerprint: &Fingerprint,
@@ -357,19 +486,28 @@ impl PostgresStore {
             &id,
         ];
         let rows = self
-            .query_on(client, &self.sql.tx.finish_ended, &params)
+            .query_apart(client, &self.sql.tx.finish_ended, &params)
             .await?;
         Ok(rows.len() == 1)
     }
 
-    /// Ends the transaction `backend` runs, from a pooled connection: its session is
-    /// terminated, which rolls the transaction back and lets its locks go. `Ok(false)`
-    /// when that backend no longer runs that transaction.
-    pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<bool, StoreError> {
-        let client = self.client().await?;
+    /// Ends the transaction `backend` runs, from another session: its session is
+    /// terminated, which rolls the transaction back and lets its locks go, only while it
+    /// still runs that transaction ([`Ending`] says what was found). On an idle pooled
+    /// connection taken without waiting, else on the store's reserve (`running_client`):
+    /// the pool may be exhausted by the very work that keeps the transaction, and a
+    /// transaction left open keeps its row lock, and so its key.
+    pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<Ending, StoreError> {
         let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
-        let ended = self.query_on(&client, &self.sql.tx.end, &params).await;
-        client.done();
-        Ok(ended?.first().is_some_and(|row| row.get::<_, bool>(0)))
+        let rows = self.query_apart(None, &self.sql.tx.end, &params).await?;
+        Ok(match rows.first() {
+            None => Ending::SessionGone,
+            Some(row) if !row.get::<_, bool>(1) => Ending::CannotEnd,
+            Some(row) => match row.get::<_, Option<bool>>(0) {
+                Some(true) => Ending::Terminated,
+                Some(false) => Ending::CannotEnd,
+                None => Ending::AlreadyEnded,
+            },
+        })
     }
 }
