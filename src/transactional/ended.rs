@@ -327,7 +327,7 @@ async fn renew(
     claim: Lease,
     backend: Backend,
     lease: Duration,
-    key_hash: String,
+    key_hash: crate::service::ShortHash,
     mut stopped: oneshot::Receiver<()>,
 ) {
     let period = lease / 3;
@@ -340,19 +340,19 @@ async fn renew(
             Ok(Ok(true)) if !told => {
                 told = true;
                 tracing::error!(
-                    key_hash,
+                    key_hash = key_hash.as_str(),
                     token = claim.token,
                     "the handler committed the request's transaction itself and runs on; its claim is kept running until the layer finishes the key"
                 );
             }
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(
-                key_hash,
+                key_hash = key_hash.as_str(),
                 error = %e,
                 "could not renew the lease of a claim its handler may have committed"
             ),
             Err(_) => tracing::warn!(
-                key_hash,
+                key_hash = key_hash.as_str(),
                 "no answer in time to the renewal of a claim its handler may have committed"
             ),
         }
