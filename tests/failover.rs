@@ -109,12 +109,41 @@ impl Pair {
         }
     }
 
-    /// A connection to whichever server accepts writes.
-    async fn primary(&self) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
-        let (client, connection) =
-            tokio_postgres::connect(&self.url, tokio_postgres::NoTls).await?;
-        tokio::spawn(connection);
-        Ok(client)
+    /// A connection to whichever server of the URL accepts writes, each asked on its
+    /// own and for a moment only: a primary that stopped answering holds a connection
+    /// to it, which tokio-postgres would wait on before it tried the next host.
+    async fn primary(&self) -> Result<tokio_postgres::Client, String> {
+        let all: tokio_postgres::Config = self.url.parse().map_err(|e| format!("{e}"))?;
+        let mut why = String::from("no host in FAILOVER_URL");
+        for (i, host) in all.get_hosts().iter().enumerate() {
+            let tokio_postgres::config::Host::Tcp(host) = host else {
+                continue;
+            };
+            let mut one = tokio_postgres::Config::new();
+            one.host(host)
+                .port(all.get_ports().get(i).copied().unwrap_or(5432))
+                .user(all.get_user().unwrap_or("postgres"))
+                .dbname(all.get_dbname().unwrap_or("postgres"));
+            if let Some(password) = all.get_password() {
+                one.password(password);
+            }
+            let asked = tokio::time::timeout(Duration::from_secs(2), async {
+                let (client, connection) = one.connect(tokio_postgres::NoTls).await?;
+                tokio::spawn(connection);
+                let standby: bool = client
+                    .query_one("SELECT pg_is_in_recovery()", &[])
+                    .await?
+                    .get(0);
+                Ok::<_, tokio_postgres::Error>((client, standby))
+            });
+            match asked.await {
+                Ok(Ok((client, false))) => return Ok(client),
+                Ok(Ok((_, true))) => why = format!("{host}: a standby"),
+                Ok(Err(e)) => why = format!("{host}: {e}"),
+                Err(_) => why = format!("{host}: no answer"),
+            }
+        }
+        Err(why)
     }
 
     /// `synchronous_standby_names` on the primary, and the states of its standbys.
@@ -179,17 +208,15 @@ impl Pair {
 
     /// Polls until a connection to a writable primary succeeds.
     async fn wait_for_a_primary(&self) {
-        for _ in 0..600 {
-            if let Ok(db) = self.primary().await {
-                if let Ok(row) = db.query_one("SELECT pg_is_in_recovery()", &[]).await {
-                    if !row.get::<_, bool>(0) {
-                        return;
-                    }
-                }
+        let mut why = String::new();
+        for _ in 0..300 {
+            match self.primary().await {
+                Ok(_) => return,
+                Err(e) => why = e,
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        panic!("no writable primary after the promotion");
+        panic!("no writable primary after the promotion: {why}");
     }
 }
 
@@ -730,6 +757,9 @@ async fn fail_over_under_load(replication: Replication) {
         })
         .collect();
 
+    let began = Instant::now();
+    let progress = |what: &str| println!("[{:5.1} s] {what}", began.elapsed().as_secs_f64());
+    progress("load started");
     tokio::time::sleep(LOAD_BEFORE).await;
     // A standby that falls behind: its walsender paused, then killed with the primary,
     // so that what it held back never reaches the standby.
@@ -768,22 +798,26 @@ async fn fail_over_under_load(replication: Replication) {
         "stop the primary: {:?} failed: {stopped}",
         pair.stop_primary
     );
+    progress("primary stopped");
     tokio::time::sleep(pair.no_primary.saturating_sub(killed.elapsed())).await;
     let promoted = Instant::now();
     pair.run("promote the standby", &pair.promote);
     pair.wait_for_a_primary().await;
     let back = Instant::now();
+    progress("standby promoted");
 
     // Each process serves a new payment again, never restarted.
     for addr in addrs.iter() {
         let key = next.fetch_add(1, Ordering::SeqCst);
         until_created(&client, &seen, &run, key, *addr).await;
     }
+    progress("each process served a new payment");
     tokio::time::sleep(LOAD_AFTER).await;
     stop.store(true, Ordering::SeqCst);
     for worker in workers {
         worker.await.expect("a load worker");
     }
+    progress("load stopped");
 
     // Every key is sent once more until it is answered 201: a replay of the answer it
     // got, for a key that got one.
@@ -807,6 +841,7 @@ async fn fail_over_under_load(replication: Replication) {
     for task in last_pass {
         task.await.expect("a last-pass request");
     }
+    progress("every key answered 201");
 
     // The listener is back on the new primary (in b and c, the processes whose
     // duplicates wait), and waiting duplicates are woken by its notifications: a slow
