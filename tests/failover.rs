@@ -11,7 +11,7 @@
 //! - `FAILOVER_URL`: both servers in one URL, with `target_session_attrs=read-write`
 //!   (`postgres://postgres@127.0.0.1:5442,127.0.0.1:5443/postgres?target_session_attrs=read-write`);
 //! - `FAILOVER_STOP_PRIMARY`: a shell command that stops the primary hard
-//!   (`pg_ctlcluster 15 ti_primary stop -m immediate`);
+//!   (`pg_ctlcluster 15 ti_primary stop -m immediate`, or `kill -9` of its postmaster);
 //! - `FAILOVER_PROMOTE`: a shell command that promotes the standby, returning once it
 //!   is promoted (`pg_ctlcluster 15 ti_standby promote`);
 //! - optionally `FAILOVER_NO_PRIMARY_MS`: how long to leave the pair without a primary
