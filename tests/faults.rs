@@ -842,6 +842,61 @@ async fn a_claim_that_lands_after_its_503_is_released_not_left_blocking() {
     assert_eq!(counter.runs_of("k"), 1);
 }
 
+/// A URL that names a primary and its standby: the first stops answering (its machine
+/// frozen, or cut off by the network: what its connections are sent, and new
+/// connections to it, get no answer, and nothing fails), while the second serves. The
+/// store passes over the first for the second, without a restart: 503 for the requests
+/// on connections to the silent host, then served. It tried the hosts in the URL's
+/// order, each until it answered, and so answered 503 for as long as the first stayed
+/// silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_host_that_stops_answering_is_passed_over_for_the_next_in_the_url() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let url = proxy.url_then_the_database();
+    let store = PostgresStore::connect(&url)
+        .expect("a store")
+        .with_schema_name(&schema.name)
+        .expect("schema name")
+        .with_background_purge(None);
+    store.migrate().await.expect("migrate");
+    let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
+    let (router, counter) = app(layer);
+    assert_eq!(send(&router, post("before", "{}")).await.status, 201);
+    assert!(proxy.executes() > 0, "the first host did not serve");
+
+    proxy.stall(true);
+    let mut answers = Vec::new();
+    loop {
+        let r = common::send_bounded(&router, post("after", "{}")).await;
+        answers.push(r.status.as_u16());
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.status, 503, "{answers:?}");
+        assert_eq!(r.problem(), "store-unavailable");
+        assert!(
+            answers.len() < 10,
+            "the store keeps to the silent host: {answers:?}"
+        );
+    }
+    assert_eq!(counter.runs_of("after"), 1);
+    let replay = send(&router, post("after", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+
+    // A listener that connects while the first host is silent listens on the second.
+    let other = PostgresStore::connect(&url)
+        .expect("a store")
+        .with_schema_name(&schema.name)
+        .expect("schema name")
+        .with_background_purge(None);
+    other
+        .listen()
+        .await
+        .expect("the listener keeps to the silent host");
+    proxy.stall(false);
+}
+
 /// A `LISTEN` connection that goes silent (a NAT's idle timeout, a failover) is found out
 /// by the listener's heartbeat, which keeps checking while no notification comes:
 /// waiters then look again on their own and replay, not when the running request's

@@ -161,6 +161,23 @@ impl PgProxy {
         )
     }
 
+    /// A URL that names two hosts, the proxy, then the database itself, with
+    /// `target_session_attrs=read-write`: as a primary and its standby are named, where
+    /// the first can be made to fail while the second serves.
+    pub fn url_then_the_database(&self) -> String {
+        let (upstream, config) = upstream();
+        let user = config.get_user().unwrap_or("postgres");
+        let db = config.get_dbname().unwrap_or(user);
+        let password = config
+            .get_password()
+            .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+            .unwrap_or_default();
+        format!(
+            "postgres://{user}{password}@{},{upstream}/{db}?target_session_attrs=read-write",
+            self.addr
+        )
+    }
+
     /// Statements executed through the proxy so far.
     pub fn executes(&self) -> u64 {
         self.shared.executes.load(Ordering::SeqCst)

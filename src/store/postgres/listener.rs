@@ -18,7 +18,7 @@ use std::{
 
 use tokio_postgres::AsyncMessage;
 
-use super::tls::Connector;
+use super::{hosts::Hosts, tls::Connector};
 use crate::store::{BoxFuture, waiters::Waiters};
 
 /// How often a waiter looks again while no listener connection is up.
@@ -41,6 +41,9 @@ const HEARTBEAT: Duration = Duration::from_secs(10);
 /// How long that check may take before the connection counts as lost.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the listener may take to connect (as a pool of `pool_for_url` may).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What the listener's connection gave it.
 // Lives for one turn of the loop, on the stack: boxing the message would allocate for
 // every notification to save nothing.
@@ -55,7 +58,9 @@ enum Event {
 }
 
 pub(super) struct Listener {
-    config: Option<tokio_postgres::Config>,
+    /// Where to connect: the hosts of the store's notification configuration, which
+    /// remember the one that last gave a connection (after a failover, the new primary).
+    hosts: Option<Arc<Hosts>>,
     connector: Connector,
     channel: String,
     waiters: Arc<Waiters<String>>,
@@ -86,7 +91,7 @@ impl Listener {
         connector: Connector,
     ) -> Self {
         Self {
-            config,
+            hosts: config.as_ref().map(|config| Arc::new(Hosts::new(config))),
             connector,
             channel,
             waiters: Arc::default(),
@@ -118,7 +123,7 @@ impl Listener {
     pub(super) async fn listening(self: &Arc<Self>, bound: Duration) -> bool {
         self.ensure_started();
         let mut rx = self.connected.subscribe();
-        self.config.is_some()
+        self.hosts.is_some()
             && tokio::time::timeout(bound, rx.wait_for(|up| *up))
                 .await
                 .is_ok_and(|r| r.is_ok())
@@ -126,7 +131,7 @@ impl Listener {
 
     /// Starts the listener task on first use (needs a Tokio runtime).
     fn ensure_started(self: &Arc<Self>) {
-        let Some(config) = self.config.clone() else {
+        let Some(hosts) = self.hosts.clone() else {
             return;
         };
         // Outside a runtime nothing can be spawned: waiters look again on their timer.
@@ -143,7 +148,7 @@ impl Listener {
         {
             let task = runtime.spawn(listen(
                 Arc::downgrade(self),
-                config,
+                hosts,
                 self.connector.clone(),
                 self.channel.clone(),
             ));
@@ -196,17 +201,15 @@ impl Drop for Stopped {
     }
 }
 
-async fn listen(
-    me: Weak<Listener>,
-    config: tokio_postgres::Config,
-    connector: Connector,
-    channel: String,
-) {
+async fn listen(me: Weak<Listener>, hosts: Arc<Hosts>, connector: Connector, channel: String) {
     let _stopped = Stopped(me.clone());
     let mut backoff = Duration::from_millis(100);
     loop {
-        match connector.connect(config.clone()).await {
-            Ok((client, mut connection)) => {
+        // Bounded: a host that accepts and never answers (a primary frozen or cut off
+        // in a failover) would hold the listener for good, and every waiter on its timer.
+        let connected = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(&hosts)).await;
+        match connected {
+            Ok(Ok((client, mut connection))) => {
                 // Unique to this connection, so that nobody else hears its checks, and
                 // no earlier connection's passes for this one's.
                 let echo = format!("ti_echo_{:016x}", crate::store::random_u64());
@@ -315,7 +318,11 @@ async fn listen(
                     me.wake_everyone();
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "the idempotency listener cannot connect"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the idempotency listener cannot connect"),
+            Err(_) => tracing::warn!(
+                "the idempotency listener cannot connect: no connection within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            ),
         }
         if me.strong_count() == 0 {
             return;

@@ -1,5 +1,6 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
+mod hosts;
 mod listener;
 mod purge;
 mod reserve;
@@ -89,6 +90,9 @@ async fn pooled(pool: &Pool) -> Result<Client, StoreError> {
     }
 }
 
+/// How long a cancel request for an abandoned statement may take (see `Checkout`).
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
+
 /// A pooled connection that goes back to the pool only once its work is done
 /// ([`done`](Self::done)). Dropped before that, it is closed instead, and what it may
 /// still be running on the server cancelled: its caller gave up in the middle of a
@@ -125,9 +129,17 @@ impl Drop for Checkout {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let cancel = conn.cancel_token();
                 let connector = std::mem::take(&mut self.1);
+                // Bounded: a server that stopped answering (a primary frozen or cut off
+                // in a failover) would hold the request, and its socket, for ever.
                 runtime.spawn(async move {
-                    if let Err(e) = connector.cancel(cancel).await {
-                        tracing::debug!(error = %e, "could not cancel an abandoned statement");
+                    match tokio::time::timeout(CANCEL_WAIT, connector.cancel(cancel)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "could not cancel an abandoned statement");
+                        }
+                        Err(_) => tracing::debug!(
+                            "no answer to the cancel request of an abandoned statement"
+                        ),
                     }
                 });
             }
@@ -810,6 +822,10 @@ impl PostgresStore {
 
     /// Listens for completions on a connection made with `config`, so that requests
     /// waiting for a running key wake as soon as it completes, in any process.
+    ///
+    /// With several hosts (a primary and its standbys, `target_session_attrs=read-write`),
+    /// it connects as the pools of [`pool_for_url`] do, and finds the promoted standby
+    /// after a failover.
     ///
     /// The connection needs a session of its own: a direct one, or session pooling,
     /// never a transaction-pooling PgBouncer. After `LISTEN`, and every 10 s, the
@@ -1576,6 +1592,14 @@ impl PostgresStore {
 /// balancer keeps them, or they are found out, and fail when data they sent goes
 /// unacknowledged for 30 s (`tcp_user_timeout`).
 ///
+/// A URL may name a primary and its standbys, to follow a failover:
+/// `postgres://app@db1,db2/payments?target_session_attrs=read-write`. A new connection
+/// then starts with the host that gave the last one, and a host that has given none
+/// within half a second is raced by the next, so that a primary gone without a word
+/// (frozen, or cut off: connections accepted and never answered) does not keep the
+/// pool from the promoted standby. (tokio-postgres alone tries the hosts in order, each
+/// until it answers.)
+///
 /// ```
 /// let pool = tower_idempotency::store::pool_for_url("postgres://postgres@127.0.0.1/postgres", 8)?;
 /// assert_eq!(pool.status().max_size, 8);
@@ -1597,9 +1621,13 @@ where
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
     let config = parse_url(url)?;
-    let manager = Manager::from_config(
-        config,
+    let connect = hosts::PoolConnect {
+        hosts: hosts::Hosts::new(&config),
         tls,
+    };
+    let manager = Manager::from_connect(
+        config,
+        connect,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },

@@ -9,10 +9,11 @@ use std::{
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_postgres::{
-    AsyncMessage, CancelToken, Client, Config, Connection, Error, NoTls, Socket,
+    AsyncMessage, CancelToken, Client, Connection, Error, NoTls, Socket,
     tls::{MakeTlsConnect, TlsConnect},
 };
 
+use super::hosts::Hosts;
 use crate::store::BoxFuture;
 
 /// How the store's own connections are made: without TLS, or with a connector.
@@ -37,7 +38,7 @@ where
 type Connected = (Client, Box<dyn Messages>);
 
 trait Connect: Send + Sync {
-    fn connect(&self, config: Config) -> BoxFuture<'static, Result<Connected, Error>>;
+    fn connect(&self, hosts: Arc<Hosts>) -> BoxFuture<'static, Result<Connected, Error>>;
     fn cancel(&self, token: CancelToken) -> BoxFuture<'static, Result<(), Error>>;
 }
 
@@ -51,10 +52,10 @@ where
     T::TlsConnect: Send + Sync,
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
-    fn connect(&self, config: Config) -> BoxFuture<'static, Result<Connected, Error>> {
+    fn connect(&self, hosts: Arc<Hosts>) -> BoxFuture<'static, Result<Connected, Error>> {
         let tls = self.0.clone();
         Box::pin(async move {
-            let (client, connection) = config.connect(tls).await?;
+            let (client, connection) = hosts.connect(tls).await?;
             Ok((client, Box::new(connection) as Box<dyn Messages>))
         })
     }
@@ -77,12 +78,12 @@ impl Connector {
         Self(Some(Arc::new(With(tls))))
     }
 
-    /// Opens a connection with `config`.
-    pub(super) async fn connect(&self, config: Config) -> Result<Connected, Error> {
+    /// Opens a connection to one of `hosts` (see `Hosts::connect`).
+    pub(super) async fn connect(&self, hosts: &Arc<Hosts>) -> Result<Connected, Error> {
         match &self.0 {
-            Some(tls) => tls.connect(config).await,
+            Some(tls) => tls.connect(hosts.clone()).await,
             None => {
-                let (client, connection) = config.connect(NoTls).await?;
+                let (client, connection) = hosts.connect(NoTls).await?;
                 Ok((client, Box::new(connection)))
             }
         }
