@@ -181,9 +181,11 @@ enum Kind {
     HttpFloorLease,
     HttpFloorTx,
     HttpFloorReplay,
+    LeaseUnnamed,
+    ReplayUnnamed,
 }
 
-const KINDS: [Kind; 18] = [
+const KINDS: [Kind; 20] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -202,16 +204,19 @@ const KINDS: [Kind; 18] = [
     Kind::HttpFloorLease,
     Kind::HttpFloorTx,
     Kind::HttpFloorReplay,
+    Kind::LeaseUnnamed,
+    Kind::ReplayUnnamed,
 ];
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 18] = [
+const RUN_ORDER: [Kind; 20] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
     Kind::Lease,
     Kind::LeaseShared,
+    Kind::LeaseUnnamed,
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
@@ -220,6 +225,7 @@ const RUN_ORDER: [Kind; 18] = [
     Kind::HttpFloorTx,
     Kind::Replay,
     Kind::ReplayShared,
+    Kind::ReplayUnnamed,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::FloorSelect,
@@ -248,6 +254,8 @@ impl Kind {
             Kind::HttpFloorLease => "http_floor_lease",
             Kind::HttpFloorTx => "http_floor_tx",
             Kind::HttpFloorReplay => "http_floor_replay",
+            Kind::LeaseUnnamed => "lease_unnamed",
+            Kind::ReplayUnnamed => "replay_unnamed",
         }
     }
 
@@ -271,6 +279,10 @@ impl Kind {
             Kind::HttpFloorLease => "(h″) floor (h) in a bare handler, over HTTP",
             Kind::HttpFloorTx => "(i″) floor (i) in a bare handler, over HTTP",
             Kind::HttpFloorReplay => "(j″) floor (j) in a bare handler, over HTTP",
+            Kind::LeaseUnnamed => {
+                "(c‴) lease mode, new keys, unnamed statements (transaction pooling's mode)"
+            }
+            Kind::ReplayUnnamed => "(e‴) replays, unnamed statements (transaction pooling's mode)",
         }
     }
 
@@ -278,10 +290,12 @@ impl Kind {
     fn floor(self) -> Option<Kind> {
         match self {
             Kind::PassThrough => Some(Kind::Bare),
-            Kind::Lease | Kind::LeaseShared | Kind::HttpFloorLease => Some(Kind::FloorLease),
+            Kind::Lease | Kind::LeaseShared | Kind::LeaseUnnamed | Kind::HttpFloorLease => {
+                Some(Kind::FloorLease)
+            }
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
             // Replays are held to a plain read of the row by its primary key.
-            Kind::Replay | Kind::ReplayShared => Some(Kind::FloorSelect),
+            Kind::Replay | Kind::ReplayShared | Kind::ReplayUnnamed => Some(Kind::FloorSelect),
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
         }
@@ -297,11 +311,20 @@ impl Kind {
             self,
             Kind::Lease
                 | Kind::LeaseShared
+                | Kind::LeaseUnnamed
                 | Kind::Tx
                 | Kind::Replay
                 | Kind::ReplayShared
+                | Kind::ReplayUnnamed
                 | Kind::Dup
         )
+    }
+
+    /// Rows whose store sends its statements unnamed, as behind a transaction pooler
+    /// (`PostgresStore::with_transaction_pooling`), over the same direct connections:
+    /// what that mode costs the database, alone.
+    fn unnamed(self) -> bool {
+        matches!(self, Kind::LeaseUnnamed | Kind::ReplayUnnamed)
     }
 
     /// Rows whose store runs its claims on shared connections
@@ -339,6 +362,8 @@ impl Kind {
             | Kind::FloorReplayShared
             | Kind::HttpFloorReplay => 1.0,
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
+            // Parsed with every execution: nothing prepared.
+            Kind::LeaseUnnamed | Kind::ReplayUnnamed => 0.0,
         }
     }
 }
@@ -1190,10 +1215,17 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     .layer(IdempotencyLayer::new(st)),
             )
         }
-        Kind::Lease | Kind::LeaseShared | Kind::Replay | Kind::ReplayShared | Kind::Dup => {
+        Kind::Lease
+        | Kind::LeaseShared
+        | Kind::LeaseUnnamed
+        | Kind::Replay
+        | Kind::ReplayShared
+        | Kind::ReplayUnnamed
+        | Kind::Dup => {
             let st = ctx
                 .store()
-                .with_shared_claim_connections(ctx.shared_claim_connections(kind));
+                .with_shared_claim_connections(ctx.shared_claim_connections(kind))
+                .with_transaction_pooling(kind.unnamed());
             store = Some(st.clone());
             Some(
                 Router::new()
@@ -1250,9 +1282,10 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
             Box::pin(async move {
                 let key = match kind {
                     Kind::Bare | Kind::PassThrough => None,
-                    Kind::Replay | Kind::ReplayShared | Kind::HttpFloorReplay => {
-                        Some(replay_key(w, seq, n_replay))
-                    }
+                    Kind::Replay
+                    | Kind::ReplayShared
+                    | Kind::ReplayUnnamed
+                    | Kind::HttpFloorReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
                     _ => Some(format!("{tag}-w{w}-{seq}")),
                 };

@@ -162,10 +162,20 @@ impl Demo {
         let mut cmd = Command::new(demo_binary());
         cmd.arg("--addr").arg("127.0.0.1:0").args(args);
         match schema {
-            Some(schema) => {
-                cmd.arg("--database-url").arg(&schema.url);
-                cmd.arg("--schema").arg(&schema.name);
-            }
+            // Behind the suite's transaction pooler (`TI_POOLER_URL`), as a deployment
+            // behind one would run it: statements through the pooler, `LISTEN` direct.
+            Some(schema) => match common::pooler_url() {
+                Some(pooler) => {
+                    cmd.arg("--database-url").arg(pooler);
+                    cmd.arg("--transaction-pooler");
+                    cmd.arg("--listen-url").arg(&schema.url);
+                    cmd.arg("--schema").arg(&schema.name);
+                }
+                None => {
+                    cmd.arg("--database-url").arg(&schema.url);
+                    cmd.arg("--schema").arg(&schema.name);
+                }
+            },
             None => {
                 cmd.env_remove("DATABASE_URL");
             }

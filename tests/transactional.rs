@@ -480,7 +480,10 @@ async fn a_handler_that_answers_201_after_its_insert_failed_gets_503_not_committ
     // The pool's one connection came back clean, and serves the next request.
     let next = send(&router, post_body("k2", "pay_2", &[])).await;
     assert_eq!(next.status, 201);
-    assert_eq!(next.header("x-backend"), before.header("x-backend"));
+    // The same server session, unless a transaction pooler lends another.
+    if common::pooler_url().is_none() {
+        assert_eq!(next.header("x-backend"), before.header("x-backend"));
+    }
     common::idle(&store).await;
 }
 
@@ -765,6 +768,12 @@ async fn a_transaction_handler_behind_a_lease_mode_layer_is_500_and_stores_nothi
 /// server does not notice a closed connection then, and is told to cancel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_abandoned_claim_stops_waiting_on_the_server() {
+    if common::pooler_url().is_some() {
+        // Behind a transaction pooler no cancel request is sent
+        // (`with_transaction_pooling`): the statement runs to its own bound.
+        eprintln!("not behind a transaction pooler: it sends no cancel requests");
+        return;
+    }
     let schema = TestSchema::new();
     let store = schema.store().await;
     abandoned_claim_stops_waiting(&schema, store).await;

@@ -6,6 +6,11 @@ use std::{
     time::Duration,
 };
 
+use deadpool_postgres::ClientWrapper;
+use tokio_postgres::{
+    Row,
+    types::{ToSql, Type},
+};
 use tower_idempotency::{
     store::{PostgresStore, StoreMetrics, pool_for_url},
     transactional::TransactionHandle,
@@ -30,6 +35,8 @@ pub(crate) enum Backend {
         pool: deadpool_postgres::Pool,
         schema: String,
         store: Box<PostgresStore>,
+        /// Behind a transaction-pooling PgBouncer: statements unnamed (see `query`).
+        pooled: bool,
     },
 }
 
@@ -91,6 +98,46 @@ impl<V: Clone> Ledger<V> {
     }
 }
 
+/// Runs `sql` on `client`: prepared once per connection, or, behind a transaction
+/// pooler (`pooled`), unnamed, as the store's statements are there
+/// (`PostgresStore::with_transaction_pooling`).
+async fn query(
+    client: &ClientWrapper,
+    pooled: bool,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<Row>, Error> {
+    if pooled {
+        return Ok(client.query_typed(sql, params).await?);
+    }
+    let stmt = client.prepare_cached(sql).await?;
+    let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
+    Ok(client.query(&stmt, &values).await?)
+}
+
+/// Records a payment once per payment id.
+fn insert_payment(schema: &str) -> String {
+    format!(
+        "INSERT INTO \"{schema}\".demo_payments (payment_id, charge_id, amount, currency)
+         VALUES ($1, $2, $3, $4) ON CONFLICT (payment_id) DO NOTHING"
+    )
+}
+
+/// The parameters of [`insert_payment`].
+fn payment_params<'a>(
+    payment_id: &'a &str,
+    charge_id: &'a &str,
+    amount: &'a i64,
+    currency: &'a &str,
+) -> [(&'a (dyn ToSql + Sync), Type); 4] {
+    [
+        (payment_id, Type::TEXT),
+        (charge_id, Type::TEXT),
+        (amount, Type::INT8),
+        (currency, Type::TEXT),
+    ]
+}
+
 /// A charge id: `ch_` and 16 hex digits.
 fn charge_id(n: u64) -> String {
     format!("ch_{n:016x}")
@@ -118,12 +165,27 @@ impl Backend {
         })))
     }
 
-    /// Connects, migrates the idempotency table and the demo's own tables.
-    pub(crate) async fn postgres(url: &str, schema: &str) -> Result<(Self, PostgresStore), Error> {
+    /// Connects, migrates the idempotency table and the demo's own tables. `pooled`:
+    /// `url` is a transaction-pooling PgBouncer, and `listen_url` (if any) the database
+    /// itself, for `LISTEN`.
+    pub(crate) async fn postgres(
+        url: &str,
+        schema: &str,
+        pooled: bool,
+        listen_url: Option<&str>,
+    ) -> Result<(Self, PostgresStore), Error> {
         let pool = pool_for_url(url, 32)?;
         let store = PostgresStore::new(pool.clone())
             .with_schema_name(schema)?
-            .with_notifications(url.parse()?)
+            .with_transaction_pooling(pooled);
+        // Behind a transaction pooler `LISTEN` needs the database itself; without its
+        // URL, waiting duplicates look again on a timer.
+        let store = match (pooled, listen_url) {
+            (_, Some(direct)) => store.with_notifications(direct.parse()?),
+            (false, None) => store.with_notifications(url.parse()?),
+            (true, None) => store,
+        };
+        let store = store
             // The default, said out loud: keys past their TTL are deleted in the
             // background, by one demo process at a time.
             .with_background_purge(Some(PURGE_EVERY));
@@ -155,6 +217,7 @@ impl Backend {
                 pool,
                 schema: schema.to_owned(),
                 store: Box::new(store.clone()),
+                pooled,
             },
             store,
         ))
@@ -173,14 +236,17 @@ impl Backend {
                     _ => m.psp_calls += 1,
                 }
             }
-            Self::Postgres { pool, schema, .. } => {
+            Self::Postgres {
+                pool,
+                schema,
+                pooled,
+                ..
+            } => {
                 let client = pool.get().await?;
-                let stmt = client
-                    .prepare_cached(&format!(
-                        "UPDATE \"{schema}\".demo_counters SET value = value + 1 WHERE name = $1"
-                    ))
-                    .await?;
-                client.execute(&stmt, &[&counter]).await?;
+                let sql = format!(
+                    "UPDATE \"{schema}\".demo_counters SET value = value + 1 WHERE name = $1"
+                );
+                query(&client, *pooled, &sql, &[(&counter, Type::TEXT)]).await?;
             }
         }
         Ok(())
@@ -229,10 +295,14 @@ impl Backend {
                 let charged_in = String::from_utf8_lossy(&charge.currency).into_owned();
                 Ok(settled((charge_id(charge.id), charge.amount, charged_in)))
             }
-            Self::Postgres { pool, schema, .. } => {
+            Self::Postgres {
+                pool,
+                schema,
+                pooled,
+                ..
+            } => {
                 let client = pool.get().await?;
-                let stmt = client
-                    .prepare_cached(&format!(
+                let sql = format!(
                         "WITH ins AS (
                              INSERT INTO \"{schema}\".demo_psp_charges (psp_key, charge_id, amount, currency)
                              VALUES ($1, $2, $3, $4) ON CONFLICT (psp_key) DO NOTHING
@@ -241,12 +311,15 @@ impl Backend {
                          UNION ALL
                          SELECT charge_id, amount, currency FROM \"{schema}\".demo_psp_charges
                          WHERE psp_key = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
-                    ))
-                    .await?;
+                    );
+                let params: [(&(dyn ToSql + Sync), Type); 4] = [
+                    (&psp_key, Type::TEXT),
+                    (&fresh_id, Type::TEXT),
+                    (&amount, Type::INT8),
+                    (&currency, Type::TEXT),
+                ];
                 for _ in 0..8 {
-                    let rows = client
-                        .query(&stmt, &[&psp_key, &fresh_id, &amount, &currency])
-                        .await?;
+                    let rows = query(&client, *pooled, &sql, &params).await?;
                     if let Some(row) = rows.first() {
                         return Ok(settled((row.get(0), row.get(1), row.get(2))));
                     }
@@ -272,17 +345,16 @@ impl Backend {
                     .get_or_insert_with(payment_id, || charge_id.into());
                 m.payments_recorded += i64::from(new);
             }
-            Self::Postgres { pool, schema, .. } => {
+            Self::Postgres {
+                pool,
+                schema,
+                pooled,
+                ..
+            } => {
                 let client = pool.get().await?;
-                let stmt = client
-                    .prepare_cached(&format!(
-                        "INSERT INTO \"{schema}\".demo_payments (payment_id, charge_id, amount, currency)
-                         VALUES ($1, $2, $3, $4) ON CONFLICT (payment_id) DO NOTHING"
-                    ))
-                    .await?;
-                client
-                    .execute(&stmt, &[&payment_id, &charge_id, &amount, &currency])
-                    .await?;
+                let sql = insert_payment(schema);
+                let params = payment_params(&payment_id, &charge_id, &amount, &currency);
+                query(&client, *pooled, &sql, &params).await?;
             }
         }
         Ok(())
@@ -297,19 +369,12 @@ impl Backend {
         amount: i64,
         currency: &str,
     ) -> Result<(), Error> {
-        let Self::Postgres { schema, .. } = self else {
+        let Self::Postgres { schema, pooled, .. } = self else {
             return Err("transactional mode needs PostgreSQL".into());
         };
         let client = tx.client().await?;
-        let stmt = client
-            .prepare_cached(&format!(
-                "INSERT INTO \"{schema}\".demo_payments (payment_id, charge_id, amount, currency)
-                 VALUES ($1, $2, $3, $4) ON CONFLICT (payment_id) DO NOTHING"
-            ))
-            .await?;
-        client
-            .execute(&stmt, &[&payment_id, &charge_id, &amount, &currency])
-            .await?;
+        let params = payment_params(&payment_id, &charge_id, &amount, &currency);
+        query(&client, *pooled, &insert_payment(schema), &params).await?;
         Ok(())
     }
 
@@ -335,20 +400,22 @@ impl Backend {
                     payments: m.payments_recorded,
                 })
             }
-            Self::Postgres { pool, schema, .. } => {
+            Self::Postgres {
+                pool,
+                schema,
+                pooled,
+                ..
+            } => {
                 let client = pool.get().await?;
-                let row = client
-                    .query_one(
-                        &format!(
-                            "SELECT
-                               (SELECT value FROM \"{schema}\".demo_counters WHERE name = 'handler_runs'),
-                               (SELECT value FROM \"{schema}\".demo_counters WHERE name = 'psp_calls'),
-                               (SELECT count(*) FROM \"{schema}\".demo_psp_charges),
-                               (SELECT count(*) FROM \"{schema}\".demo_payments)"
-                        ),
-                        &[],
-                    )
-                    .await?;
+                let sql = format!(
+                    "SELECT
+                       (SELECT value FROM \"{schema}\".demo_counters WHERE name = 'handler_runs'),
+                       (SELECT value FROM \"{schema}\".demo_counters WHERE name = 'psp_calls'),
+                       (SELECT count(*) FROM \"{schema}\".demo_psp_charges),
+                       (SELECT count(*) FROM \"{schema}\".demo_payments)"
+                );
+                let rows = query(&client, *pooled, &sql, &[]).await?;
+                let row = rows.first().ok_or("no statistics")?;
                 Ok(Stats {
                     handler_runs: row.get(0),
                     psp_calls: row.get(1),

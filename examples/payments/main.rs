@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
-//!     [--memory-max-keys N]
+//!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -57,9 +57,13 @@ struct Args {
     transactional: bool,
     wait_ms: u64,
     memory_max_keys: usize,
+    /// `--database-url` is a transaction-pooling PgBouncer.
+    transaction_pooler: bool,
+    /// The database itself, for `LISTEN` behind a transaction pooler.
+    listen_url: Option<String>,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -70,6 +74,8 @@ fn parse_args() -> Result<Args, String> {
         transactional: false,
         wait_ms: 0,
         memory_max_keys: MemoryStore::DEFAULT_MAX_ENTRIES,
+        transaction_pooler: false,
+        listen_url: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -111,6 +117,8 @@ fn parse_args() -> Result<Args, String> {
                     format!("--memory-max-keys {v:?}: expected a count, at least 1")
                 })?;
             }
+            "--transaction-pooler" => args.transaction_pooler = true,
+            "--listen-url" => args.listen_url = Some(value("--listen-url")?),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -146,17 +154,24 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     let lease = Duration::from_millis(args.lease_ms);
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
-            let (backend, store) = Backend::postgres(url, &args.schema).await?;
-            if args.wait_ms > 0 {
+            let listen_url = args.listen_url.as_deref();
+            let (backend, store) =
+                Backend::postgres(url, &args.schema, args.transaction_pooler, listen_url).await?;
+            if args.wait_ms > 0 && (!args.transaction_pooler || listen_url.is_some()) {
                 // Waiting duplicates are woken by notifications from the first request,
                 // whichever process runs it.
                 store.listen().await?;
             }
             let name = format!(
-                "postgres (schema {}, table {}; keys past their TTL purged every {} s)",
+                "postgres (schema {}, table {}; keys past their TTL purged every {} s{})",
                 args.schema,
                 store.table(),
-                backend::PURGE_EVERY.as_secs()
+                backend::PURGE_EVERY.as_secs(),
+                if args.transaction_pooler {
+                    "; through a transaction pooler"
+                } else {
+                    ""
+                }
             );
             let layer = if args.transactional {
                 IdempotencyLayer::transactional(store)

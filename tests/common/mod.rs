@@ -37,6 +37,14 @@ pub fn database_url() -> String {
         .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// The transaction-pooling PgBouncer the suite runs through, if `TI_POOLER_URL` names
+/// one (see [`TestSchema::store_at`]).
+pub fn pooler_url() -> Option<String> {
+    std::env::var("TI_POOLER_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+}
+
 /// Returns once every connection `store` holds is back in its pool: a transactional
 /// replay rolls its transaction back in a task of its own, and a test that ends before
 /// it has run would leave that transaction open, blocking the drop of its schema.
@@ -241,8 +249,19 @@ fn run_from_drop(sql: String) -> Result<(), String> {
             .build()
             .expect("runtime");
         rt.block_on(async move {
-            let (client, conn) =
-                tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
+            // A server at `max_connections` for a moment (other suites running beside
+            // this one) refuses the connection: it is tried again, a few times.
+            let mut attempt = 0;
+            let (client, conn) = loop {
+                match tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await {
+                    Ok(connected) => break connected,
+                    Err(_) if attempt < 10 => {
+                        attempt += 1;
+                        tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
             tokio::spawn(conn);
             client.batch_execute(&sql).await
         })
@@ -273,8 +292,18 @@ impl TestSchema {
     }
 
     /// A migrated store on a pool of `size` connections to `url`.
+    ///
+    /// With `TI_POOLER_URL` set (a transaction-pooling PgBouncer in front of the
+    /// database, as `.ci/run` starts one), a store on the database's own URL goes through
+    /// the pooler instead (`with_transaction_pooling`), and listens on the database
+    /// directly: the suite runs again as a deployment behind a pooler would.
     pub async fn store_at(&self, url: &str, size: usize) -> PostgresStore {
-        let store = PostgresStore::new(pool_for_url(url, size).expect("pool"))
+        let (pool_url, pooling) = match pooler_url() {
+            Some(pooler) if url == database_url() => (pooler, true),
+            _ => (url.to_owned(), false),
+        };
+        let store = PostgresStore::new(pool_for_url(&pool_url, size).expect("pool"))
+            .with_transaction_pooling(pooling)
             .with_schema_name(&self.name)
             .expect("schema name")
             .with_notifications(url.parse().expect("url"));

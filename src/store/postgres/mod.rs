@@ -5,6 +5,7 @@ mod listener;
 mod purge;
 mod reserve;
 mod shared;
+mod sql;
 mod tls;
 mod tx;
 
@@ -33,6 +34,7 @@ use listener::Listener;
 use purge::BackgroundPurge;
 use sha2::{Digest, Sha256};
 use shared::{Opened, Shared};
+use sql::{Statement, params};
 use tls::Connector;
 pub(crate) use tx::{
     Backend, Ending, Resolution, begin, commit_on, roll_back_keeping, roll_back_or_close,
@@ -99,7 +101,9 @@ const CANCEL_WAIT: Duration = Duration::from_secs(5);
 /// statement (a timeout, a client gone), and a connection whose answer never came may
 /// be dead without a word, its next user waiting behind that answer for as long as TCP
 /// takes to give up; or a transaction was left open on it, which closing rolls back.
-pub(crate) struct Checkout(Option<Client>, Connector);
+/// (Behind a transaction pooler, no cancel request is sent: `None`; see
+/// `PostgresStore::with_transaction_pooling`.)
+pub(crate) struct Checkout(Option<Client>, Option<Connector>);
 
 impl Checkout {
     /// The work is done: the connection goes back to the pool.
@@ -122,13 +126,19 @@ impl std::ops::Deref for Checkout {
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(conn) = self.0.take() {
+            // Out of the pool for good: it is closed, not handed to the next user.
+            let conn = deadpool_postgres::Object::take(conn);
             // The server does not notice a closed connection while a statement waits
             // (on a lock, say): it is told to cancel it, or it would wait on, holding
             // a backend, for as long as the statement's own bound allows. Over the
-            // store's TLS, if it has one (`PostgresStore::with_tls`).
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            // store's TLS, if it has one (`PostgresStore::with_tls`). The connection is
+            // closed once the cancel request has gone, not before: a PgBouncer (1.18)
+            // that receives a cancel request for a client that has just gone can crash,
+            // taking every client's connection with it.
+            if let (Ok(runtime), Some(connector)) =
+                (tokio::runtime::Handle::try_current(), self.1.take())
+            {
                 let cancel = conn.cancel_token();
-                let connector = std::mem::take(&mut self.1);
                 // Bounded: a server that stopped answering (a primary frozen or cut off
                 // in a failover) would hold the request, and its socket, for ever.
                 runtime.spawn(async move {
@@ -141,9 +151,9 @@ impl Drop for Checkout {
                             "no answer to the cancel request of an abandoned statement"
                         ),
                     }
+                    drop(conn);
                 });
             }
-            drop(deadpool_postgres::Object::take(conn));
         }
     }
 }
@@ -293,6 +303,9 @@ pub struct PostgresStore {
     location: Arc<str>,
     /// Deletes expired rows in the background, once started by a claim.
     purge: Arc<BackgroundPurge>,
+    /// Whether the connections go through a transaction pooler
+    /// (`with_transaction_pooling`): statements unnamed, no cancel requests.
+    transaction_pooling: bool,
     /// Connections outside the pool for the statements of running claims when the
     /// pool has no idle one (`reserve`).
     reserve: Arc<Shared>,
@@ -307,6 +320,7 @@ struct Options {
     /// Shared claim connections; 0: none.
     shared: usize,
     purge_every: Option<Duration>,
+    transaction_pooling: bool,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -349,16 +363,16 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 struct Sql {
-    claim: String,
-    takeover: String,
-    complete: String,
-    release: String,
-    renew: String,
-    wait: String,
-    in_doubt_wait: String,
-    in_doubt_read: String,
-    purge: String,
-    purge_in_turn: String,
+    claim: Statement,
+    takeover: Statement,
+    complete: Statement,
+    release: Statement,
+    renew: Statement,
+    wait: Statement,
+    in_doubt_wait: Statement,
+    in_doubt_read: Statement,
+    purge: Statement,
+    purge_in_turn: Statement,
     /// Transactional mode's own.
     tx: tx::Statements,
     qualified: String,
@@ -397,82 +411,112 @@ impl Sql {
             // in Rust against the database's `now()`, which is cheaper than numeric
             // arithmetic in SQL.
             // The columns are read by position: keep them in the order of `col`.
-            claim: format!(
-                "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
-                        f.status, f.headers, f.body, now() AS now,
-                        CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
-                 FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
+            claim: Statement::new(
+                format!(
+                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                            f.status, f.headers, f.body, now() AS now,
+                            CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
+                     FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
+                ),
+                params::CLAIM,
             ),
             // A record taken over after it completed starts with nobody waiting on it
             // (the old value of `state` is read): a lapsed running one keeps its waiters.
-            takeover: format!(
-                "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
-                        locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
-                        completed_at = NULL, status = NULL, headers = NULL, body = NULL,
-                        waiters = (state = 'running' AND waiters)
-                 WHERE scope = $1 AND key = $2 AND token = $3
-                   AND (state = 'completed' OR locked_until <= now())
-                   AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))
-                 RETURNING token",
-                l = ms.replace("$ms", "$5"),
-                e = ms.replace("$ms", "$6"),
+            takeover: Statement::new(
+                format!(
+                    "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
+                            locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
+                            completed_at = NULL, status = NULL, headers = NULL, body = NULL,
+                            waiters = (state = 'running' AND waiters)
+                     WHERE scope = $1 AND key = $2 AND token = $3
+                       AND (state = 'completed' OR locked_until <= now())
+                       AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))
+                     RETURNING token",
+                    l = ms.replace("$ms", "$5"),
+                    e = ms.replace("$ms", "$6"),
+                ),
+                params::TAKEOVER,
             ),
-            complete: complete(""),
-            tx: tx::Statements::new(&t, complete(tx::WRITTEN_BY_THIS_TRANSACTION)),
-            release: format!(
-                "WITH done AS (
-                    DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
-                    RETURNING waiters)
-                 SELECT CASE WHEN waiters THEN pg_notify($4, $5) END FROM done"
+            complete: Statement::new(complete(""), params::COMPLETE),
+            tx: tx::Statements::new(
+                &t,
+                Statement::new(complete(tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
             ),
-            renew: format!(
-                "UPDATE {t} SET locked_until = now() + {l}, expires_at = greatest(expires_at, now() + {l})
-                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
-                l = ms.replace("$ms", "$4"),
+            release: Statement::new(
+                format!(
+                    "WITH done AS (
+                        DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
+                        RETURNING waiters)
+                     SELECT CASE WHEN waiters THEN pg_notify($4, $5) END FROM done"
+                ),
+                params::RELEASE,
+            ),
+            renew: Statement::new(
+                format!(
+                    "UPDATE {t} SET locked_until = now() + {l}, expires_at = greatest(expires_at, now() + {l})
+                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
+                    l = ms.replace("$ms", "$4"),
+                ),
+                params::RENEW,
             ),
             // Whether the key is still running, setting its `waiters` flag only where it
             // is not set yet: a retry storm on one key re-registers on every turn, and a
             // write each time would take the row lock and make a new row version each
             // time. A flag already set is read, not written (the outer read sees the
             // row as it was before the update, which never touches such a row).
-            wait: format!(
-                "WITH flagged AS (
-                    UPDATE {t} SET waiters = true
-                    WHERE scope = $1 AND key = $2 AND state = 'running' AND NOT waiters
-                    RETURNING 1)
-                 SELECT EXISTS (SELECT 1 FROM flagged)
-                     OR EXISTS (SELECT 1 FROM {t}
-                                WHERE scope = $1 AND key = $2 AND state = 'running' AND waiters)"
+            wait: Statement::new(
+                format!(
+                    "WITH flagged AS (
+                        UPDATE {t} SET waiters = true
+                        WHERE scope = $1 AND key = $2 AND state = 'running' AND NOT waiters
+                        RETURNING 1)
+                     SELECT EXISTS (SELECT 1 FROM flagged)
+                         OR EXISTS (SELECT 1 FROM {t}
+                                    WHERE scope = $1 AND key = $2 AND state = 'running' AND waiters)"
+                ),
+                params::KEY,
             ),
             // For a COMMIT in doubt (`committed_on`): an insert of the key, rolled back
             // after, waits for a transaction still inserting or updating its row (the
             // unique check waits on it); the read, in a snapshot taken after, sees how
             // that transaction ended. Not `FOR SHARE`: that would wait for a duplicate
             // that took the row since, through its whole handler.
-            in_doubt_wait: format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
-            in_doubt_read: format!(
-                "SELECT token, state, fingerprint, status, headers, body, created_at FROM {t}
-                 WHERE scope = $1 AND key = $2"
+            in_doubt_wait: Statement::new(
+                format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
+                params::KEY_AND_FINGERPRINT,
+            ),
+            in_doubt_read: Statement::new(
+                format!(
+                    "SELECT token, state, fingerprint, status, headers, body, created_at FROM {t}
+                     WHERE scope = $1 AND key = $2"
+                ),
+                params::KEY,
             ),
             // The outer condition repeats the inner one: a ctid names a row only within
             // one table, so on a partitioned table it could name a live row elsewhere.
-            purge: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                    SELECT ctid FROM {t}
-                    WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
-                    LIMIT $1 FOR UPDATE SKIP LOCKED))
-                 AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+            purge: Statement::new(
+                format!(
+                    "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                        SELECT ctid FROM {t}
+                        WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                        LIMIT $1 FOR UPDATE SKIP LOCKED))
+                     AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+                ),
+                params::PURGE,
             ),
             // The background purge's batch: the same, in this replica's turn only (an
             // advisory lock of the table's own, `$2`, tried once per statement and held
             // until it commits; another replica's batch holding it deletes nothing).
-            purge_in_turn: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                    SELECT ctid FROM {t}
-                    WHERE (SELECT pg_try_advisory_xact_lock($2))
-                      AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())
-                    LIMIT $1 FOR UPDATE SKIP LOCKED))
-                 AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+            purge_in_turn: Statement::new(
+                format!(
+                    "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                        SELECT ctid FROM {t}
+                        WHERE (SELECT pg_try_advisory_xact_lock($2))
+                          AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                        LIMIT $1 FOR UPDATE SKIP LOCKED))
+                     AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+                ),
+                params::PURGE_IN_TURN,
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
@@ -694,6 +738,7 @@ impl PostgresStore {
                 connector: Connector::default(),
                 shared: 0,
                 purge_every: Some(purge::DEFAULT_EVERY),
+                transaction_pooling: false,
             },
         )
     }
@@ -748,6 +793,7 @@ impl PostgresStore {
             connector: self.connector.clone(),
             shared: self.shared.as_ref().map_or(0, |s| s.len()),
             purge_every: self.purge.every(),
+            transaction_pooling: self.transaction_pooling,
         }
     }
 
@@ -761,7 +807,18 @@ impl PostgresStore {
             connector,
             shared,
             purge_every,
+            transaction_pooling,
         } = options;
+        // A shared claim connection sets `lock_timeout` for its session, which a
+        // transaction pooler would hand to other clients' transactions.
+        let shared = if !transaction_pooling || shared == 0 {
+            shared
+        } else {
+            tracing::warn!(
+                "shared claim connections are off behind a transaction pooler: their session setting would leak to other clients"
+            );
+            0
+        };
         let channel = format!("{table}_done");
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
             (pool.status().max_size / 2).max(1),
@@ -775,13 +832,15 @@ impl PostgresStore {
         let purge = Arc::new(BackgroundPurge::new(
             purge_every,
             pool.clone(),
-            connector.clone(),
+            (!transaction_pooling).then(|| connector.clone()),
             sql.purge_in_turn.clone(),
+            !transaction_pooling,
             purge::lock_id(&sql.qualified),
         ));
         Self {
             location,
             purge,
+            transaction_pooling,
             tx_claims,
             sql: Arc::new(sql),
             listener: Arc::new(Listener::new(
@@ -956,6 +1015,54 @@ impl PostgresStore {
         Self::build(self.pool, options)
     }
 
+    /// Whether the store's pooled connections go through a transaction-pooling
+    /// PgBouncer (`pool_mode = transaction`, as managed databases' poolers run; default
+    /// `false`: connections of their own, or session pooling).
+    ///
+    /// Such a pooler lends a server session to a client for one transaction at a time,
+    /// so nothing may outlive a transaction on it. With `true`, the store:
+    ///
+    /// - sends its statements unnamed, parsed with each execution in the same round trip
+    ///   (a statement prepared in one transaction is missing, or another client's, in
+    ///   the next); they cost the database a parse each (docs/benchmarks.md measures it);
+    /// - turns shared claim connections
+    ///   ([`with_shared_claim_connections`](Self::with_shared_claim_connections)) off:
+    ///   they set `lock_timeout` for their session, which the pooler would hand on;
+    /// - sends no cancel request for a statement it gives up on, and only closes its
+    ///   connection: PgBouncer 1.18 (Debian 12's) can crash when a cancel request's
+    ///   connection closes as soon as it is sent, taking every client's connections
+    ///   with it. The statement then runs to its own bound.
+    ///
+    /// Also give [`with_notifications`](Self::with_notifications) a direct connection to
+    /// the server, not the pooler: `LISTEN` needs a session of its own (without one,
+    /// waiting duplicates look again every 250 ms). In transactional mode the handler's
+    /// own statements must not be cached across requests either: use `query`/`execute`
+    /// with the SQL text on the [`TransactionHandle`](crate::transactional::TransactionHandle)'s
+    /// client (prepared and closed inside the transaction), never `prepare_cached`.
+    ///
+    /// Everything else the store does holds there: transactional mode's `SET LOCAL`,
+    /// migrations in one transaction, the background purge's transaction-scoped lock.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::{PostgresStore, pool_for_url};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pooler = "postgres://app@pgbouncer.internal:6432/payments";
+    /// let direct = "postgres://app@db.internal:5432/payments";
+    /// let store = PostgresStore::new(pool_for_url(pooler, 16)?)
+    ///     .with_transaction_pooling(true)
+    ///     .with_notifications(direct.parse()?);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_transaction_pooling(self, pooling: bool) -> Self {
+        let options = Options {
+            transaction_pooling: pooling,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
     /// Counters of what this store has done, for tests and dashboards.
     pub fn metrics(&self) -> StoreMetrics {
         StoreMetrics {
@@ -1107,9 +1214,8 @@ impl PostgresStore {
     /// One attempt of [`migrate`](Self::migrate), in one transaction.
     async fn migrate_once(&self) -> Result<(), Migration> {
         let mut client = pooled(&self.pool).await?;
-        if self.migrated(&client).await? {
-            return Ok(());
-        }
+        // Everything in one transaction, the check too: its statements, prepared and
+        // closed inside it, stay on one server session behind a transaction pooler.
         // Read committed whatever the database's default: a replica that waited on the
         // lock must see the versions the one before it applied. Under repeatable read or
         // serializable its snapshot, taken before the wait, would not, and it would apply
@@ -1120,6 +1226,9 @@ impl PostgresStore {
             .start()
             .await
             .map_err(classify)?;
+        if self.migrated(&tx).await? {
+            return Ok(tx.commit().await.map_err(classify)?);
+        }
         // A lock_timeout, statement_timeout or (PostgreSQL 17) transaction_timeout of the
         // role or database would end the wait for another replica's migrations, which
         // may take as long as they take. Only the settings this server has are set.
@@ -1230,14 +1339,14 @@ impl PostgresStore {
 
     /// `conn`, checked out of the pool (see `Checkout`).
     fn checkout(&self, conn: Client) -> Checkout {
-        Checkout(Some(conn), self.connector.clone())
+        Checkout(Some(conn), self.canceller())
     }
 
     /// Runs `sql` on a pooled connection, again after a lost race, then gives the
     /// connection back (given up on midway, it is closed instead: `Checkout`).
     async fn execute_pooled(
         &self,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, StoreError> {
         let client = self.client().await?;
@@ -1249,7 +1358,7 @@ impl PostgresStore {
     /// [`execute_pooled`](Self::execute_pooled) for a statement that returns rows.
     async fn query_pooled(
         &self,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
         let client = self.client().await?;
@@ -1258,26 +1367,56 @@ impl PostgresStore {
         rows
     }
 
-    pub(crate) async fn query_on(
+    /// How a connection given up on in the middle of a statement has it cancelled: over
+    /// the store's TLS, and not at all behind a transaction pooler (see `Checkout`).
+    fn canceller(&self) -> Option<Connector> {
+        (!self.transaction_pooling).then(|| self.connector.clone())
+    }
+
+    /// Runs `sql` on `client`: prepared once per connection, or, behind a transaction
+    /// pooler ([`with_transaction_pooling`](Self::with_transaction_pooling)), unnamed,
+    /// parsed in the same round trip as it runs.
+    async fn query_on(
         &self,
         client: &ClientWrapper,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
+        if self.transaction_pooling {
+            self.statements.fetch_add(1, Ordering::Relaxed);
+            let typed = sql::typed(sql, params);
+            return client.query_typed(sql, &typed).await.map_err(classify);
+        }
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
         client.query(&stmt, params).await.map_err(classify)
     }
 
+    /// [`query_on`](Self::query_on) for a statement whose rows are not read: how many
+    /// it changed.
     async fn execute_on(
         &self,
         client: &ClientWrapper,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, StoreError> {
+        if self.transaction_pooling {
+            self.statements.fetch_add(1, Ordering::Relaxed);
+            let typed = sql::typed(sql, params);
+            return client.execute_typed(sql, &typed).await.map_err(classify);
+        }
         let stmt = client.prepare_cached(sql).await.map_err(classify)?;
         self.statements.fetch_add(1, Ordering::Relaxed);
         client.execute(&stmt, params).await.map_err(classify)
+    }
+
+    /// Prepares `sql` on `client` (a no-op once cached, and behind a transaction
+    /// pooler), so that its execution can be pipelined behind another's.
+    async fn prepare_on(&self, client: &ClientWrapper, sql: &Statement) -> Result<(), StoreError> {
+        if self.transaction_pooling {
+            return Ok(());
+        }
+        client.prepare_cached(sql).await.map(drop).map_err(classify)
     }
 
     /// Claims on a shared connection if there is one with room, else on a pooled one.
@@ -1455,7 +1594,7 @@ impl PostgresStore {
     /// Stores `response` under `lease` on `client` with `sql`, a completion statement.
     async fn complete_with(
         &self,
-        sql: &str,
+        sql: &Statement,
         client: &ClientWrapper,
         lease: &Lease,
         response: &StoredResponse,

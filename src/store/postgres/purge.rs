@@ -19,7 +19,13 @@ use std::{
 use deadpool_postgres::Pool;
 use tracing::Instrument;
 
-use super::{Checkout, tls::Connector};
+use tokio_postgres::types::ToSql;
+
+use super::{
+    Checkout,
+    sql::{self, Statement},
+    tls::Connector,
+};
 
 /// How often a store purges by default.
 pub(super) const DEFAULT_EVERY: Duration = Duration::from_secs(60);
@@ -41,10 +47,12 @@ pub(super) struct BackgroundPurge {
     every: Option<Duration>,
     started: AtomicBool,
     pool: Pool,
-    /// The TLS of the cancel request for a batch given up on.
-    connector: Connector,
+    /// The TLS of the cancel request for a batch given up on (`None`: none is sent).
+    connector: Option<Connector>,
     /// The batch statement, with the advisory lock (`Sql::purge_in_turn`).
-    statement: String,
+    statement: Statement,
+    /// Whether statements are prepared (see `PostgresStore::with_prepared_statements`).
+    prepared: bool,
     /// The table's advisory lock id.
     lock: i64,
 }
@@ -55,8 +63,9 @@ impl BackgroundPurge {
     pub(super) fn new(
         every: Option<Duration>,
         pool: Pool,
-        connector: Connector,
-        statement: String,
+        connector: Option<Connector>,
+        statement: Statement,
+        prepared: bool,
         lock: i64,
     ) -> Self {
         Self {
@@ -65,6 +74,7 @@ impl BackgroundPurge {
             pool,
             connector,
             statement,
+            prepared,
             lock,
         }
     }
@@ -119,16 +129,19 @@ impl BackgroundPurge {
     async fn batch(&self) -> Result<u64, String> {
         let client = self.pool.get().await.map_err(|e| e.to_string())?;
         let conn = Checkout(Some(client), self.connector.clone());
-        let statement = conn
-            .prepare_cached(&self.statement)
-            .await
-            .map_err(|e| e.to_string())?;
-        let deleted = conn
-            .execute(&statement, &[&BATCH, &self.lock])
-            .await
-            .map_err(|e| e.to_string());
+        let params: [&(dyn ToSql + Sync); 2] = [&BATCH, &self.lock];
+        let deleted = if self.prepared {
+            let statement = conn
+                .prepare_cached(&self.statement)
+                .await
+                .map_err(|e| e.to_string())?;
+            conn.execute(&statement, &params).await
+        } else {
+            let typed = sql::typed(&self.statement, &params);
+            conn.execute_typed(&self.statement, &typed).await
+        };
         conn.done();
-        deleted
+        deleted.map_err(|e| e.to_string())
     }
 }
 

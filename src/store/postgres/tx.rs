@@ -12,7 +12,10 @@ use std::time::{Duration, SystemTime};
 use deadpool_postgres::ClientWrapper;
 use tokio_postgres::{Row, SimpleQueryMessage, types::ToSql};
 
-use super::{Checkout, PostgresStore, classify, ms};
+use super::{
+    Checkout, PostgresStore, ms,
+    sql::{Statement, params},
+};
 use crate::{
     Fingerprint, StoredResponse,
     store::{Claim, ClaimRequest, Lease, StoreError, StoreErrorKind},
@@ -43,47 +46,56 @@ pub(crate) struct Backend {
 /// Statements of transactional mode (see `Sql`).
 pub(super) struct Statements {
     /// The completion, matching only the row this transaction wrote.
-    complete: String,
+    complete: Statement,
     /// Whether the claim row is still this transaction's.
-    ours: String,
+    ours: Statement,
     /// Whether the claim row is committed `running`, as the claim wrote it.
-    claim_alone: String,
+    claim_alone: Statement,
     /// Renews the lease of a claim row committed `running`, as the claim wrote it.
-    renew_alone: String,
+    renew_alone: Statement,
     /// Completes the key after its transaction ended under the layer.
-    finish_ended: String,
+    finish_ended: Statement,
     /// Ends a transaction on the server from another session.
-    end: String,
+    end: Statement,
 }
 
 impl Statements {
     /// `t`: the qualified table; `complete`: the completion, restricted to the row
     /// this transaction wrote.
-    pub(super) fn new(t: &str, complete: String) -> Self {
+    pub(super) fn new(t: &str, complete: Statement) -> Self {
         let ttl = "$8::bigint * interval '1 millisecond'";
         Self {
             complete,
-            ours: format!(
-                "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3{WRITTEN_BY_THIS_TRANSACTION}"
+            ours: Statement::new(
+                format!(
+                    "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3{WRITTEN_BY_THIS_TRANSACTION}"
+                ),
+                params::KEY_AND_TOKEN,
             ),
             // The claim's signature: its token, and `created_at` the claim's
             // transaction start (no other claim, a takeover with the same token
             // included, has both), still `running`: committed so by a `COMMIT` of the
             // handler's, since the layer's own commits it completed.
-            claim_alone: format!(
-                "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3
-                                     AND state = 'running' AND created_at = $4"
+            claim_alone: Statement::new(
+                format!(
+                    "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3
+                                         AND state = 'running' AND created_at = $4"
+                ),
+                params::CLAIM_SIGNATURE,
             ),
             // The same row, its lease renewed. It matches nothing while the claim's
             // transaction is open, and never waits on it: to other sessions, the row
             // that transaction inserted does not exist, and one it took over still
             // carries the token before the takeover's.
-            renew_alone: format!(
-                "UPDATE {t} SET locked_until = now() + {lease},
-                                expires_at = greatest(expires_at, now() + {lease})
-                 WHERE scope = $1 AND key = $2 AND token = $3
-                   AND state = 'running' AND created_at = $4",
-                lease = "$5::bigint * interval '1 millisecond'",
+            renew_alone: Statement::new(
+                format!(
+                    "UPDATE {t} SET locked_until = now() + {lease},
+                                    expires_at = greatest(expires_at, now() + {lease})
+                     WHERE scope = $1 AND key = $2 AND token = $3
+                       AND state = 'running' AND created_at = $4",
+                    lease = "$5::bigint * interval '1 millisecond'",
+                ),
+                params::RENEW_ALONE,
             ),
             // Outside any transaction of the claim's: the claim row, committed
             // `running` by the handler's own COMMIT (its token, and `created_at` the
@@ -92,29 +104,32 @@ impl Statements {
             // to take over (the handler's ROLLBACK restored it) is taken over completed,
             // its token one more; no row at all (the handler's ROLLBACK removed the
             // insert) is inserted completed. A row another request holds is left alone.
-            finish_ended: format!(
-                "WITH ours AS (
-                    UPDATE {t} SET state = 'completed', locked_until = NULL, fingerprint = $4,
-                           status = $5, headers = $6, body = $7,
-                           token = CASE WHEN token = $3 AND state = 'running' AND created_at = $9
-                                        THEN token ELSE token + 1 END,
-                           completed_at = statement_timestamp(),
-                           expires_at = statement_timestamp() + {ttl}
-                    WHERE scope = $1 AND key = $2
-                      AND ((token = $3 AND state = 'running' AND created_at = $9)
-                        OR ((state = 'completed' OR locked_until <= now())
-                            AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))))
-                    RETURNING waiters),
-                 fresh AS (
-                    INSERT INTO {t} (scope, key, fingerprint, state, token, expires_at,
-                                     completed_at, status, headers, body)
-                    SELECT $1, $2, $4, 'completed', $3, statement_timestamp() + {ttl},
-                           statement_timestamp(), $5, $6, $7
-                    WHERE NOT EXISTS (SELECT 1 FROM ours)
-                    ON CONFLICT (scope, key) DO NOTHING
-                    RETURNING false AS waiters)
-                 SELECT CASE WHEN waiters THEN pg_notify($10, $11) END FROM ours
-                 UNION ALL SELECT NULL FROM fresh"
+            finish_ended: Statement::new(
+                format!(
+                    "WITH ours AS (
+                        UPDATE {t} SET state = 'completed', locked_until = NULL, fingerprint = $4,
+                               status = $5, headers = $6, body = $7,
+                               token = CASE WHEN token = $3 AND state = 'running' AND created_at = $9
+                                            THEN token ELSE token + 1 END,
+                               completed_at = statement_timestamp(),
+                               expires_at = statement_timestamp() + {ttl}
+                        WHERE scope = $1 AND key = $2
+                          AND ((token = $3 AND state = 'running' AND created_at = $9)
+                            OR ((state = 'completed' OR locked_until <= now())
+                                AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))))
+                        RETURNING waiters),
+                     fresh AS (
+                        INSERT INTO {t} (scope, key, fingerprint, state, token, expires_at,
+                                         completed_at, status, headers, body)
+                        SELECT $1, $2, $4, 'completed', $3, statement_timestamp() + {ttl},
+                               statement_timestamp(), $5, $6, $7
+                        WHERE NOT EXISTS (SELECT 1 FROM ours)
+                        ON CONFLICT (scope, key) DO NOTHING
+                        RETURNING false AS waiters)
+                     SELECT CASE WHEN waiters THEN pg_notify($10, $11) END FROM ours
+                     UNION ALL SELECT NULL FROM fresh"
+                ),
+                params::FINISH_ENDED,
             ),
             // Only while that backend still runs that transaction: a backend whose
             // session ended may be another's now, and one behind a pooler serves
@@ -122,10 +137,13 @@ impl Statements {
             // none, the session is gone; `state` null, this role may not see it;
             // `disabled`, the session does not report its transactions
             // (`track_activities` off), so its `xact_start` tells nothing.
-            end: "SELECT CASE WHEN xact_start = $2 THEN pg_terminate_backend(pid) END,
-                         coalesce(state <> 'disabled', false)
-                  FROM pg_stat_activity WHERE pid = $1"
-                .to_owned(),
+            end: Statement::new(
+                "SELECT CASE WHEN xact_start = $2 THEN pg_terminate_backend(pid) END,
+                             coalesce(state <> 'disabled', false)
+                      FROM pg_stat_activity WHERE pid = $1"
+                    .to_owned(),
+                params::END,
+            ),
         }
     }
 }
@@ -242,11 +260,9 @@ impl PostgresStore {
     ) -> Result<(Claim, Backend), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
         // Prepared first (once per connection), so that the claim's execution goes on
-        // the wire between the `BEGIN` and the reset of the lock timeout.
-        client
-            .prepare_cached(&self.sql.claim)
-            .await
-            .map_err(classify)?;
+        // the wire between the `BEGIN` and the reset of the lock timeout. (Unnamed, it
+        // goes whole at its first poll.)
+        self.prepare_on(client, &self.sql.claim).await?;
         let reset = then_lock_timeout.map(set_lock_timeout);
         let (begun, claim, reset) = tokio::join!(
             client.simple_query(begin),
@@ -308,11 +324,7 @@ impl PostgresStore {
         &self,
         client: &ClientWrapper,
     ) -> Result<(), StoreError> {
-        client
-            .prepare_cached(&self.sql.tx.complete)
-            .await
-            .map(drop)
-            .map_err(classify)
+        self.prepare_on(client, &self.sql.tx.complete).await
     }
 
     /// How the transaction that claimed `lease` for `fingerprint` (on `backend`) and sent
@@ -370,11 +382,7 @@ impl PostgresStore {
     /// Prepares the check of [`still_ours`](Self::still_ours) on `client` (a no-op
     /// once cached), so that it can be pipelined with a `ROLLBACK`.
     pub(crate) async fn prepare_ours(&self, client: &ClientWrapper) -> Result<(), StoreError> {
-        client
-            .prepare_cached(&self.sql.tx.ours)
-            .await
-            .map(drop)
-            .map_err(classify)
+        self.prepare_on(client, &self.sql.tx.ours).await
     }
 
     /// Whether the transaction on `client` is still the one that claimed `lease`.
@@ -442,7 +450,7 @@ impl PostgresStore {
     async fn query_apart(
         &self,
         client: Option<&ClientWrapper>,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
         if let Some(client) = client {
