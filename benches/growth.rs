@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 use tokio_postgres::NoTls;
 use tower_idempotency::{
     Fingerprint, Scope, StoredResponse,
-    store::{Claim, ClaimRequest, PostgresStore, Store, pool_for_url},
+    store::{Claim, ClaimRequest, Fenced, PostgresStore, Store, pool_for_url},
 };
 
 const TENANTS: u64 = 1000;
@@ -431,11 +431,11 @@ fn spawn_workers(
                             let done = ctx.store.complete(&lease, &ctx.response, TTL).await;
                             let completed = t.elapsed().as_nanos() as u64;
                             match done {
-                                Ok(true) if record => {
+                                Ok(Fenced::Kept) if record => {
                                     lat.claims.push(claimed);
                                     lat.completions.push(completed);
                                 }
-                                Ok(true) => {}
+                                Ok(Fenced::Kept) => {}
                                 _ => lat.errors += 1,
                             }
                         }

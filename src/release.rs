@@ -36,7 +36,7 @@ impl Releasing {
             return;
         }
         tracing::warn!(
-            token = lease.token,
+            token = %lease.token,
             "releasing the key failed; trying again in the background until the store answers"
         );
         let (this, lease) = (self.clone(), lease.clone());
@@ -48,12 +48,12 @@ impl Releasing {
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(LONGEST_WAIT);
                 if this.attempt(&lease).await {
-                    tracing::info!(token = lease.token, "the key was released after all");
+                    tracing::info!(token = %lease.token, "the key was released after all");
                     return;
                 }
             }
             tracing::warn!(
-                token = lease.token,
+                token = %lease.token,
                 "the key could not be released; it frees when its lease lapses"
             );
         };
@@ -68,14 +68,11 @@ impl Releasing {
     /// One attempt: whether the store answered (the key released, or no longer held by
     /// this lease: nothing left to do).
     async fn attempt(&self, lease: &Lease) -> bool {
-        match tokio::time::timeout(self.store_timeout, self.store.release(lease)).await {
-            Ok(Ok(_)) => true,
-            Ok(Err(e)) => {
-                tracing::debug!(token = lease.token, error = %e, "releasing the key failed");
-                false
-            }
-            Err(_) => {
-                tracing::debug!(token = lease.token, "releasing the key timed out");
+        let releasing = self.store.release(lease);
+        match crate::store::within(self.store_timeout, "a release", releasing).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!(token = %lease.token, error = %e, "releasing the key failed");
                 false
             }
         }

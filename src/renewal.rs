@@ -26,7 +26,7 @@ use std::{
 use tokio::{sync::Notify, task::JoinHandle};
 use tracing::Span;
 
-use crate::store::{Lease, Store};
+use crate::store::{Fenced, Lease, Store};
 
 /// Renews a lease every third of its duration, in a task of its own, until dropped.
 ///
@@ -95,7 +95,7 @@ impl Renewal {
             }
             Err(_) => {
                 tracing::warn!(
-                    token = lease.token,
+                    token = %lease.token,
                     "outside a Tokio runtime the lease cannot be renewed; it lapses after its duration"
                 );
                 None
@@ -173,31 +173,31 @@ async fn renew(store: Arc<dyn Store>, lease: Lease, duration: Duration, control:
             _ = ticker.tick() => {}
         }
         // Not raced against the stop: a renewal on its way finishes.
-        let renewed = tokio::time::timeout(period, store.renew(&lease, duration)).await;
+        let renewed =
+            crate::store::within(period, "a lease renewal", store.renew(&lease, duration)).await;
         if control.stopped.load(Ordering::Acquire) {
             // Its owner is done with the lease, which may be stored or released by now.
             return;
         }
         match renewed {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) => {
+            Ok(Fenced::Kept) => {}
+            Ok(Fenced::LeaseLost) => {
                 control.log(|| {
                     if control.storing.load(Ordering::Relaxed) {
                         tracing::debug!(
-                            token = lease.token,
+                            token = %lease.token,
                             "a renewal found the lease gone while the result was being stored (the result may just have landed)"
                         );
                     } else {
                         tracing::warn!(
-                            token = lease.token,
+                            token = %lease.token,
                             "the lease was lost while the handler ran; its result will not be stored"
                         );
                     }
                 });
                 return;
             }
-            Ok(Err(e)) => control.log(|| tracing::warn!(error = %e, "lease renewal failed")),
-            Err(_) => control.log(|| tracing::warn!("lease renewal timed out")),
+            Err(e) => control.log(|| tracing::warn!(error = %e, "lease renewal failed")),
         }
     }
 }
@@ -234,11 +234,11 @@ mod tests {
             lease: &'a Lease,
             response: &'a StoredResponse,
             ttl: Duration,
-        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
             self.inner.complete(lease, response, ttl)
         }
 
-        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
             self.inner.release(lease)
         }
 
@@ -250,7 +250,7 @@ mod tests {
             &'a self,
             lease: &'a Lease,
             duration: Duration,
-        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
             Box::pin(async move {
                 self.started.fetch_add(1, Ordering::SeqCst);
                 self.gate.notified().await;
@@ -330,10 +330,13 @@ mod tests {
                 lease: &'a Lease,
                 response: &'a StoredResponse,
                 ttl: Duration,
-            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+            ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
                 self.0.complete(lease, response, ttl)
             }
-            fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+            fn release<'a>(
+                &'a self,
+                lease: &'a Lease,
+            ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
                 self.0.release(lease)
             }
             fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
@@ -343,7 +346,7 @@ mod tests {
                 &'a self,
                 _: &'a Lease,
                 _: Duration,
-            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+            ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
                 panic!("the store broke while renewing")
             }
         }
@@ -351,7 +354,7 @@ mod tests {
         let lease = Lease {
             scope: crate::Scope::anonymous(),
             key: Arc::from("k"),
-            token: 1,
+            token: crate::store::FencingToken::new(1),
         };
         let mut renewal = Renewal::start(&store, &lease, Duration::from_millis(30));
         let watched =

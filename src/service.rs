@@ -28,7 +28,7 @@ use crate::{
     rejection::Problem,
     renewal::Renewal,
     shutdown::InFlight,
-    store::{BoxFuture, Claim, ClaimRequest, Lease},
+    store::{BoxFuture, Claim, ClaimRequest, Fenced, Lease},
 };
 
 /// The middleware built by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -965,9 +965,9 @@ impl Storing {
                         this.store.renew(&lease, this.lease),
                     )
                     .await;
-                    if matches!(renewed, Ok(Ok(false))) {
+                    if matches!(renewed, Ok(Ok(Fenced::LeaseLost))) {
                         tracing::warn!(
-                            token = lease.token,
+                            token = %lease.token,
                             "the lease was taken over while storing the result"
                         );
                         return;
@@ -978,7 +978,7 @@ impl Storing {
                     attempt += 1;
                 }
                 tracing::error!(
-                    token = lease.token,
+                    token = %lease.token,
                     "the result could not be stored; the key stays claimed until its lease lapses, then a retry runs again"
                 );
             }
@@ -995,20 +995,20 @@ impl Storing {
         )
         .await
         {
-            Ok(Ok(true)) => Attempt::Stored,
-            Ok(Ok(false)) => {
+            Ok(Ok(Fenced::Kept)) => Attempt::Stored,
+            Ok(Ok(Fenced::LeaseLost)) => {
                 tracing::warn!(
-                    token = lease.token,
+                    token = %lease.token,
                     "the lease was taken over by another run; this result went to its own caller and was not stored"
                 );
                 Attempt::Fenced
             }
             Ok(Err(e)) => {
-                tracing::warn!(token = lease.token, attempt, error = %e, "storing the result failed");
+                tracing::warn!(token = %lease.token, attempt, error = %e, "storing the result failed");
                 Attempt::Failed
             }
             Err(_) => {
-                tracing::warn!(token = lease.token, attempt, "storing the result timed out");
+                tracing::warn!(token = %lease.token, attempt, "storing the result timed out");
                 Attempt::Failed
             }
         }

@@ -137,7 +137,7 @@ mod scheduling {
     use tower::{Layer, Service, ServiceExt, service_fn};
     use tower_idempotency::{
         IdempotencyLayer, Outcome, Scope, ShutdownHandle, StoredResponse,
-        store::{BoxFuture, Claim, ClaimRequest, Lease, MemoryStore, Store, StoreError},
+        store::{BoxFuture, Claim, ClaimRequest, Fenced, Lease, MemoryStore, Store, StoreError},
     };
 
     use crate::common::{eventually, post, req};
@@ -190,11 +190,11 @@ mod scheduling {
             lease: &'a Lease,
             response: &'a StoredResponse,
             ttl: Duration,
-        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
             self.inner.complete(lease, response, ttl)
         }
 
-        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
             if let Some(shutdown) = self.shutdown.get() {
                 self.in_flight_at_release
                     .lock()
@@ -237,7 +237,7 @@ mod scheduling {
             &'a self,
             _lease: &'a Lease,
             _duration: Duration,
-        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
             self.renewals_in_flight.fetch_add(1, Ordering::SeqCst);
             let counted = Counted(self.renewals_in_flight.clone());
             Box::pin(async move {

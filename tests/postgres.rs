@@ -279,6 +279,7 @@ async fn a_waiter_registered_again_writes_nothing() {
             .complete(&lease, &stored, Duration::from_secs(60))
             .await
             .unwrap()
+            .is_kept()
     );
     assert!(!store.register_waiter(&scope, "k").await.unwrap());
     assert!(!store.register_waiter(&scope, "absent").await.unwrap());
@@ -755,7 +756,13 @@ async fn purge_never_deletes_a_live_claim() {
         0,
         "the claim's lease is live"
     );
-    assert!(store.renew(&lease, Duration::from_secs(30)).await.unwrap());
+    assert!(
+        store
+            .renew(&lease, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_kept()
+    );
     assert!(matches!(
         store.claim(&request).await.unwrap(),
         Claim::Running { .. }
@@ -783,7 +790,13 @@ async fn the_longest_durations_are_held_to_ten_years() {
     let Claim::Acquired(lease) = store.claim(&request).await.expect("claim") else {
         panic!("acquired")
     };
-    assert!(store.renew(&lease, Duration::MAX).await.expect("renew"));
+    assert!(
+        store
+            .renew(&lease, Duration::MAX)
+            .await
+            .expect("renew")
+            .is_kept()
+    );
     let response = StoredResponse {
         status: axum::http::StatusCode::CREATED,
         headers: axum::http::HeaderMap::new(),
@@ -794,6 +807,7 @@ async fn the_longest_durations_are_held_to_ten_years() {
             .complete(&lease, &response, Duration::MAX)
             .await
             .expect("complete")
+            .is_kept()
     );
     let years = schema
         .query(&format!(
@@ -1185,6 +1199,7 @@ async fn a_key_taken_over_after_it_completed_has_no_waiters() {
             .complete(&lease, &response, Duration::from_millis(10))
             .await
             .unwrap()
+            .is_kept()
     );
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(matches!(

@@ -197,7 +197,13 @@ async fn round_trip(store: &dyn Store, key: &str, response: &StoredResponse) -> 
     let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
         panic!("fresh key")
     };
-    assert!(store.complete(&lease, response, request.ttl).await.unwrap());
+    assert!(
+        store
+            .complete(&lease, response, request.ttl)
+            .await
+            .unwrap()
+            .is_kept()
+    );
     match store.claim(&request).await.unwrap() {
         Claim::Completed { response, .. } => response,
         other => panic!("{other:?}"),

@@ -12,7 +12,8 @@ use bytes::Bytes;
 use http::StatusCode;
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind, waiters::Waiters,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError, StoreErrorKind,
+    waiters::Waiters,
 };
 use crate::{Fingerprint, Scope, StoredResponse};
 
@@ -122,7 +123,7 @@ const ALLOCATION: usize = 16;
 
 struct Record {
     fingerprint: Fingerprint,
-    token: i64,
+    token: FencingToken,
     expires_at: At,
     state: State,
 }
@@ -547,7 +548,7 @@ impl MemoryStore {
         };
         let mut record = Record {
             fingerprint: req.fingerprint,
-            token: 0,
+            token: FencingToken::new(0),
             expires_at: later(now, req.ttl),
             state: State::Running {
                 locked_until: later(now, req.lease),
@@ -558,7 +559,7 @@ impl MemoryStore {
             if !inner.make_room(1, cost, None) {
                 return Err(inner.full());
             }
-            record.token = super::fresh_token();
+            record.token = FencingToken::fresh();
             let token = record.token;
             inner.insert(id.clone(), record);
             return Ok(Claimed::Now(Claim::Acquired(lease(token))));
@@ -580,7 +581,7 @@ impl MemoryStore {
         }
         // Taken over, or claimed afresh once expired: the key's tokens only grow while
         // it has a record.
-        record.token = held.token + 1;
+        record.token = held.token.next();
         let token = record.token;
         if matches!(held.state, State::Running { .. }) {
             // A running record of the same key takes the same bytes: nothing to make
@@ -599,7 +600,7 @@ impl MemoryStore {
     }
 
     /// Runs `f` on the running record held by `lease`; `false` when the lease is lost.
-    fn with_held(&self, lease: &Lease, f: impl FnOnce(&mut Inner, Id)) -> bool {
+    fn with_held(&self, lease: &Lease, f: impl FnOnce(&mut Inner, Id)) -> Fenced {
         let mut inner = self.lock();
         let id = (lease.scope.clone(), lease.key.clone());
         let held = matches!(
@@ -609,7 +610,7 @@ impl MemoryStore {
         if held {
             f(&mut inner, id);
         }
-        held
+        Fenced::kept_if(held)
     }
 
     fn announce(&self, lease: &Lease) {
@@ -630,7 +631,7 @@ impl Store for MemoryStore {
         lease: &'a Lease,
         response: &'a StoredResponse,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
             // Encoded and copied outside the lock.
             let mut stored = Some(Stored::new(response));
@@ -653,19 +654,19 @@ impl Store for MemoryStore {
                 // Stored whatever it takes, the handler having run: others make room.
                 inner.make_room(0, 0, Some(&id));
             });
-            if done {
+            if done.is_kept() {
                 self.announce(lease);
             }
             Ok(done)
         })
     }
 
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
             let done = self.with_held(lease, |inner, id| {
                 inner.remove(&id);
             });
-            if done {
+            if done.is_kept() {
                 self.announce(lease);
             }
             Ok(done)
@@ -676,7 +677,7 @@ impl Store for MemoryStore {
         &'a self,
         lease: &'a Lease,
         duration: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
             Ok(self.with_held(lease, |inner, id| {
                 let until = later(inner.now(), duration);
@@ -780,7 +781,7 @@ mod tests {
         for (key, hours) in [("k0", 4), ("k1", 1), ("k2", 3), ("k3", 2)] {
             let held = acquire(&store, &request(&scope, key, lease, hour * hours));
             let stored = rt.block_on(store.complete(&held, &created(key), hour * hours));
-            assert!(stored.unwrap());
+            assert!(stored.unwrap().is_kept());
         }
         assert_eq!((store.len(), store.evicted()), (4, 0));
         let full_bytes = store.bytes();
@@ -805,7 +806,7 @@ mod tests {
         assert_eq!((store.len(), store.evicted()), (4, 4));
         for held in &running {
             assert!(
-                rt.block_on(store.renew(held, lease)).unwrap(),
+                rt.block_on(store.renew(held, lease)).unwrap().is_kept(),
                 "a claim was lost"
             );
         }
@@ -816,9 +817,13 @@ mod tests {
         ));
 
         // An evicted key is a new key: claimed afresh, once there is room.
-        assert!(rt.block_on(store.release(&running[0])).unwrap());
+        assert!(rt.block_on(store.release(&running[0])).unwrap().is_kept());
         let again = acquire(&store, &request(&scope, "k1", lease, hour));
-        assert_ne!(again.token, 1, "a fresh claim's token is random");
+        assert_ne!(
+            again.token,
+            FencingToken::new(1),
+            "a fresh claim's token is random"
+        );
         assert_eq!(store.len(), 4);
     }
 
@@ -837,6 +842,7 @@ mod tests {
             assert!(
                 rt.block_on(store.complete(&held, &created(&body), short))
                     .unwrap()
+                    .is_kept()
             );
             assert!(store.bytes() <= store.max_bytes(), "{i}: {store:?}");
         }
@@ -866,6 +872,7 @@ mod tests {
         assert!(
             rt.block_on(store.complete(&a, &created(&big), long))
                 .unwrap()
+                .is_kept()
         );
         assert!(store.bytes() > store.max_bytes());
         assert!(matches!(
@@ -876,6 +883,7 @@ mod tests {
         assert!(
             rt.block_on(store.complete(&b, &created(&big), long))
                 .unwrap()
+                .is_kept()
         );
         assert!(holds(&store, &scope, "b"));
         assert!(!holds(&store, &scope, "a"));
@@ -920,7 +928,11 @@ mod tests {
             .headers
             .append("x-a", http::HeaderValue::from_static("2"));
         let held = acquire(&store, &request(&scope, "k", long, long));
-        assert!(rt.block_on(store.complete(&held, &response, long)).unwrap());
+        assert!(
+            rt.block_on(store.complete(&held, &response, long))
+                .unwrap()
+                .is_kept()
+        );
         for _ in 0..2 {
             match store.claim_now(&request(&scope, "k", long, long)) {
                 Ok(Claim::Completed {
@@ -935,7 +947,11 @@ mod tests {
             headers: http::HeaderMap::new(),
             body: bytes::Bytes::new(),
         };
-        assert!(rt.block_on(store.complete(&held, &empty, long)).unwrap());
+        assert!(
+            rt.block_on(store.complete(&held, &empty, long))
+                .unwrap()
+                .is_kept()
+        );
         assert!(matches!(
             store.claim_now(&request(&scope, "empty", long, long)),
             Ok(Claim::Completed { response, .. }) if response == empty
@@ -973,6 +989,7 @@ mod tests {
         assert!(
             rt.block_on(store.complete(&leases[7], &response, long))
                 .unwrap()
+                .is_kept()
         );
         let woken = |waits: &[(_, Arc<Woken>, _)]| -> Vec<usize> {
             waits
@@ -987,7 +1004,7 @@ mod tests {
         let mut cx = std::task::Context::from_waker(waker);
         assert!(wait.as_mut().poll(&mut cx).is_ready());
         // A release wakes its key's waiters alone too.
-        assert!(rt.block_on(store.release(&leases[3])).unwrap());
+        assert!(rt.block_on(store.release(&leases[3])).unwrap().is_kept());
         assert_eq!(woken(&waits), [3, 7]);
     }
 
@@ -1034,10 +1051,10 @@ mod tests {
         for i in 0..1000 {
             let held = acquire(&store, &request(&scope, &format!("k{i}"), long, long));
             if i % 2 == 0 {
-                assert!(rt.block_on(store.release(&held)).unwrap());
+                assert!(rt.block_on(store.release(&held)).unwrap().is_kept());
             } else {
                 let stored = rt.block_on(store.complete(&held, &created("{}"), long));
-                assert!(stored.unwrap());
+                assert!(stored.unwrap().is_kept());
             }
         }
         // Gone at once, not when their leases would have lapsed: the released claims
@@ -1060,6 +1077,7 @@ mod tests {
         assert!(
             rt.block_on(store.renew(&renewed, Duration::from_secs(60)))
                 .unwrap()
+                .is_kept()
         );
         let response = StoredResponse {
             status: http::StatusCode::CREATED,
@@ -1069,6 +1087,7 @@ mod tests {
         assert!(
             rt.block_on(store.complete(&completed, &response, Duration::from_secs(60)))
                 .unwrap()
+                .is_kept()
         );
         std::thread::sleep(Duration::from_millis(600));
         // Their first TTL has passed: each claim sweeps, and leaves them.
@@ -1086,7 +1105,7 @@ mod tests {
         ));
         // A released key claimed afresh is swept by its new claim's time, not the old.
         let rt_lease = acquire(&store, &request(&scope, "again", short, short));
-        assert!(rt.block_on(store.release(&rt_lease)).unwrap());
+        assert!(rt.block_on(store.release(&rt_lease)).unwrap().is_kept());
         let long = Duration::from_secs(60);
         acquire(&store, &request(&scope, "again", long, long));
         std::thread::sleep(Duration::from_millis(600));

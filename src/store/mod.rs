@@ -29,7 +29,7 @@
 //! let response = tower_idempotency::StoredResponse {
 //!     status: http::StatusCode::OK, headers: Default::default(), body: "done".into(),
 //! };
-//! assert!(store.complete(&lease, &response, request.ttl).await?);
+//! assert!(store.complete(&lease, &response, request.ttl).await?.is_kept());
 //! assert!(matches!(store.claim(&request).await?, Claim::Completed { .. }));
 //! # Ok(()) }
 //! ```
@@ -129,13 +129,13 @@ impl Drop for Unfinished {
             match tokio::time::timeout(bound, claim).await {
                 Ok(Ok(Claim::Acquired(lease))) => {
                     tracing::warn!(
-                        token = lease.token,
+                        token = %lease.token,
                         "a claim given up on landed late; releasing it"
                     );
                     let released = tokio::time::timeout(release_within, store.release(&lease));
                     if !matches!(released.await, Ok(Ok(_))) {
                         tracing::warn!(
-                            token = lease.token,
+                            token = %lease.token,
                             "the release of a claim that landed late failed; its key frees as its lease lapses"
                         );
                     }
@@ -165,12 +165,90 @@ pub struct ClaimRequest<'a> {
     pub ttl: Duration,
 }
 
-/// A fencing token for a fresh claim: random, in `1..2^62`. Takeovers add one, so a
-/// key's tokens only grow while its row lives; and because a fresh row starts at a
-/// random token, a holder whose row was deleted (released, purged) and claimed anew
-/// cannot act on the new claim (the chance of a collision is 2^-62).
-pub(crate) fn fresh_token() -> i64 {
-    ((random_u64() >> 2) as i64).max(1)
+/// A claim's fencing token: what a holder shows to complete, release or renew its
+/// claim, so that one whose lease was taken over can no longer touch the key.
+///
+/// A fresh claim's token is random, in `1..2^62`; a takeover's is one more than the
+/// token it took over. So a key's tokens only grow while its record lives, and because
+/// a fresh record starts at a random token, a holder whose record was deleted
+/// (released, purged) and claimed anew cannot act on the new claim (the chance of a
+/// collision is 2^-62).
+///
+/// ```
+/// use tower_idempotency::store::FencingToken;
+///
+/// let token = FencingToken::new(41);
+/// assert_eq!(token.next().get(), 42);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FencingToken(i64);
+
+impl FencingToken {
+    /// A token of this value, as a store reads it back.
+    pub const fn new(value: i64) -> Self {
+        Self(value)
+    }
+
+    /// Its value, as a store writes it.
+    pub const fn get(self) -> i64 {
+        self.0
+    }
+
+    /// A fresh claim's token: random, in `1..2^62`.
+    pub fn fresh() -> Self {
+        Self(((random_u64() >> 2) as i64).max(1))
+    }
+
+    /// The token of a takeover of the claim that holds this one: one more.
+    #[must_use]
+    pub const fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// What a step taken under a lease found: a completion, a release, a renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Fenced {
+    /// The lease still held the key: the step was taken.
+    Kept,
+    /// The lease no longer held the key (taken over, released, completed): nothing was
+    /// changed.
+    LeaseLost,
+}
+
+impl Fenced {
+    /// `Kept` if `kept`, `LeaseLost` otherwise: a store's row count, say.
+    pub fn kept_if(kept: bool) -> Self {
+        if kept { Self::Kept } else { Self::LeaseLost }
+    }
+
+    /// Whether the lease still held the key.
+    pub fn is_kept(self) -> bool {
+        self == Self::Kept
+    }
+}
+
+/// `future`, bounded by `bound`: an answer that does not come in time is a
+/// [`Timeout`](StoreErrorKind::Timeout) store error, saying what was waited for.
+pub(crate) async fn within<T>(
+    bound: Duration,
+    what: &'static str,
+    future: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(bound, future).await {
+        Ok(answer) => answer,
+        Err(_) => Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            format!("no answer to {what} within {} ms", bound.as_millis()),
+        )),
+    }
 }
 
 /// 64 random bits, different on every call: the standard library's randomly keyed
@@ -196,7 +274,7 @@ pub struct Lease {
     /// The key.
     pub key: Arc<str>,
     /// The fencing token: random for a fresh claim, one more on each takeover.
-    pub token: i64,
+    pub token: FencingToken,
 }
 
 /// The result of a claim.
@@ -291,17 +369,28 @@ pub trait Store: Send + Sync + 'static {
         request: &'a ClaimRequest<'a>,
     ) -> BoxFuture<'a, Result<Claim, StoreError>>;
 
-    /// Stores `response` for the key if `lease` still holds it. `Ok(false)`: the lease
-    /// was lost (taken over or released) and nothing was written.
+    /// Stores `response` for the key if `lease` still holds it.
+    /// [`LeaseLost`](Fenced::LeaseLost): the lease was lost (taken over or released)
+    /// and nothing was written.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed; the response may or may not be
+    /// stored.
     fn complete<'a>(
         &'a self,
         lease: &'a Lease,
         response: &'a StoredResponse,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>>;
 
-    /// Deletes the running claim so that a retry runs again. `Ok(false)`: lease lost.
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>>;
+    /// Deletes the running claim so that a retry runs again.
+    /// [`LeaseLost`](Fenced::LeaseLost): the lease no longer held the key.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed; the claim may still be there.
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>>;
 
     /// Deletes up to `batch` records past their TTL whose lease (if running) has lapsed;
     /// returns how many. Never touches a live claim.
@@ -356,12 +445,17 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Extends the lease to `lease` from now. `Ok(false)`: lease lost.
+    /// Extends the lease to `duration` from now. [`LeaseLost`](Fenced::LeaseLost): the
+    /// lease no longer held the key.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed; the lease may not be extended.
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,
         duration: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>>;
 }
 
 /// Purges expired records from `store` in the background: every `every` (at least

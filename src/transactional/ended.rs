@@ -103,23 +103,23 @@ pub(crate) async fn finish(
     match finished {
         Ok(Ok(true)) => tracing::error!(
             key_hash,
-            token,
+            token = %token,
             "{ENDED}; the key is completed with 500 transaction-ended, so it is not run again"
         ),
         Ok(Ok(false)) => tracing::error!(
             key_hash,
-            token,
+            token = %token,
             "{ENDED}; another request holds the key now, and its client gets 500 transaction-ended unstored"
         ),
         Ok(Err(e)) => tracing::error!(
             key_hash,
-            token,
+            token = %token,
             error = %e,
             "{ENDED}; the key could not be completed with 500 transaction-ended, and if the handler committed the claim, it runs again once its lease lapses"
         ),
         Err(_) => tracing::error!(
             key_hash,
-            token,
+            token = %token,
             "{ENDED}; the key could not be completed with 500 transaction-ended in time, and if the handler committed the claim, it runs again once its lease lapses"
         ),
     }
@@ -341,7 +341,7 @@ async fn renew(
                 told = true;
                 tracing::error!(
                     key_hash = key_hash.as_str(),
-                    token = claim.token,
+                    token = %claim.token,
                     "the handler committed the request's transaction itself and runs on; its claim is kept running until the layer finishes the key"
                 );
             }

@@ -10,9 +10,9 @@ use super::ended;
 use crate::{
     StoredResponse,
     store::{
-        Backend, Checkout, Claim, ClaimRequest, Lease, PostgresStore, Resolution, StoreErrorKind,
-        begin, commit_on, connection_lost, in_an_aborted_transaction, roll_back_keeping,
-        roll_back_or_close, statement_cancelled,
+        Backend, Checkout, Claim, ClaimRequest, Fenced, Lease, PostgresStore, Resolution,
+        StoreErrorKind, begin, commit_on, connection_lost, in_an_aborted_transaction,
+        roll_back_keeping, roll_back_or_close, statement_cancelled,
     },
 };
 
@@ -82,7 +82,7 @@ pub(crate) async fn open(
                 if retry {
                     store.send_rollback(client).await?;
                 }
-                let token = crate::store::fresh_token();
+                let token = crate::store::FencingToken::fresh();
                 let then = (claim_wait != lock_timeout).then_some(lock_timeout);
                 store
                     .begin_and_claim(client, begin, request, token, then)
@@ -248,13 +248,13 @@ pub(crate) async fn commit(
         Err(_) => true,
     };
     match completed {
-        Ok(Ok(true)) if matches!(committed, Ok(Ok(()))) => {
+        Ok(Ok(Fenced::Kept)) if matches!(committed, Ok(Ok(()))) => {
             conn.done();
             return Committed::Yes;
         }
         // Nothing matched: the claim row is not this transaction's any more, so the
         // completion ran outside it. Whatever the COMMIT then did, it was not ours.
-        Ok(Ok(false)) => {
+        Ok(Ok(Fenced::LeaseLost)) => {
             let conn = answered.then_some(conn);
             ended::finish(store, conn, claimed, request, store_timeout).await;
             return Committed::Ended;

@@ -11,7 +11,7 @@ use std::{
 
 use tower_idempotency::{
     Scope, StoredResponse,
-    store::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind},
+    store::{BoxFuture, Claim, ClaimRequest, Fenced, Lease, Store, StoreError, StoreErrorKind},
 };
 
 /// What happens to each completion before (or instead of) reaching the inner store.
@@ -188,7 +188,7 @@ impl Store for AlteredCompletions {
         lease: &'a Lease,
         response: &'a StoredResponse,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         let attempt = self.attempts.fetch_add(1, Ordering::SeqCst);
         match self.completion {
             Completion::Slow(delay) => Box::pin(async move {
@@ -218,7 +218,7 @@ impl Store for AlteredCompletions {
         }
     }
 
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         let delay = match self.completion {
             Completion::SlowRelease(delay) => delay,
             Completion::SlowClaimThenSilent(_) => return Box::pin(std::future::pending()),
@@ -274,7 +274,7 @@ impl Store for AlteredCompletions {
         &'a self,
         lease: &'a Lease,
         duration: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         let delay = match self.completion {
             Completion::SlowRenew(delay) => delay,
             Completion::RenewalsFail => return Box::pin(std::future::ready(Err(refused()))),

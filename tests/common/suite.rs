@@ -1020,20 +1020,22 @@ macro_rules! layer_suite {
                 else {
                     panic!("a lapsed lease must be taken over")
                 };
-                assert_eq!(new.token, old.token + 1);
-                assert!(!store.renew(&old, lease).await.unwrap());
+                assert_eq!(new.token, old.token.next());
+                assert!(!store.renew(&old, lease).await.unwrap().is_kept());
                 assert!(
                     !store
                         .complete(&old, &stored("old"), Duration::from_secs(60))
                         .await
                         .unwrap()
+                        .is_kept()
                 );
-                assert!(!store.release(&old).await.unwrap());
+                assert!(!store.release(&old).await.unwrap().is_kept());
                 assert!(
                     store
                         .complete(&new, &stored("new"), Duration::from_secs(60))
                         .await
                         .unwrap()
+                        .is_kept()
                 );
                 let Claim::Completed { response, .. } =
                     store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
@@ -1047,6 +1049,7 @@ macro_rules! layer_suite {
                         .complete(&new, &stored("again"), Duration::from_secs(60))
                         .await
                         .unwrap()
+                        .is_kept()
                 );
             }
 
@@ -1064,6 +1067,7 @@ macro_rules! layer_suite {
                         .complete(&lease, &stored("x"), request.ttl)
                         .await
                         .unwrap()
+                        .is_kept()
                 );
                 assert!(matches!(
                     store.claim(&request).await.unwrap(),
@@ -1082,6 +1086,7 @@ macro_rules! layer_suite {
                         .complete(&lease, &stored("old"), request.ttl)
                         .await
                         .unwrap()
+                        .is_kept()
                 );
             }
 
@@ -1102,7 +1107,7 @@ macro_rules! layer_suite {
                     panic!("Y takes over")
                 };
                 assert!(
-                    store.release(&y).await.unwrap(),
+                    store.release(&y).await.unwrap().is_kept(),
                     "Y releases: the row is gone"
                 );
                 // Z, another request, claims the key afresh.
@@ -1111,19 +1116,21 @@ macro_rules! layer_suite {
                     panic!("Z acquires")
                 };
                 assert_ne!(z.token, x.token);
-                assert!(!store.renew(&x, lease).await.unwrap());
+                assert!(!store.renew(&x, lease).await.unwrap().is_kept());
                 assert!(
                     !store
                         .complete(&x, &stored("X"), Duration::from_secs(60))
                         .await
                         .unwrap()
+                        .is_kept()
                 );
-                assert!(!store.release(&x).await.unwrap());
+                assert!(!store.release(&x).await.unwrap().is_kept());
                 assert!(
                     !store
                         .complete(&y, &stored("Y"), Duration::from_secs(60))
                         .await
                         .unwrap()
+                        .is_kept()
                 );
                 assert!(matches!(
                     store.claim(&z_request).await.unwrap(),
@@ -1134,6 +1141,7 @@ macro_rules! layer_suite {
                         .complete(&z, &stored("Z"), Duration::from_secs(60))
                         .await
                         .unwrap()
+                        .is_kept()
                 );
                 let Claim::Completed { response, .. } = store.claim(&z_request).await.unwrap()
                 else {
@@ -1206,6 +1214,7 @@ macro_rules! layer_suite {
                             .complete(lease, &stored(key), Duration::from_millis(20))
                             .await
                             .unwrap()
+                            .is_kept()
                     );
                 }
                 tokio::time::sleep(Duration::from_millis(60)).await;
@@ -1249,6 +1258,7 @@ macro_rules! layer_suite {
                             .complete(lease, &done, Duration::from_millis(20))
                             .await
                             .unwrap()
+                            .is_kept()
                     );
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1275,7 +1285,7 @@ macro_rules! layer_suite {
                 let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
                     panic!()
                 };
-                assert!(store.release(&lease).await.unwrap());
+                assert!(store.release(&lease).await.unwrap().is_kept());
                 assert!(matches!(
                     store.claim(&request).await.unwrap(),
                     Claim::Acquired(_)

@@ -40,7 +40,9 @@ pub(crate) use tx::{
     Backend, Ending, Resolution, begin, commit_on, roll_back_keeping, roll_back_or_close,
 };
 
-use super::{BoxFuture, Claim, ClaimRequest, Lease, Store, StoreError, StoreErrorKind};
+use super::{
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError, StoreErrorKind,
+};
 use crate::{Fingerprint, Scope, StoredResponse};
 
 /// The migrations, in order, embedded from `migrations/`.
@@ -196,7 +198,7 @@ const ABANDONED_CLAIM_WAIT: Duration = Duration::from_secs(5);
 struct InDoubt<'a> {
     store: &'a PostgresStore,
     request: &'a ClaimRequest<'a>,
-    token: i64,
+    token: FencingToken,
     client: Option<Checkout>,
     /// The answer came, and it was not a lost connection.
     settled: bool,
@@ -1424,7 +1426,7 @@ impl PostgresStore {
     async fn claim_with(
         &self,
         request: &ClaimRequest<'_>,
-        token: i64,
+        token: FencingToken,
     ) -> Result<Claim, StoreError> {
         if let Some(shared) = &self.shared
             && let Some(mut client) = shared.get(&self.pool).await?
@@ -1478,7 +1480,7 @@ impl PostgresStore {
     /// commit waiting for a synchronous standby), so the release is tried again a
     /// moment later, and later again. (A takeover in doubt took the old row's token plus
     /// one, unknown here: it lapses with its lease.)
-    fn release_in_doubt(&self, request: &ClaimRequest<'_>, token: i64) {
+    fn release_in_doubt(&self, request: &ClaimRequest<'_>, token: FencingToken) {
         use tracing::Instrument;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -1509,15 +1511,15 @@ impl PostgresStore {
                             ))
                         });
                     match released {
-                        Ok(true) => {
+                        Ok(Fenced::Kept) => {
                             tracing::warn!(
-                                token,
+                                token = %token,
                                 "a claim whose answer was lost had committed; released it"
                             );
                             return;
                         }
                         // Past the lease, the row frees itself.
-                        Ok(false) => {
+                        Ok(Fenced::LeaseLost) => {
                             next = schedule
                                 .next()
                                 .filter(|gap| tokio::time::Instant::now() + *gap < lapses);
@@ -1525,12 +1527,12 @@ impl PostgresStore {
                         // The database that lost the answer is often still away (a
                         // crash, a failover): try again until it is back.
                         Err(e) if tokio::time::Instant::now() + IN_DOUBT_RETRY < lapses => {
-                            tracing::debug!(token, error = %e, "could not release a claim in doubt yet");
+                            tracing::debug!(token = %token, error = %e, "could not release a claim in doubt yet");
                             next = Some(IN_DOUBT_RETRY);
                         }
                         Err(e) => {
                             tracing::warn!(
-                                token,
+                                token = %token,
                                 error = %e,
                                 "a claim whose answer was lost may have committed and could not be released; it frees when its lease lapses"
                             );
@@ -1550,7 +1552,7 @@ impl PostgresStore {
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
-        token: i64,
+        token: FencingToken,
     ) -> Result<Claim, StoreError> {
         self.claim_at(client, req, token)
             .await
@@ -1564,7 +1566,7 @@ impl PostgresStore {
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
-        token: i64,
+        token: FencingToken,
     ) -> Result<(Claim, SystemTime), StoreError> {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
@@ -1586,7 +1588,7 @@ impl PostgresStore {
         lease: &Lease,
         response: &StoredResponse,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete_with(&self.sql.complete, client, lease, response, ttl)
             .await
     }
@@ -1599,7 +1601,7 @@ impl PostgresStore {
         lease: &Lease,
         response: &StoredResponse,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let status = response.status.as_u16() as i16;
         let headers = StoredResponse::encode_headers(&response.headers);
         let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
@@ -1621,14 +1623,14 @@ impl PostgresStore {
                 ],
             )
             .await?;
-        Ok(rows.len() == 1)
+        Ok(Fenced::kept_if(rows.len() == 1))
     }
 
     async fn claim_once(
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
-        token: i64,
+        token: FencingToken,
     ) -> Result<(Option<Claim>, SystemTime), StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
@@ -1661,7 +1663,10 @@ impl PostgresStore {
             // inserted it after this statement's snapshot (or it was released in
             // between); either way, look again.
             let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
-            return Ok((claimed.map(|token| Claim::Acquired(lease(token))), now));
+            return Ok((
+                claimed.map(|token| Claim::Acquired(lease(FencingToken::new(token)))),
+                now,
+            ));
         };
         let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
             .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
@@ -1686,7 +1691,9 @@ impl PostgresStore {
                     ],
                 )
                 .await?;
-            let taken = rows.first().map(|r| Claim::Acquired(lease(r.get("token"))));
+            let taken = rows
+                .first()
+                .map(|r| Claim::Acquired(lease(FencingToken::new(r.get("token")))));
             return Ok((taken, now));
         }
         let found = match state {
@@ -1824,7 +1831,7 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             // One token for every attempt: only one of them can insert the row.
-            self.claim_with(request, super::fresh_token()).await
+            self.claim_with(request, FencingToken::fresh()).await
         })
     }
 
@@ -1833,7 +1840,7 @@ impl Store for PostgresStore {
         lease: &'a Lease,
         response: &'a StoredResponse,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
             let client = self.running_client().await?;
             let completing =
@@ -1844,7 +1851,7 @@ impl Store for PostgresStore {
         })
     }
 
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, StoreError>> {
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         let id = self.key_id(&lease.scope, &lease.key);
         Box::pin(async move {
             let client = self.running_client().await?;
@@ -1860,7 +1867,7 @@ impl Store for PostgresStore {
                 again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params));
             let released = client.answer(releasing).await;
             client.done(&released);
-            released.map(|rows| rows.len() == 1)
+            released.map(|rows| Fenced::kept_if(rows.len() == 1))
         })
     }
 
@@ -1868,7 +1875,7 @@ impl Store for PostgresStore {
         &'a self,
         lease: &'a Lease,
         duration: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
             let params: [&(dyn ToSql + Sync); 4] = [
                 &lease.scope.as_str(),
@@ -1881,7 +1888,7 @@ impl Store for PostgresStore {
                 again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params));
             let renewed = client.answer(renewing).await;
             client.done(&renewed);
-            renewed.map(|n| n == 1)
+            renewed.map(|n| Fenced::kept_if(n == 1))
         })
     }
 

@@ -120,3 +120,20 @@ pub(super) mod params {
     /// batch, lock id.
     pub(in super::super) const PURGE_IN_TURN: &[Type] = &[Type::INT8, Type::INT8];
 }
+
+/// A fencing token is a `bigint` parameter.
+impl ToSql for crate::store::FencingToken {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        self.get().to_sql(ty, out)
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        <i64 as ToSql>::accepts(ty)
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}

@@ -18,7 +18,7 @@ use super::{
 };
 use crate::{
     Fingerprint, StoredResponse,
-    store::{Claim, ClaimRequest, Lease, StoreError, StoreErrorKind},
+    store::{Claim, ClaimRequest, Fenced, FencingToken, Lease, StoreError, StoreErrorKind},
 };
 
 /// The condition that holds only for a row version this transaction wrote: its `xmin`
@@ -255,7 +255,7 @@ impl PostgresStore {
         client: &ClientWrapper,
         begin: &str,
         request: &ClaimRequest<'_>,
-        token: i64,
+        token: FencingToken,
         then_lock_timeout: Option<Duration>,
     ) -> Result<(Claim, Backend), StoreError> {
         let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
@@ -305,15 +305,15 @@ impl PostgresStore {
     }
 
     /// Stores `response` under `lease` on `client`, in the transaction that claimed it:
-    /// `Ok(false)` when that transaction has ended (the completion then runs outside it,
-    /// and changes nothing).
+    /// [`LeaseLost`](Fenced::LeaseLost) when that transaction has ended (the completion
+    /// then runs outside it, and changes nothing).
     pub(crate) async fn complete_in_transaction(
         &self,
         client: &ClientWrapper,
         lease: &Lease,
         response: &StoredResponse,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete_with(&self.sql.tx.complete, client, lease, response, ttl)
             .await
     }
@@ -359,7 +359,7 @@ impl PostgresStore {
         let Some(row) = rows.first() else {
             return Ok(Resolution::NotCommitted);
         };
-        if row.get::<_, i64>(0) != lease.token {
+        if FencingToken::new(row.get::<_, i64>(0)) != lease.token {
             return Ok(Resolution::NotCommitted);
         }
         let state = row.get::<_, &str>(1);
