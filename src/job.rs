@@ -41,7 +41,12 @@ use crate::layer::LONGEST_LOCK_TIMEOUT;
 use crate::{
     Fingerprint, IdempotencyKey, Scope, ShutdownHandle, StoredResponse,
     layer::TEN_YEARS,
-    renewal::Renewal,
+    run::{
+        Leased,
+        decision::{Decision, decide},
+        renewal::Renewal,
+        storing::Completed,
+    },
     shutdown::InFlight,
     store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
 };
@@ -393,20 +398,13 @@ impl JobRunner {
                 // As the layer stores a response: renewed while the first attempt runs,
                 // then retried in the background for one more lease, so that a brief
                 // outage does not leave the key to lapse and a redelivery to run again.
-                let storing = crate::service::Storing {
-                    store: self.store.clone(),
-                    lease: self.lease,
-                    store_timeout: self.store_timeout,
-                    ttl: self.ttl,
-                };
-                match storing
+                match self
+                    .leased()
                     .store(&lease, stored(&result), in_flight, renewal)
                     .await
                 {
-                    crate::service::Completed::Fenced => Err(JobError::TakenOver(result)),
-                    crate::service::Completed::Stored | crate::service::Completed::Pending => {
-                        Ok(JobOutcome::Ran(result))
-                    }
+                    Completed::Fenced => Err(JobError::TakenOver(result)),
+                    Completed::Stored | Completed::Pending => Ok(JobOutcome::Ran(result)),
                 }
             }
             Ok(Err(e)) => {
@@ -425,12 +423,17 @@ impl JobRunner {
     /// Releases the key, as the layer does: again in the background while the store is
     /// away, counted in flight (`keep`) meanwhile.
     async fn release(&self, lease: &Lease, keep: InFlight) {
-        let releasing = crate::release::Releasing {
+        self.leased().release(lease, keep).await;
+    }
+
+    /// What a run under a lease needs from this runner: its store and timing.
+    fn leased(&self) -> Leased {
+        Leased {
             store: self.store.clone(),
-            store_timeout: self.store_timeout,
             lease: self.lease,
-        };
-        releasing.release(lease, keep).await;
+            ttl: self.ttl,
+            store_timeout: self.store_timeout,
+        }
     }
 
     #[cfg(feature = "postgres")]
@@ -449,11 +452,12 @@ impl JobRunner {
         E: Send + 'static,
     {
         use crate::{
-            store::roll_back_or_close,
-            transactional::{
-                Committed, Opened, RolledBack, TransactionHandle, commit, keeping_claim, open,
-                roll_back_unless_ended, settle_kept,
+            run::transactional::{
+                Committed, Opened, RolledBack, commit, keeping_claim, open, roll_back_unless_ended,
+                settle_kept, take_back,
             },
+            store::roll_back_or_close,
+            transactional::TransactionHandle,
         };
 
         let (conn, claimed) = match open(
@@ -514,26 +518,20 @@ impl JobRunner {
                     let work = async move {
                         let _counted = counted;
                         let result = crate::catch_panic::CatchPanic::new(work).await.ok();
-                        let conn = TransactionHandle::take(&taken, &held, &backend, store_timeout);
+                        let conn = take_back(&taken, &held, &backend, store_timeout);
                         (result, conn.await)
                     };
                     match tokio::spawn(work.in_current_span()).await {
                         Ok((result, conn)) => (result.ok_or(()), conn),
                         // The task itself was cancelled (the runtime shutting down).
                         Err(_) => {
-                            let conn = TransactionHandle::take(
-                                &slot,
-                                store,
-                                &claimed.backend,
-                                store_timeout,
-                            );
+                            let conn = take_back(&slot, store, &claimed.backend, store_timeout);
                             (Err(()), conn.await)
                         }
                     }
                 }
                 None => {
-                    let conn =
-                        TransactionHandle::take(&slot, store, &claimed.backend, store_timeout);
+                    let conn = take_back(&slot, store, &claimed.backend, store_timeout);
                     // The work never began, so it kept nothing.
                     if let Ok(conn) = conn.await {
                         roll_back_or_close(conn, store_timeout).await;
@@ -622,27 +620,24 @@ fn stored(result: &Bytes) -> StoredResponse {
     }
 }
 
-/// `Ok(Ok(lease))` to run; `Ok(Err(outcome))` when there is nothing to run.
+/// What a claim means for a job ([`decide`]): `Ok(Ok(lease))` to run; `Ok(Err(outcome))`
+/// when there is nothing to run.
 fn found<E>(
     claim: Claim,
     request: &ClaimRequest<'_>,
 ) -> Result<Result<Lease, JobOutcome>, JobError<E>> {
-    match claim {
-        Claim::Acquired(lease) => Ok(Ok(lease)),
-        Claim::Completed { fingerprint, .. } | Claim::Running { fingerprint, .. }
-            if fingerprint != request.fingerprint =>
-        {
-            Err(JobError::Mismatch)
-        }
+    match decide(claim, request.fingerprint) {
+        Decision::Run(lease) => Ok(Ok(lease)),
+        Decision::Mismatch => Err(JobError::Mismatch),
         // The work ended its transaction itself, and the key was completed so.
         #[cfg(feature = "postgres")]
-        Claim::Completed { response, .. }
-            if crate::transactional::is_transaction_ended(&response) =>
+        Decision::Replay(response)
+            if crate::run::transactional::is_transaction_ended(&response) =>
         {
             Err(JobError::TransactionEnded)
         }
-        Claim::Completed { response, .. } => Ok(Err(JobOutcome::AlreadyDone(response.body))),
-        Claim::Running { retry_after, .. } => Ok(Err(JobOutcome::Running { retry_after })),
+        Decision::Replay(response) => Ok(Err(JobOutcome::AlreadyDone(response.body))),
+        Decision::Running { retry_after } => Ok(Err(JobOutcome::Running { retry_after })),
     }
 }
 

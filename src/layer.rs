@@ -8,9 +8,9 @@ use tower_layer::Layer;
 
 use crate::{
     Fingerprint, Idempotency, Scope, ShutdownHandle,
-    fingerprint::Fingerprinter,
     policy::{PolicyFn, default_storage_policy},
-    scope::ScopeFn,
+    request::fingerprint::Fingerprinter,
+    request::scope::ScopeFn,
     store::{IntoStore, Store},
 };
 
@@ -94,6 +94,16 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// What a run under a lease needs from this layer: its store and timing.
+    pub(crate) fn leased(&self) -> crate::run::Leased {
+        crate::run::Leased {
+            store: self.store.clone(),
+            lease: self.lease,
+            ttl: self.ttl,
+            store_timeout: self.store_timeout,
+        }
+    }
+
     /// Whether requests are guarded in transactional mode.
     pub(crate) fn is_transactional(&self) -> bool {
         #[cfg(feature = "postgres")]

@@ -10,20 +10,21 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod answers;
 mod body;
 mod catch_panic;
-mod fingerprint;
+#[cfg(feature = "axum")]
+mod extract;
+mod future;
 pub mod guide;
 pub mod job;
-mod key;
 mod layer;
 mod outcome;
 mod policy;
 mod record;
 pub mod rejection;
-mod release;
-mod renewal;
-mod scope;
+mod request;
+mod run;
 mod service;
 mod shutdown;
 pub mod store;
@@ -31,14 +32,15 @@ pub mod store;
 pub mod transactional;
 
 pub use body::{BoxError, ResponseBody};
-pub use fingerprint::{Fingerprint, fingerprint};
 #[cfg(feature = "axum")]
-pub use key::MissingIdempotencyKey;
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
+pub use extract::MissingIdempotencyKey;
+pub use future::ResponseFuture;
 pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer};
 pub use outcome::Outcome;
 pub use policy::{NoStore, default_storage_policy};
 pub use record::StoredResponse;
-pub use scope::Scope;
-pub use service::{Idempotency, ResponseFuture};
+pub use request::fingerprint::{Fingerprint, fingerprint};
+pub use request::key::{IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
+pub use request::scope::Scope;
+pub use service::Idempotency;
 pub use shutdown::ShutdownHandle;

@@ -1111,7 +1111,7 @@ impl PostgresStore {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
-        crate::fingerprint::hex(&h.finalize()[..16])
+        crate::request::fingerprint::hex(&h.finalize()[..16])
     }
 
     /// The pool this store uses.

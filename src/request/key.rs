@@ -19,7 +19,7 @@ use std::{fmt, sync::Arc};
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
-use crate::scope::Scope;
+use crate::request::scope::Scope;
 
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
@@ -239,7 +239,7 @@ impl IdempotencyKey {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
-        crate::fingerprint::hex(&h.finalize())
+        crate::request::fingerprint::hex(&h.finalize())
     }
 }
 
@@ -257,134 +257,6 @@ impl fmt::Display for IdempotencyKey {
         f.write_str(&self.key)
     }
 }
-
-/// Left in a request's extensions by the layer that guards it, beside its
-/// [`IdempotencyKey`], with the key it claimed and its mode: a layer of the same mode
-/// inside that one lets the request through if it carries that same key, and so it does
-/// a copy of the request (a retry or a mirror in between clones its extensions). A copy
-/// of the key alone, or of the extensions into a request with another key (a call to an
-/// inner service), is guarded; so is the request by a layer of the other mode (a
-/// transactional route inside a router-wide lease-mode layer), which opens the
-/// transaction its handler needs, unless the two keep their records in the same place
-/// (`location`, [`Store::records_location`](crate::store::Store::records_location)):
-/// the inner one would then claim the key the outer one holds, and it answers
-/// `500 misconfigured` instead.
-#[derive(Clone, Debug)]
-pub(crate) struct Guarded {
-    pub(crate) key: Arc<str>,
-    pub(crate) transactional: bool,
-    pub(crate) location: Option<Arc<str>>,
-}
-
-/// Left in a request's extensions by a layer that would have guarded it, had it carried
-/// a key in `Idempotency-Key`: the extractors tell a client without a key from a route
-/// no layer guards. (A unit: it costs the request no allocation.)
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Unkeyed;
-
-/// [`Unkeyed`], from a layer that reads its key from another field, named here.
-#[derive(Clone, Debug)]
-pub(crate) struct UnkeyedIn(pub(crate) http::HeaderName);
-
-/// Marks `extensions` as those of a request a layer reading the key from `header`
-/// would have guarded, had it carried one.
-pub(crate) fn mark_unkeyed(extensions: &mut http::Extensions, header: &http::HeaderName) {
-    if *header == crate::IDEMPOTENCY_KEY {
-        extensions.insert(Unkeyed);
-    } else {
-        extensions.insert(UnkeyedIn(header.clone()));
-    }
-}
-
-/// The field a layer looked for the key in, if one saw the request without it.
-pub(crate) fn unkeyed_in(extensions: &http::Extensions) -> Option<String> {
-    if extensions.get::<Unkeyed>().is_some() {
-        return Some(header_label(&crate::IDEMPOTENCY_KEY).to_owned());
-    }
-    extensions
-        .get::<UnkeyedIn>()
-        .map(|u| header_label(&u.0).to_owned())
-}
-
-/// The key's field as the problem documents name it: `Idempotency-Key` as the draft
-/// spells it, or the name the layer was given.
-pub(crate) fn header_label(header: &http::HeaderName) -> &str {
-    if *header == crate::IDEMPOTENCY_KEY {
-        "Idempotency-Key"
-    } else {
-        header.as_str()
-    }
-}
-
-#[cfg(feature = "axum")]
-mod extract {
-    use axum_core::{
-        extract::{FromRequestParts, OptionalFromRequestParts},
-        response::{IntoResponse, Response},
-    };
-    use http::request::Parts;
-
-    use super::IdempotencyKey;
-    use crate::rejection::Problem;
-
-    /// Rejection of the [`IdempotencyKey`] extractor: the layer in front of the route saw
-    /// no key in the request (`400 key-missing`), or no
-    /// [`IdempotencyLayer`](crate::IdempotencyLayer) guarded the request (`500
-    /// handler-failed`: the layer is not in front of the route, or does not guard its
-    /// method; the client is not to blame).
-    #[derive(Debug, Clone)]
-    pub struct MissingIdempotencyKey {
-        /// The field a layer looked for the key in; `None`: no layer guarded the request.
-        header: Option<String>,
-    }
-
-    impl IntoResponse for MissingIdempotencyKey {
-        fn into_response(self) -> Response {
-            let res = if let Some(header) = &self.header {
-                Problem::KeyMissing.response(&format!(
-                    "this handler needs an {header}, and the request had none"
-                ))
-            } else {
-                tracing::error!(
-                    "a handler that takes an IdempotencyKey got a request no IdempotencyLayer guarded; is the layer in front of the route, for its method?"
-                );
-                Problem::HandlerFailed.response(
-                    "this handler needs its request guarded by the idempotency layer, and none guarded it; nothing was processed",
-                )
-            };
-            let (parts, body) = res.into_parts();
-            Response::from_parts(parts, axum_core::body::Body::from(body))
-        }
-    }
-
-    impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
-        type Rejection = MissingIdempotencyKey;
-
-        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-            parts
-                .extensions
-                .get::<IdempotencyKey>()
-                .cloned()
-                .ok_or_else(|| MissingIdempotencyKey {
-                    header: super::unkeyed_in(&parts.extensions),
-                })
-        }
-    }
-
-    impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
-        type Rejection = std::convert::Infallible;
-
-        async fn from_request_parts(
-            parts: &mut Parts,
-            _: &S,
-        ) -> Result<Option<Self>, Self::Rejection> {
-            Ok(parts.extensions.get::<IdempotencyKey>().cloned())
-        }
-    }
-}
-
-#[cfg(feature = "axum")]
-pub use extract::MissingIdempotencyKey;
 
 #[cfg(test)]
 mod tests {

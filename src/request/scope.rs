@@ -84,7 +84,7 @@ impl Scope {
                 canonical_credentials(value.as_bytes(), |part| digest.update(part));
                 Self::new(format!(
                     "auth:{}",
-                    crate::fingerprint::hex(&digest.finalize())
+                    crate::request::fingerprint::hex(&digest.finalize())
                 ))
             }
         }

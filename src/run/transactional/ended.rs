@@ -26,9 +26,9 @@ use tokio::{
 use super::{Kept, lifecycle::Claimed};
 use crate::{
     Outcome, StoredResponse,
+    answers::with_outcome,
     body::ResponseBody,
     rejection::Problem,
-    service::with_outcome,
     store::{
         Backend, Checkout, ClaimRequest, Lease, PostgresStore, in_an_aborted_transaction,
         roll_back_keeping, roll_back_or_close,
@@ -78,7 +78,7 @@ pub(crate) async fn finish(
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
 ) {
-    let key_hash = crate::service::short_hash(request.key.as_bytes());
+    let key_hash = crate::request::short_hash(request.key.as_bytes());
     let key_hash = key_hash.as_str();
     let token = claimed.lease.token;
     let finished = timeout(store_timeout, async {
@@ -302,7 +302,7 @@ pub(crate) async fn keeping_claim<F: Future>(
         }
         if renewing.is_none() && due.as_mut().poll(cx).is_ready() {
             let (stop, stopped) = oneshot::channel();
-            let key_hash = crate::service::short_hash(request.key.as_bytes());
+            let key_hash = crate::request::short_hash(request.key.as_bytes());
             let renewal = renew(
                 store.clone(),
                 claimed.lease.clone(),
@@ -327,7 +327,7 @@ async fn renew(
     claim: Lease,
     backend: Backend,
     lease: Duration,
-    key_hash: crate::service::ShortHash,
+    key_hash: crate::request::ShortHash,
     mut stopped: oneshot::Receiver<()>,
 ) {
     let period = lease / 3;

@@ -6,27 +6,19 @@
 //! again in the background until the store answers: otherwise the key would stay
 //! claimed until its lease lapsed, and every retry until then would get `409`.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use tracing::Instrument;
 
-use crate::store::{Lease, Store};
+use super::Leased;
+use crate::store::Lease;
 
 /// The first wait before a release is tried again, doubled after each failure up to
 /// `LONGEST_WAIT`.
 const FIRST_WAIT: Duration = Duration::from_millis(100);
 const LONGEST_WAIT: Duration = Duration::from_secs(1);
 
-/// How to release: the store, the bound of each attempt, and the lease duration, past
-/// which trying is pointless (the key frees by itself).
-#[derive(Clone)]
-pub(crate) struct Releasing {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) store_timeout: Duration,
-    pub(crate) lease: Duration,
-}
-
-impl Releasing {
+impl Leased {
     /// Releases `lease`. The first attempt is awaited (bounded by the store timeout);
     /// if it fails, the attempts go on in a task of their own, with backoff, holding
     /// `keep` (a count in flight for a graceful shutdown) until the key is released,

@@ -1,0 +1,159 @@
+//! Every answer the layer gives in the handler's stead: the rejections, the replay,
+//! the 409, 422 and 503s, and the problems stored when a response cannot be.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response};
+
+use crate::{
+    Outcome, StoredResponse,
+    body::ResponseBody,
+    layer::{Config, IDEMPOTENT_REPLAYED},
+    rejection::Problem,
+};
+
+/// A rejection before anything was claimed.
+pub(crate) fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {
+    with_outcome(
+        problem.response(detail).map(ResponseBody::full),
+        Outcome::Rejected,
+    )
+}
+
+/// `500 misconfigured`: two layers of different modes guard the request over the same
+/// records. Marked [`NoStore`](crate::NoStore): the outer layer releases (or rolls back)
+/// its claim, whatever its policy.
+pub(crate) fn nested_on_one_table<B>() -> Response<ResponseBody<B>> {
+    tracing::error!(
+        "two idempotency layers of different modes (lease and transactional) guard this request over the same table; the inner one would claim the key the outer one holds. Give them different tables, or keep one of them on the route (in axum, a route_layer applies to every route added before it)"
+    );
+    let mut res = reject(
+        Problem::Misconfigured,
+        "this request is guarded by two idempotency layers of different modes over the same table; the server's configuration must change, nothing was processed",
+    );
+    res.extensions_mut().insert(crate::NoStore);
+    res
+}
+
+pub(crate) fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
+    res.extensions_mut().insert(outcome);
+    res
+}
+
+/// The record of a response to store: its status, its storable headers, its body.
+pub(crate) fn to_store(
+    config: &Config,
+    parts: &http::response::Parts,
+    body: &Bytes,
+) -> StoredResponse {
+    StoredResponse {
+        status: parts.status,
+        headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
+        body: body.clone(),
+    }
+}
+
+/// Why a response could not be read whole, to be stored.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Unbuffered {
+    /// Over `response_body_limit`.
+    TooLarge,
+    /// Its body did not end within `response_body_timeout`.
+    TooSlow,
+    /// Its body failed while it was read.
+    Failed,
+}
+
+/// The problem a response that could not be stored is replayed as.
+pub(crate) fn not_stored_problem(config: &Config, why: Unbuffered) -> StoredResponse {
+    let detail = match why {
+        Unbuffered::TooLarge => format!(
+            "the request was processed once, but its response was over the {}-byte storage limit and cannot be replayed",
+            config.response_body_limit
+        ),
+        Unbuffered::TooSlow => format!(
+            "the request was processed once, but its response body did not end within {} ms and cannot be replayed",
+            config.response_body_timeout.as_millis()
+        ),
+        Unbuffered::Failed => {
+            "the request was processed once, but its response body failed while it was read and cannot be replayed".to_owned()
+        }
+    };
+    let (p, body) = Problem::ResponseNotStored.response(&detail).into_parts();
+    StoredResponse {
+        status: p.status,
+        headers: p.headers,
+        body,
+    }
+}
+
+/// `409 in-progress`, telling the client to look again after `hint`, or sooner if the
+/// running request's lease, `lease_left`, lapses sooner.
+pub(crate) fn in_progress<B>(lease_left: Duration, hint: Duration) -> Response<ResponseBody<B>> {
+    let res = Problem::InProgress.response_retry_after(
+        "a request with this Idempotency-Key is still being processed; retry after the time given",
+        lease_left.min(hint),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Conflict)
+}
+
+pub(crate) fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
+    reject(
+        Problem::BodyTooLarge,
+        &format!("the request body is over the limit of {limit} bytes"),
+    )
+}
+
+pub(crate) fn mismatch<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::KeyReused.response(
+        "this Idempotency-Key was already used with a different request (method, path, query, headers or body)",
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Mismatch)
+}
+
+pub(crate) fn unavailable<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::StoreUnavailable.response_retry_after(
+        "the idempotency store could not be reached; the request was not processed",
+        Duration::from_secs(1),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}
+
+pub(crate) fn shutting_down<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::ShuttingDown.response_retry_after(
+        "this server is shutting down and takes no new requests; retry, another instance will serve it",
+        Duration::from_secs(1),
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Rejected)
+}
+
+pub(crate) fn handler_failed<B>() -> Response<ResponseBody<B>> {
+    let res = Problem::HandlerFailed.response(
+        "the request failed while being processed; nothing is held under its Idempotency-Key, so it may be retried",
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::Executed)
+}
+
+pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    let mut res = Response::new(ResponseBody::full(stored.body));
+    *res.status_mut() = stored.status;
+    *res.headers_mut() = stored.headers;
+    res.headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    with_outcome(res, Outcome::Replayed)
+}
+
+/// `503 not-committed`: nothing was kept.
+#[cfg(feature = "postgres")]
+pub(crate) const NOT_COMMITTED: &str = "the request's transaction could not be committed, so it had no effect; retry with the same key";
+
+/// `503 not-committed` when the outcome is unknown.
+#[cfg(feature = "postgres")]
+pub(crate) const COMMIT_UNKNOWN: &str = "the database did not answer the commit (the connection failed, or no answer came in time), and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not";
+
+#[cfg(feature = "postgres")]
+pub(crate) fn not_committed<B>(detail: &str) -> Response<ResponseBody<B>> {
+    let res = Problem::NotCommitted.response_retry_after(detail, Duration::from_secs(1));
+    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
+}

@@ -1,0 +1,114 @@
+//! What a guarded request brings: its key ([`key`]), its scope ([`scope`]), its
+//! fingerprint ([`fingerprint`]) and its body, read within bounds; and what a layer
+//! leaves in its extensions ([`marks`]).
+
+pub(crate) mod fingerprint;
+pub(crate) mod key;
+mod marks;
+pub(crate) mod scope;
+
+use bytes::Bytes;
+use http::{Response, header};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+
+#[cfg(feature = "axum")]
+pub(crate) use marks::unkeyed_in;
+pub(crate) use marks::{Guarded, hand_over, header_label, mark_unkeyed};
+
+use crate::{
+    answers::{reject, too_large},
+    body::{BoxError, ResponseBody},
+    layer::Config,
+    rejection::Problem,
+};
+
+/// Reads a guarded request's body, bounded in size (`request_body_limit`, by
+/// `Content-Length` and by counting) and in time (`request_body_timeout`): a body that
+/// never ends, or trickles in, is cut off before anything is claimed. `Err`: the
+/// rejection to answer.
+pub(crate) async fn read_body<B, R>(
+    config: &Config,
+    headers: &http::HeaderMap,
+    body: B,
+) -> Result<Bytes, Response<ResponseBody<R>>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let limit = config.request_body_limit;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large(limit));
+    }
+    let read = tokio::time::timeout(
+        config.request_body_timeout,
+        Limited::new(body, limit).collect(),
+    );
+    match read.await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(limit)),
+        // A limit set in front of the layer (a `Limited` body, wrapped on its way).
+        Ok(Err(e)) if over_a_limit(&*e) => Err(reject(
+            Problem::BodyTooLarge,
+            &format!("the request body is over a size limit: {e}"),
+        )),
+        Ok(Err(e)) => Err(reject(
+            Problem::BodyUnreadable,
+            &format!("the request body could not be read: {e}"),
+        )),
+        Err(_) => Err(reject(
+            Problem::BodyTimeout,
+            &format!(
+                "the request body did not arrive within {} ms; nothing was processed",
+                config.request_body_timeout.as_millis()
+            ),
+        )),
+    }
+}
+
+/// Whether `e`, or an error it wraps, is a body over a size limit.
+fn over_a_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.is::<LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// The first 16 hex digits of the SHA-256 of `bytes`: enough to correlate, not to recover.
+pub(crate) fn short_hash(bytes: &[u8]) -> ShortHash {
+    use sha2::Digest;
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let digest = sha2::Sha256::digest(bytes);
+    let mut hex = [0u8; 16];
+    for (i, b) in digest[..8].iter().enumerate() {
+        hex[2 * i] = DIGITS[usize::from(b >> 4)];
+        hex[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
+    }
+    ShortHash(hex)
+}
+
+/// [`short_hash`]'s 16 hex digits, on the stack: recorded in every request's span, they
+/// cost no allocation.
+#[derive(Clone, Copy)]
+pub(crate) struct ShortHash([u8; 16]);
+
+impl ShortHash {
+    pub(crate) fn as_str(&self) -> &str {
+        // Hex digits only: always UTF-8.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Display for ShortHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

@@ -1,0 +1,60 @@
+//! What a claim means for the request, or job, that made it: run the work under the
+//! lease it got; replay the stored result; wait for, or refuse, a request still
+//! running; or refuse a request whose fingerprint differs from the key's.
+
+use std::time::Duration;
+
+use http::Response;
+
+use crate::{
+    Fingerprint, StoredResponse,
+    answers::{in_progress, mismatch, replay},
+    body::ResponseBody,
+    store::{Claim, Lease},
+};
+
+/// What a claim means for its claimant.
+pub(crate) enum Decision {
+    /// The key is ours: run the work under this lease.
+    Run(Lease),
+    /// The key was completed by a request with the same fingerprint: its result.
+    Replay(StoredResponse),
+    /// A request with the same fingerprint holds the key and still runs; its lease
+    /// lapses after `retry_after`.
+    Running { retry_after: Duration },
+    /// The key belongs to a request with another fingerprint, running or done.
+    Mismatch,
+}
+
+/// `claim`, made with `fingerprint`, decided.
+pub(crate) fn decide(claim: Claim, fingerprint: Fingerprint) -> Decision {
+    match claim {
+        Claim::Acquired(lease) => Decision::Run(lease),
+        Claim::Completed { fingerprint: f, .. } | Claim::Running { fingerprint: f, .. }
+            if f != fingerprint =>
+        {
+            Decision::Mismatch
+        }
+        Claim::Completed { response, .. } => Decision::Replay(response),
+        Claim::Running { retry_after, .. } => Decision::Running { retry_after },
+    }
+}
+
+/// The lease when the claim is ours to run; otherwise the answer: 422 for another
+/// request's key, the replay, or 409 while it runs, telling the client to retry after
+/// `retry_hint`, or sooner if the running request's lease lapses sooner. Both modes
+/// answer through here.
+// The `Err` is the response itself, returned to the client at once, not an error to box.
+#[allow(clippy::result_large_err)]
+pub(crate) fn settle<B>(
+    claim: Claim,
+    fingerprint: Fingerprint,
+    retry_hint: Duration,
+) -> Result<Lease, Response<ResponseBody<B>>> {
+    match decide(claim, fingerprint) {
+        Decision::Run(lease) => Ok(lease),
+        Decision::Mismatch => Err(mismatch()),
+        Decision::Replay(response) => Err(replay(response)),
+        Decision::Running { retry_after } => Err(in_progress(retry_after, retry_hint)),
+    }
+}

@@ -1,0 +1,33 @@
+//! The engine: how the work under a claimed key runs, whichever way the key came — a
+//! request in lease mode ([`lease`]), a request in transactional mode
+//! ([`transactional`]), or a job ([`JobRunner`](crate::job::JobRunner)).
+//!
+//! - [`decision`]: what a claim means for the request that made it: run, replay, wait
+//!   or refuse;
+//! - [`handler`]: the inner service called, and its response read within bounds;
+//! - [`renewal`], [`storing`], [`release`]: a lease kept while the work runs, its
+//!   result stored, its key released, each tried again while the store is away.
+
+use std::{sync::Arc, time::Duration};
+
+use crate::store::Store;
+
+pub(crate) mod decision;
+pub(crate) mod handler;
+pub(crate) mod lease;
+pub(crate) mod release;
+pub(crate) mod renewal;
+pub(crate) mod storing;
+#[cfg(feature = "postgres")]
+pub(crate) mod transactional;
+
+/// What a run under a lease needs from its owner (the layer, or a `JobRunner`): the
+/// store, how long a lease holds, how long a result is kept, and how long the store
+/// may take to answer.
+#[derive(Clone)]
+pub(crate) struct Leased {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    pub(crate) store_timeout: Duration,
+}

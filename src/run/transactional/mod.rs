@@ -1,0 +1,354 @@
+//! Transactional mode's engine: the transaction opened with the claim in it
+//! ([`lifecycle::open`]), the handler run with its [`TransactionHandle`], the response
+//! written into the claim row and committed with the handler's writes
+//! ([`lifecycle::commit`]), or everything rolled back; and what is done when the handler
+//! ends or keeps the transaction itself ([`ended`]).
+
+mod ended;
+mod lifecycle;
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use http::{Request, Response, request::Parts};
+use http_body::Body;
+use tokio::sync::Mutex;
+use tower_service::Service;
+
+pub(crate) use ended::{
+    RolledBack, is_stored as is_transaction_ended, keeping_claim, kept as settle_kept,
+    roll_back_unless_ended,
+};
+pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
+
+use super::{
+    decision::settle,
+    handler::{Produced, run_inner},
+};
+use crate::{
+    Outcome, StoredResponse,
+    answers::{
+        COMMIT_UNKNOWN, NOT_COMMITTED, handler_failed, in_progress, not_committed, shutting_down,
+        unavailable, with_outcome,
+    },
+    body::{BoxError, ResponseBody},
+    catch_panic::CatchPanic,
+    future::{Answer, Handoff},
+    layer::Config,
+    shutdown::InFlight,
+    store::{Backend, Checkout, ClaimRequest, Ending, PostgresStore, roll_back_or_close},
+    transactional::TransactionHandle,
+};
+
+/// What became of a transaction whose work kept its client past the response, when the
+/// layer gave up waiting for it ([`take_back`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// Nothing of it commits: it was ended on the server, or, if it could not be, it
+    /// rolls back once the work lets go of its client.
+    RolledBack,
+    /// It had ended before, on a session that lives on: the handler committed or rolled
+    /// it back on its client.
+    Ended,
+    /// Its session had ended, and the transaction with it: rolled back, unless the
+    /// handler had committed it before.
+    SessionGone,
+}
+
+/// Takes the transaction back from its handle's `slot` once the work is done; [`Kept`] if the work still
+/// holds the connection after `bound`. The transaction is then ended on the server
+/// at once, from another connection (`backend`'s session is terminated, each step
+/// bounded by `bound`, on a connection that does not wait behind the pool), so that
+/// nothing of it commits and its row lock, and so its key, is let go, whatever the
+/// work does with its [`TransactionClient`]; the connection is closed as soon as the
+/// work lets go of the client, even if it keeps a clone of the handle. If the
+/// transaction had ended before (the handler committed or rolled it back on its
+/// client, or its session ended), [`Kept`] says so, for the caller to settle the
+/// key (`ended::kept`).
+pub(crate) async fn take_back(
+    slot: &Arc<Mutex<Option<Checkout>>>,
+    store: &PostgresStore,
+    backend: &Backend,
+    bound: Duration,
+) -> Result<Checkout, Kept> {
+    if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
+        // Empty only if taken back already, and then dropped, which rolled back.
+        return taken.take().ok_or(Kept::RolledBack);
+    }
+    // Queued on the lock behind the work's client: the handle's later calls queue
+    // behind this and find the transaction ended.
+    let queued = slot.clone();
+    tokio::spawn(async move { drop(queued.lock().await.take()) });
+    const KEPT: &str = "the work kept the transaction's connection past the response";
+    match tokio::time::timeout(bound, store.end_transaction(backend)).await {
+        Ok(Ok(Ending::Terminated)) => {
+            tracing::error!(
+                "{KEPT}; the transaction was ended on the server, so nothing of it commits"
+            );
+            Err(Kept::RolledBack)
+        }
+        Ok(Ok(Ending::AlreadyEnded)) => {
+            tracing::error!(
+                "{KEPT}; its transaction had already ended, on a session that lives on"
+            );
+            Err(Kept::Ended)
+        }
+        Ok(Ok(Ending::SessionGone)) => {
+            tracing::error!("{KEPT}; its session had already ended, and its transaction with it");
+            Err(Kept::SessionGone)
+        }
+        Ok(Ok(Ending::CannotEnd)) => {
+            tracing::error!(
+                "{KEPT}, and the transaction could not be ended on the server (may this role see and signal its own sessions?); it rolls back once the work lets the connection go"
+            );
+            Err(Kept::RolledBack)
+        }
+        Ok(Err(e)) => {
+            tracing::error!(
+                error = %e,
+                "{KEPT}, and the transaction could not be ended on the server; it rolls back once the work lets the connection go"
+            );
+            Err(Kept::RolledBack)
+        }
+        Err(_) => {
+            tracing::error!(
+                "{KEPT}, and the transaction could not be ended on the server in time; it rolls back once the work lets the connection go"
+            );
+            Err(Kept::RolledBack)
+        }
+    }
+}
+
+/// How long a duplicate not told to wait (`wait_for_running` zero) waits on the first
+/// request's uncommitted row before its `409`: long enough for a claim that merely
+/// crosses another's commit, short enough that its client gets its answer at once.
+const DUPLICATE_LOCK_WAIT: Duration = Duration::from_millis(50);
+
+/// The guarded path of a request in transactional mode, after its body was read.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn guarded<S, ReqBody, ResBody>(
+    config: Arc<Config>,
+    store: PostgresStore,
+    inner: S,
+    mut parts: Parts,
+    body: Bytes,
+    request: ClaimRequest<'_>,
+    in_flight: InFlight,
+    handoff: &Handoff,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    // Ready before the transaction opens: what readiness waits for (a concurrency
+    // permit, say) is waited for holding no connection, no open transaction and no row
+    // lock. A duplicate then holds the permit while it waits on the first request's
+    // row, as it holds a connection.
+    let mut inner = inner;
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    // A duplicate waits on the first request's row for as long as `wait_for_running`
+    // lets it wait, or, not told to wait, a moment: its 409 comes at once, and it holds
+    // a pooled connection no longer than that.
+    let claim_wait = if config.wait.is_zero() {
+        DUPLICATE_LOCK_WAIT
+    } else {
+        config.wait.min(crate::layer::LONGEST_LOCK_TIMEOUT)
+    };
+    let opened = open(
+        &store,
+        &request,
+        claim_wait,
+        config.lock_timeout,
+        config.store_timeout,
+    );
+    // A close ends the wait on another request's row: dropped, the claim is cancelled
+    // and rolled back, and nothing was run.
+    let opened = tokio::select! {
+        biased;
+        opened = opened => opened,
+        () = config.shutdown.closed() => return Ok(shutting_down()),
+    };
+    let store_timeout = config.store_timeout;
+    let (conn, claimed) = match opened {
+        // A duplicate that waited on the first request's row may get it after
+        // `close()`: nothing is claimed after the close, so it lets the row go.
+        Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
+            roll_back_or_close(conn, store_timeout).await;
+            return Ok(shutting_down());
+        }
+        Opened::Acquired(conn, claimed) => {
+            // Until now, dropping the request dropped its connection, which rolled
+            // back anything claimed; from now on it finishes even if its client goes.
+            handoff.hold();
+            (conn, claimed)
+        }
+        Opened::Found(found) => {
+            // Found is never ours to run: a replay, a 409 or a 422.
+            return Ok(
+                settle(found, request.fingerprint, config.in_progress_retry_after)
+                    .err()
+                    .unwrap_or_else(unavailable),
+            );
+        }
+        Opened::Unavailable => return Ok(unavailable()),
+        // The running request's lease is not known here: its row is locked, unread.
+        Opened::Busy => {
+            let hint = config.in_progress_retry_after;
+            return Ok(in_progress(hint, hint));
+        }
+    };
+
+    let (handle, slot) = TransactionHandle::holding(conn);
+    parts.extensions.insert(handle);
+    crate::request::hand_over(&mut parts.extensions, &request, &config, true);
+    let req = Request::from_parts(parts, ReqBody::from(body));
+    // Runs here, in the connection's task; a client that hangs up does not cancel it
+    // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
+    let _in_flight = in_flight;
+    let run = run_and_end(&config, &store, inner, req, &slot, &claimed, &request);
+    ended::keeping_claim(&store, &claimed, &request, run).await
+}
+
+/// Runs the handler in the transaction of `claimed`, then ends that transaction:
+/// commits it with the response, or rolls it back, or finds it ended under the layer.
+async fn run_and_end<S, ReqBody, ResBody>(
+    config: &Config,
+    store: &PostgresStore,
+    inner: S,
+    req: Request<ReqBody>,
+    slot: &Arc<Mutex<Option<Checkout>>>,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let store_timeout = config.store_timeout;
+    let produced = CatchPanic::new(run_inner(inner, req, config)).await;
+    let taken = take_back(slot, store, &claimed.backend, store_timeout);
+    let conn = match taken.await {
+        Ok(conn) => conn,
+        // The work kept its client: nothing can be committed, and the transaction may
+        // have ended under the layer meanwhile.
+        Err(kept) => {
+            let settled = ended::kept(store, kept, claimed, request, store_timeout);
+            return Ok(match settled.await {
+                RolledBack::Yes => handler_failed(),
+                RolledBack::Ended => ended::response(),
+            });
+        }
+    };
+    let (stored, res) = match decide(config, produced) {
+        Decision::Commit(stored, res) => (stored, res),
+        // Rolled back, unless the handler ended the transaction itself: then the key is
+        // completed with `500 transaction-ended`, which is the answer.
+        Decision::RollBack(answer) => {
+            let rolled_back =
+                ended::roll_back_unless_ended(store, conn, claimed, request, store_timeout);
+            return match rolled_back.await {
+                RolledBack::Yes => answer,
+                RolledBack::Ended => Ok(ended::response()),
+            };
+        }
+    };
+    let committed = commit(
+        store,
+        conn,
+        claimed,
+        request,
+        &stored,
+        config.lock_timeout,
+        store_timeout,
+    );
+    match committed.await {
+        Committed::Yes => Ok(with_outcome(res, Outcome::Executed)),
+        // The handler met a failed statement (a unique violation, say) and answered a
+        // client error: its answer stands, nothing was committed, and the key is free.
+        Committed::Aborted if res.status().is_client_error() => {
+            tracing::warn!(
+                status = res.status().as_u16(),
+                "a statement of the handler failed and aborted its transaction; its answer was not stored, and a retry runs again"
+            );
+            Ok(with_outcome(res, Outcome::Executed))
+        }
+        Committed::Aborted => {
+            tracing::error!(
+                status = res.status().as_u16(),
+                "the handler answered although a statement of its transaction failed, which aborted it; nothing was committed"
+            );
+            Ok(not_committed(NOT_COMMITTED))
+        }
+        Committed::No => Ok(not_committed(NOT_COMMITTED)),
+        Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
+        Committed::Ended => Ok(ended::response()),
+    }
+}
+
+/// What the layer does with the transaction once the handler has produced its answer.
+enum Decision<B, E> {
+    /// Commit it, with the response to store, and answer the response.
+    Commit(StoredResponse, Response<ResponseBody<B>>),
+    /// Roll it back, and answer this.
+    RollBack(Answer<B, E>),
+}
+
+/// Decides what becomes of the transaction after the handler `produced` its answer
+/// (or panicked): an answer the storage policy keeps commits, with it stored; a panic,
+/// a service error, a failed body and an answer the policy does not keep roll back.
+fn decide<B, E>(
+    config: &Config,
+    produced: Result<Produced<B, E>, crate::catch_panic::Panicked>,
+) -> Decision<B, E>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let produced = match produced {
+        Ok(produced) => produced,
+        Err(panic) => {
+            tracing::error!(
+                panic = crate::catch_panic::message(&panic),
+                "the handler panicked; rolling back"
+            );
+            return Decision::RollBack(Ok(handler_failed()));
+        }
+    };
+    match produced {
+        Produced::ServiceFailed(e) => Decision::RollBack(Err(e)),
+        Produced::BodyFailed(_, e) => {
+            tracing::error!(error = %e, "the response body failed; rolling back");
+            Decision::RollBack(Ok(handler_failed()))
+        }
+        // Not kept: neither are the handler's writes.
+        Produced::Buffered(parts, body) if !crate::policy::is_stored(&config.policy, &parts) => {
+            let res = Response::from_parts(parts, ResponseBody::full(body));
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+        }
+        Produced::Buffered(parts, body) => {
+            let stored = crate::answers::to_store(config, &parts, &body);
+            let mut res = Response::from_parts(parts, ResponseBody::full(body));
+            res.headers_mut().remove(http::header::CONTENT_LENGTH);
+            Decision::Commit(stored, res)
+        }
+        Produced::Unbuffered(parts, prefix, rest, _)
+            if !crate::policy::is_stored(&config.policy, &parts) =>
+        {
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+        }
+        Produced::Unbuffered(parts, prefix, rest, why) => {
+            let stored = crate::answers::not_stored_problem(config, why);
+            let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
+            Decision::Commit(stored, res)
+        }
+    }
+}
