@@ -6,12 +6,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Response};
 
-use crate::{
-    Outcome, StoredResponse,
-    body::ResponseBody,
-    layer::{Config, IDEMPOTENT_REPLAYED},
-    rejection::Problem,
-};
+/// The header set on replayed responses, `Idempotent-Replayed: true`.
+pub const IDEMPOTENT_REPLAYED: http::HeaderName =
+    http::HeaderName::from_static("idempotent-replayed");
+
+use crate::{Outcome, StoredResponse, body::ResponseBody, layer::Config, rejection::Problem};
 
 /// A rejection before anything was claimed.
 pub(crate) fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {

@@ -37,16 +37,16 @@ use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
 #[cfg(feature = "postgres")]
-use crate::layer::LONGEST_LOCK_TIMEOUT;
+use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
     Fingerprint, IdempotencyKey, Scope, ShutdownHandle, StoredResponse,
-    layer::TEN_YEARS,
     run::{
         Leased,
         decision::{Decision, decide},
         renewal::Renewal,
         storing::Completed,
     },
+    settings::{self, MILLISECOND, SHORTEST_LEASE},
     shutdown::InFlight,
     store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
 };
@@ -192,14 +192,14 @@ impl JobRunner {
     /// The lease (lease mode; default 30 s; from 10 ms to 10 years).
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
-        self.lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);
+        self.lease = settings::duration(lease, SHORTEST_LEASE);
         self
     }
 
     /// How long results are kept (default 24 h; from 1 ms to 10 years).
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl.clamp(Duration::from_millis(1), TEN_YEARS);
+        self.ttl = settings::duration(ttl, MILLISECOND);
         self
     }
 
@@ -219,7 +219,7 @@ impl JobRunner {
     /// while its lease holds (a takeover in doubt frees its key when its lease lapses).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
+        self.store_timeout = settings::duration(timeout, MILLISECOND);
         self
     }
 
@@ -229,7 +229,7 @@ impl JobRunner {
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         if let Some((_, t)) = &mut self.transactional {
-            *t = timeout.clamp(Duration::from_millis(1), LONGEST_LOCK_TIMEOUT);
+            *t = timeout.clamp(MILLISECOND, LONGEST_LOCK_TIMEOUT);
         }
         self
     }

@@ -6,31 +6,20 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, StatusCode, header, request::Parts};
 use tower_layer::Layer;
 
+#[cfg(feature = "postgres")]
+use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
     Fingerprint, Idempotency, Scope, ShutdownHandle,
     policy::{PolicyFn, default_storage_policy},
     request::fingerprint::Fingerprinter,
     request::scope::ScopeFn,
+    settings::{self, MILLISECOND, SHORTEST_LEASE, TEN_YEARS},
     store::{IntoStore, Store},
 };
 
 /// The largest `response_body_limit`: a stored response must fit in one PostgreSQL
 /// value (1 GB), with room for its headers.
 const LARGEST_STORED_BODY: usize = 512 * 1024 * 1024;
-
-/// The longest duration accepted for a TTL, a lease, a wait or a timeout; longer
-/// settings are clamped to it.
-pub(crate) const TEN_YEARS: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
-
-/// The longest `lock_timeout` PostgreSQL accepts (`i32::MAX` milliseconds, 24.8 days).
-#[cfg(feature = "postgres")]
-pub(crate) const LONGEST_LOCK_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
-
-/// The default header name, `Idempotency-Key`.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The header set on replayed responses, `Idempotent-Replayed: true`.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// Makes `Idempotency-Key` work: claims each key atomically before the handler runs,
 /// stores the response, and replays it to duplicates.
@@ -124,7 +113,7 @@ impl IdempotencyLayer {
                 store: store.into_store(),
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
-                header: IDEMPOTENCY_KEY,
+                header: crate::IDEMPOTENCY_KEY,
                 lease: Duration::from_secs(30),
                 ttl: Duration::from_secs(24 * 3600),
                 request_body_limit: 1024 * 1024,
@@ -172,7 +161,7 @@ impl IdempotencyLayer {
     #[cfg(feature = "postgres")]
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
-        self.config().lock_timeout = timeout.clamp(Duration::from_millis(1), LONGEST_LOCK_TIMEOUT);
+        self.config().lock_timeout = timeout.clamp(MILLISECOND, LONGEST_LOCK_TIMEOUT);
         self
     }
 
@@ -223,7 +212,7 @@ impl IdempotencyLayer {
     /// connections it keeps outside the pool.)
     #[must_use]
     pub fn lease_duration(mut self, lease: Duration) -> Self {
-        self.config().lease = lease.clamp(Duration::from_millis(10), TEN_YEARS);
+        self.config().lease = settings::duration(lease, SHORTEST_LEASE);
         self
     }
 
@@ -277,7 +266,7 @@ impl IdempotencyLayer {
     /// its lease, however short the TTL.
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.config().ttl = ttl.clamp(Duration::from_millis(1), TEN_YEARS);
+        self.config().ttl = settings::duration(ttl, MILLISECOND);
         self
     }
 
@@ -294,7 +283,7 @@ impl IdempotencyLayer {
     /// `408 body-timeout`, and nothing is claimed.
     #[must_use]
     pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
-        self.config().request_body_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
+        self.config().request_body_timeout = settings::duration(timeout, MILLISECOND);
         self
     }
 
@@ -324,7 +313,7 @@ impl IdempotencyLayer {
     /// is completed with a `response-not-stored` problem. Guard no streaming route.
     #[must_use]
     pub fn response_body_timeout(mut self, timeout: Duration) -> Self {
-        self.config().response_body_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
+        self.config().response_body_timeout = settings::duration(timeout, MILLISECOND);
         self
     }
 
@@ -349,7 +338,7 @@ impl IdempotencyLayer {
     /// ([`transactional`](crate::transactional)).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.config().store_timeout = timeout.clamp(Duration::from_millis(1), TEN_YEARS);
+        self.config().store_timeout = settings::duration(timeout, MILLISECOND);
         self
     }
 

@@ -17,30 +17,34 @@ mod catch_panic;
 mod extract;
 mod future;
 pub mod guide;
+mod hex;
 pub mod job;
 mod layer;
 mod outcome;
 mod policy;
+mod random;
 mod record;
 pub mod rejection;
 mod request;
 mod run;
 mod service;
+mod settings;
 mod shutdown;
 pub mod store;
 #[cfg(feature = "postgres")]
 pub mod transactional;
 
+pub use answers::IDEMPOTENT_REPLAYED;
 pub use body::{BoxError, ResponseBody};
 #[cfg(feature = "axum")]
 pub use extract::MissingIdempotencyKey;
 pub use future::ResponseFuture;
-pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer};
+pub use layer::IdempotencyLayer;
 pub use outcome::Outcome;
 pub use policy::{NoStore, default_storage_policy};
 pub use record::StoredResponse;
 pub use request::fingerprint::{Fingerprint, fingerprint};
-pub use request::key::{IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
+pub use request::key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
 pub use request::scope::Scope;
 pub use service::Idempotency;
 pub use shutdown::ShutdownHandle;

@@ -30,7 +30,7 @@ impl Fingerprint {
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", hex(&self.0[..8]))
+        write!(f, "Fingerprint({})", crate::hex::encode(&self.0[..8]))
     }
 }
 
@@ -102,17 +102,6 @@ fn sha256(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprint {
     }
     field(&mut h, body);
     Fingerprint(h.finalize().into())
-}
-
-/// Lowercase hex of `bytes`.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
-    }
-    s
 }
 
 #[cfg(test)]
@@ -207,6 +196,6 @@ mod tests {
 
     #[test]
     fn hex_is_lowercase() {
-        assert_eq!(hex(&[0x00, 0xab, 0x7f]), "00ab7f");
+        assert_eq!(crate::hex::encode(&[0x00, 0xab, 0x7f]), "00ab7f");
     }
 }

@@ -21,6 +21,9 @@ use sha2::{Digest, Sha256};
 
 use crate::request::scope::Scope;
 
+/// The default header name, `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
 
@@ -239,7 +242,7 @@ impl IdempotencyKey {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
-        crate::request::fingerprint::hex(&h.finalize())
+        crate::hex::encode(&h.finalize())
     }
 }
 

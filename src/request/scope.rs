@@ -82,10 +82,7 @@ impl Scope {
             Some(value) => {
                 let mut digest = Sha256::new();
                 canonical_credentials(value.as_bytes(), |part| digest.update(part));
-                Self::new(format!(
-                    "auth:{}",
-                    crate::request::fingerprint::hex(&digest.finalize())
-                ))
+                Self::new(format!("auth:{}", crate::hex::encode(&digest.finalize())))
             }
         }
     }

@@ -196,7 +196,7 @@ impl FencingToken {
 
     /// A fresh claim's token: random, in `1..2^62`.
     pub fn fresh() -> Self {
-        Self(((random_u64() >> 2) as i64).max(1))
+        Self(((crate::random::u64() >> 2) as i64).max(1))
     }
 
     /// The token of a takeover of the claim that holds this one: one more.
@@ -249,21 +249,6 @@ pub(crate) async fn within<T>(
             format!("no answer to {what} within {} ms", bound.as_millis()),
         )),
     }
-}
-
-/// 64 random bits, different on every call: the standard library's randomly keyed
-/// hasher over a counter and the clock. Not for secrets; for tokens and jitter.
-pub(crate) fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
 }
 
 /// The right to run the handler for one key, until the lease lapses.
@@ -480,7 +465,7 @@ pub fn spawn_purger(
 ) -> tokio::task::JoinHandle<()> {
     let batch = batch.max(1);
     // A zero period would panic inside the task, where nobody sees it.
-    let every = every.clamp(Duration::from_millis(1), crate::layer::TEN_YEARS);
+    let every = crate::settings::duration(every, crate::settings::MILLISECOND);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -156,7 +156,7 @@ where
     let claim_wait = if config.wait.is_zero() {
         DUPLICATE_LOCK_WAIT
     } else {
-        config.wait.min(crate::layer::LONGEST_LOCK_TIMEOUT)
+        config.wait.min(crate::settings::LONGEST_LOCK_TIMEOUT)
     };
     let opened = open(
         &store,

@@ -80,7 +80,7 @@ impl Hosts {
             return self.each[0].connect(tls).await;
         }
         let first = if self.random_start {
-            usize::try_from(crate::store::random_u64() % n as u64).unwrap_or(0)
+            usize::try_from(crate::random::u64() % n as u64).unwrap_or(0)
         } else {
             self.preferred.load(Ordering::Relaxed) % n
         };

@@ -212,7 +212,7 @@ async fn listen(me: Weak<Listener>, hosts: Arc<Hosts>, connector: Connector, cha
             Ok(Ok((client, mut connection))) => {
                 // Unique to this connection, so that nobody else hears its checks, and
                 // no earlier connection's passes for this one's.
-                let echo = format!("ti_echo_{:016x}", crate::store::random_u64());
+                let echo = format!("ti_echo_{:016x}", crate::random::u64());
                 let listen = format!("LISTEN \"{channel}\"; LISTEN \"{echo}\"");
                 let check_sql = format!("NOTIFY \"{echo}\"");
                 let echoed = tokio::sync::Notify::new();

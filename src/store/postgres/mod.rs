@@ -581,7 +581,7 @@ fn lease_left(locked_until: Option<SystemTime>, now: SystemTime) -> Duration {
 /// Milliseconds for SQL, at most ten years (as the layer's settings): PostgreSQL's
 /// timestamps end in 294276 AD, and `now()` plus more fails the statement.
 fn ms(d: Duration) -> i64 {
-    i64::try_from(d.min(crate::layer::TEN_YEARS).as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.min(crate::settings::TEN_YEARS).as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Classifies a database error by its SQLSTATE, never by its message.
@@ -668,7 +668,7 @@ where
     loop {
         match statement().await {
             Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => {
-                tokio::time::sleep(race_backoff(attempts, super::random_u64())).await;
+                tokio::time::sleep(race_backoff(attempts, crate::random::u64())).await;
                 attempts += 1;
             }
             done => return done,
@@ -1111,7 +1111,7 @@ impl PostgresStore {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
-        crate::request::fingerprint::hex(&h.finalize()[..16])
+        crate::hex::encode(&h.finalize()[..16])
     }
 
     /// The pool this store uses.
@@ -1162,7 +1162,7 @@ impl PostgresStore {
                         "a migration could not lock the table; trying again"
                     );
                     attempt += 1;
-                    let wait = 1000 + super::random_u64() % 1000;
+                    let wait = 1000 + crate::random::u64() % 1000;
                     tokio::time::sleep(Duration::from_millis(wait)).await;
                 }
                 Err(Migration::TableBusy(version)) => {
@@ -1492,7 +1492,7 @@ impl PostgresStore {
             token,
         };
         // Past the lease, the row frees itself: no release is worth trying then.
-        let lapses = tokio::time::Instant::now() + request.lease.min(crate::layer::TEN_YEARS);
+        let lapses = tokio::time::Instant::now() + request.lease.min(crate::settings::TEN_YEARS);
         runtime.spawn(
             async move {
                 let mut schedule = IN_DOUBT_RELEASES.into_iter().chain(std::iter::successors(
@@ -2020,7 +2020,7 @@ mod tests {
         }
         // Statements that lost together draw different waits.
         let waits: std::collections::HashSet<_> = (0..32)
-            .map(|_| race_backoff(6, crate::store::random_u64()))
+            .map(|_| race_backoff(6, crate::random::u64()))
             .collect();
         assert!(waits.len() > 16, "{waits:?}");
     }

@@ -69,7 +69,7 @@ impl BackgroundPurge {
         lock: i64,
     ) -> Self {
         Self {
-            every: every.map(|e| e.clamp(SHORTEST, crate::layer::TEN_YEARS)),
+            every: every.map(|e| e.clamp(SHORTEST, crate::settings::TEN_YEARS)),
             started: AtomicBool::new(false),
             pool,
             connector,
@@ -148,7 +148,7 @@ impl BackgroundPurge {
 /// The purger's loop: a round every `every`, jittered, for as long as its store lives.
 async fn run(purge: Weak<BackgroundPurge>, every: Duration) {
     loop {
-        tokio::time::sleep(jittered(every, crate::store::random_u64())).await;
+        tokio::time::sleep(jittered(every, crate::random::u64())).await;
         let Some(purge) = purge.upgrade() else {
             return;
         };
