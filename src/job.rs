@@ -44,7 +44,7 @@ use crate::{
         Leased,
         decision::{Decision, decide},
         renewal::Renewal,
-        storing::Completed,
+        storing::Completion,
     },
     settings::{self, MILLISECOND, SHORTEST_LEASE},
     shutdown::InFlight,
@@ -403,8 +403,8 @@ impl JobRunner {
                     .store(&lease, stored(&result), in_flight, renewal)
                     .await
                 {
-                    Completed::Fenced => Err(JobError::TakenOver(result)),
-                    Completed::Stored | Completed::Pending => Ok(JobOutcome::Ran(result)),
+                    Completion::Fenced => Err(JobError::TakenOver(result)),
+                    Completion::Stored | Completion::Pending => Ok(JobOutcome::Ran(result)),
                 }
             }
             Ok(Err(e)) => {
@@ -453,8 +453,8 @@ impl JobRunner {
     {
         use crate::{
             run::transactional::{
-                Committed, Opened, RolledBack, commit, keeping_claim, open, roll_back_unless_ended,
-                settle_kept, take_back,
+                Committed, Opened, RolledBack, commit, finish_kept, keeping_claim, open,
+                roll_back_unless_ended, take_back,
             },
             store::roll_back_or_close,
             transactional::TransactionHandle,
@@ -545,7 +545,7 @@ impl JobRunner {
                 // and the transaction may have ended under the runner meanwhile. Otherwise
                 // what became of the work says more than that.
                 Err(kept) => {
-                    let settled = settle_kept(store, kept, &claimed, request, store_timeout);
+                    let settled = finish_kept(store, kept, &claimed, request, store_timeout);
                     if settled.await == RolledBack::Ended {
                         return Err(JobError::TransactionEnded);
                     }

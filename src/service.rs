@@ -205,7 +205,7 @@ where
         let store = store.clone();
         // Boxed: its large state machine would otherwise be embedded in this one, making
         // every request's future as large, and as costly to move.
-        return Box::pin(crate::run::transactional::guarded(
+        return Box::pin(crate::run::transactional::serve(
             config,
             store,
             inner,
@@ -219,7 +219,7 @@ where
     }
     // Boxed: its large state machine would otherwise be embedded in this one, making
     // every request's future as large, and as costly to move.
-    Box::pin(crate::run::lease::guarded(
+    Box::pin(crate::run::lease::serve(
         config,
         inner,
         parts,

@@ -46,7 +46,7 @@ pub(crate) fn decide(claim: Claim, fingerprint: Fingerprint) -> Decision {
 /// answer through here.
 // The `Err` is the response itself, returned to the client at once, not an error to box.
 #[allow(clippy::result_large_err)]
-pub(crate) fn settle<B>(
+pub(crate) fn lease_or_answer<B>(
     claim: Claim,
     fingerprint: Fingerprint,
     retry_hint: Duration,

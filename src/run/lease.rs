@@ -10,7 +10,7 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::{
-    decision::settle,
+    decision::lease_or_answer,
     handler::{Produced, run_inner},
     renewal::Renewal,
 };
@@ -31,7 +31,7 @@ use crate::{
 /// The guarded path of a request in lease mode, once its body is read and its claim
 /// request made: claims the key (waiting for a running holder if told to), runs the
 /// handler under its lease, and stores or releases its result.
-pub(crate) async fn guarded<S, ReqBody, ResBody>(
+pub(crate) async fn serve<S, ReqBody, ResBody>(
     config: Arc<Config>,
     inner: S,
     mut parts: http::request::Parts,
@@ -160,7 +160,7 @@ async fn claim<B>(
                 continue;
             }
             Ok(Ok(claim)) => {
-                return settle(claim, request.fingerprint, config.in_progress_retry_after);
+                return lease_or_answer(claim, request.fingerprint, config.in_progress_retry_after);
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "claim failed; the handler was not run");

@@ -27,7 +27,7 @@ impl Leased {
         stored: StoredResponse,
         keep: impl Send + 'static,
         mut renewal: Renewal,
-    ) -> Completed {
+    ) -> Completion {
         // A slow store must not let the lease lapse under a result about to be stored:
         // a retry would take the key over and run the handler again.
         renewal.storing();
@@ -35,8 +35,8 @@ impl Leased {
         // The attempts in the background renew the lease themselves, one at a time.
         drop(renewal);
         match first {
-            Attempt::Stored => return Completed::Stored,
-            Attempt::Fenced => return Completed::Fenced,
+            Attempt::Stored => return Completion::Stored,
+            Attempt::Fenced => return Completion::Fenced,
             Attempt::Failed => {}
         }
         let (this, lease) = (self.clone(), lease.clone());
@@ -75,7 +75,7 @@ impl Leased {
             }
             .in_current_span(),
         );
-        Completed::Pending
+        Completion::Pending
     }
 
     /// One completion attempt.
@@ -118,7 +118,7 @@ enum Attempt {
 
 /// What became of a result given to [`Storing::store`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Completed {
+pub(crate) enum Completion {
     Stored,
     /// The lease had been taken over: another run holds the key; this result is not
     /// stored.

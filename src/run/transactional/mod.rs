@@ -16,13 +16,13 @@ use tokio::sync::Mutex;
 use tower_service::Service;
 
 pub(crate) use ended::{
-    RolledBack, is_stored as is_transaction_ended, keeping_claim, kept as settle_kept,
+    RolledBack, is_stored as is_transaction_ended, keeping_claim, kept as finish_kept,
     roll_back_unless_ended,
 };
 pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
 
 use super::{
-    decision::settle,
+    decision::lease_or_answer,
     handler::{Produced, run_inner},
 };
 use crate::{
@@ -126,7 +126,7 @@ const DUPLICATE_LOCK_WAIT: Duration = Duration::from_millis(50);
 
 /// The guarded path of a request in transactional mode, after its body was read.
 #[allow(clippy::too_many_arguments)]
-pub(crate) async fn guarded<S, ReqBody, ResBody>(
+pub(crate) async fn serve<S, ReqBody, ResBody>(
     config: Arc<Config>,
     store: PostgresStore,
     inner: S,
@@ -189,7 +189,7 @@ where
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
             return Ok(
-                settle(found, request.fingerprint, config.in_progress_retry_after)
+                lease_or_answer(found, request.fingerprint, config.in_progress_retry_after)
                     .err()
                     .unwrap_or_else(unavailable),
             );

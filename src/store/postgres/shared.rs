@@ -204,15 +204,15 @@ impl std::ops::Deref for SharedClient<'_> {
 /// claim on it lets it go.
 struct Connection {
     client: ClientWrapper,
-    _counted: Counted,
+    _counted: CountedOpen,
 }
 
 /// One of `Shared::open`, taken before the connection is sought and given back when
 /// dropped: when the connection closes, or when it never came (an error, or a claim
 /// cancelled while it waited for the pool).
-struct Counted(Arc<AtomicUsize>);
+struct CountedOpen(Arc<AtomicUsize>);
 
-impl Drop for Counted {
+impl Drop for CountedOpen {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
@@ -236,7 +236,7 @@ async fn connect(
     {
         return Ok(None);
     }
-    let counted = Counted(open.clone());
+    let counted = CountedOpen(open.clone());
     let client = match opened {
         Opened::ForClaims => Object::take(super::pooled(pool).await?),
         Opened::Reserve => made(pool).await?,
