@@ -10,12 +10,21 @@ use http::{HeaderValue, Response};
 pub const IDEMPOTENT_REPLAYED: http::HeaderName =
     http::HeaderName::from_static("idempotent-replayed");
 
-use crate::{Outcome, StoredResponse, body::ResponseBody, layer::Config, rejection::Problem};
+use crate::{
+    Outcome, StoredResponse,
+    body::ResponseBody,
+    layer::Config,
+    rejection::{Problem, Problems},
+};
 
 /// A rejection before anything was claimed.
-pub(crate) fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody<B>> {
+pub(crate) fn reject<B>(
+    problems: &Problems,
+    problem: Problem,
+    detail: &str,
+) -> Response<ResponseBody<B>> {
     with_outcome(
-        problem.response(detail).map(ResponseBody::full),
+        problems.response(problem, detail).map(ResponseBody::full),
         Outcome::Rejected,
     )
 }
@@ -23,11 +32,12 @@ pub(crate) fn reject<B>(problem: Problem, detail: &str) -> Response<ResponseBody
 /// `500 misconfigured`: two layers of different modes guard the request over the same
 /// records. Marked [`NoStore`](crate::NoStore): the outer layer releases (or rolls back)
 /// its claim, whatever its policy.
-pub(crate) fn nested_on_one_table<B>() -> Response<ResponseBody<B>> {
+pub(crate) fn nested_on_one_table<B>(problems: &Problems) -> Response<ResponseBody<B>> {
     tracing::error!(
         "two idempotency layers of different modes (lease and transactional) guard this request over the same table; the inner one would claim the key the outer one holds. Give them different tables, or keep one of them on the route (in axum, a route_layer applies to every route added before it)"
     );
     let mut res = reject(
+        problems,
         Problem::Misconfigured,
         "this request is guarded by two idempotency layers of different modes over the same table; the server's configuration must change, nothing was processed",
     );
@@ -79,7 +89,10 @@ pub(crate) fn not_stored_problem(config: &Config, why: Unbuffered) -> StoredResp
             "the request was processed once, but its response body failed while it was read and cannot be replayed".to_owned()
         }
     };
-    let (p, body) = Problem::ResponseNotStored.response(&detail).into_parts();
+    let (p, body) = config
+        .problems
+        .response(Problem::ResponseNotStored, &detail)
+        .into_parts();
     StoredResponse {
         status: p.status,
         headers: p.headers,
@@ -89,46 +102,56 @@ pub(crate) fn not_stored_problem(config: &Config, why: Unbuffered) -> StoredResp
 
 /// `409 in-progress`, telling the client to look again after `hint`, or sooner if the
 /// running request's lease, `lease_left`, lapses sooner.
-pub(crate) fn in_progress<B>(lease_left: Duration, hint: Duration) -> Response<ResponseBody<B>> {
-    let res = Problem::InProgress.response_retry_after(
+pub(crate) fn in_progress<B>(
+    problems: &Problems,
+    lease_left: Duration,
+    hint: Duration,
+) -> Response<ResponseBody<B>> {
+    let res = problems.response_retry_after(
+        Problem::InProgress,
         "a request with this Idempotency-Key is still being processed; retry after the time given",
         lease_left.min(hint),
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Conflict)
 }
 
-pub(crate) fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
+pub(crate) fn too_large<B>(problems: &Problems, limit: usize) -> Response<ResponseBody<B>> {
     reject(
+        problems,
         Problem::BodyTooLarge,
         &format!("the request body is over the limit of {limit} bytes"),
     )
 }
 
-pub(crate) fn mismatch<B>() -> Response<ResponseBody<B>> {
-    let res = Problem::KeyReused.response(
+pub(crate) fn mismatch<B>(problems: &Problems) -> Response<ResponseBody<B>> {
+    let res = problems.response(
+        Problem::KeyReused,
         "this Idempotency-Key was already used with a different request (method, path, query, headers or body)",
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Mismatch)
 }
 
-pub(crate) fn unavailable<B>() -> Response<ResponseBody<B>> {
-    let res = Problem::StoreUnavailable.response_retry_after(
+pub(crate) fn unavailable<B>(problems: &Problems) -> Response<ResponseBody<B>> {
+    let res = problems.response_retry_after(
+        Problem::StoreUnavailable,
         "the idempotency store could not be reached; the request was not processed",
         Duration::from_secs(1),
     );
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }
 
-pub(crate) fn shutting_down<B>() -> Response<ResponseBody<B>> {
-    let res = Problem::ShuttingDown.response_retry_after(
+pub(crate) fn shutting_down<B>(problems: &Problems) -> Response<ResponseBody<B>> {
+    let res = problems.response_retry_after(
+        Problem::ShuttingDown,
         "this server is shutting down and takes no new requests; retry, another instance will serve it",
         Duration::from_secs(1),
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Rejected)
 }
 
-pub(crate) fn handler_failed<B>() -> Response<ResponseBody<B>> {
-    let res = Problem::HandlerFailed.response(
+pub(crate) fn handler_failed<B>(problems: &Problems) -> Response<ResponseBody<B>> {
+    let res = problems.response(
+        Problem::HandlerFailed,
         "the request failed while being processed; nothing is held under its Idempotency-Key, so it may be retried",
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Executed)
@@ -152,7 +175,7 @@ pub(crate) const NOT_COMMITTED: &str = "the request's transaction could not be c
 pub(crate) const COMMIT_UNKNOWN: &str = "the database did not answer the commit (the connection failed, or no answer came in time), and whether it took effect could not be checked; retry with the same key: it replays the response if it did, and runs afresh if not";
 
 #[cfg(feature = "postgres")]
-pub(crate) fn not_committed<B>(detail: &str) -> Response<ResponseBody<B>> {
-    let res = Problem::NotCommitted.response_retry_after(detail, Duration::from_secs(1));
+pub(crate) fn not_committed<B>(problems: &Problems, detail: &str) -> Response<ResponseBody<B>> {
+    let res = problems.response_retry_after(Problem::NotCommitted, detail, Duration::from_secs(1));
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }

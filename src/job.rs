@@ -463,6 +463,7 @@ impl JobRunner {
         let (conn, claimed) = match open(
             store,
             request,
+            &Arc::default(),
             lock_timeout,
             lock_timeout,
             self.store_timeout,

@@ -11,6 +11,7 @@ use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
     Fingerprint, Idempotency, Scope, ShutdownHandle,
     policy::{PolicyFn, default_storage_policy},
+    rejection::{Problems, Rejection},
     request::fingerprint::Fingerprinter,
     request::scope::ScopeFn,
     settings::{self, MILLISECOND, SHORTEST_LEASE, TEN_YEARS},
@@ -76,6 +77,7 @@ pub(crate) struct Config {
     pub(crate) request_body_timeout: Duration,
     pub(crate) response_body_timeout: Duration,
     pub(crate) hash_keys_in_traces: bool,
+    pub(crate) problems: Arc<Problems>,
     #[cfg(feature = "postgres")]
     pub(crate) transactional: Option<crate::store::PostgresStore>,
     #[cfg(feature = "postgres")]
@@ -129,6 +131,7 @@ impl IdempotencyLayer {
                 request_body_timeout: Duration::from_secs(30),
                 response_body_timeout: Duration::from_secs(30),
                 hash_keys_in_traces: true,
+                problems: Arc::default(),
                 #[cfg(feature = "postgres")]
                 transactional: None,
                 #[cfg(feature = "postgres")]
@@ -417,6 +420,70 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn unreplayed_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config().unreplayed_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// The base URI of the problem types in the layer's rejections (default
+    /// [`DEFAULT_TYPE_BASE`](crate::rejection::DEFAULT_TYPE_BASE), this crate's
+    /// documentation): each `type` is the problem's stable
+    /// [slug](crate::rejection::Problem::slug) appended to it, so end it with `/` or `#`.
+    /// For an API that documents its errors on a page of its own.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+    ///
+    /// // `409` answers `"type": "https://api.example.com/problems/in-progress"`.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .problem_type_base("https://api.example.com/problems/");
+    /// ```
+    #[must_use]
+    pub fn problem_type_base(mut self, base: impl Into<Arc<str>>) -> Self {
+        let problems = (*self.config.problems).clone().with_base(base.into());
+        self.config().problems = Arc::new(problems);
+        self
+    }
+
+    /// Answers the layer's rejections in the app's own error format: `render` gets each
+    /// [`Rejection`] (its [`Problem`](crate::rejection::Problem), status, detail and
+    /// `Retry-After`) and returns the whole response in its place. That covers every
+    /// answer the layer gives instead of the handler's (`400` for a malformed key,
+    /// `409` in progress, `422` key reused, `503`s, …), the problems it stores when a
+    /// response cannot be (`500 response-not-stored`), and the extractors' rejections
+    /// on the requests it guards. Replays of stored responses are the handler's own and
+    /// pass untouched.
+    ///
+    /// Keep what a client relies on: the status, `Retry-After` where the rejection has
+    /// one, and `Cache-Control: no-store`.
+    ///
+    /// ```
+    /// use http::{Response, header};
+    /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).rejection_with(|rejection| {
+    ///     let mut res = Response::builder()
+    ///         .status(rejection.status())
+    ///         .header(header::CONTENT_TYPE, "application/json")
+    ///         .header(header::CACHE_CONTROL, "no-store");
+    ///     if let Some(after) = rejection.retry_after() {
+    ///         res = res.header(header::RETRY_AFTER, after.as_secs().max(1));
+    ///     }
+    ///     let body = serde_json::json!({
+    ///         "error": { "code": rejection.problem().slug(), "message": rejection.detail() }
+    ///     });
+    ///     res.body(body.to_string()).unwrap()
+    /// });
+    /// ```
+    #[must_use]
+    pub fn rejection_with<T>(
+        mut self,
+        render: impl Fn(&Rejection) -> http::Response<T> + Send + Sync + 'static,
+    ) -> Self
+    where
+        T: Into<Bytes>,
+    {
+        let hook = Arc::new(move |rejection: &Rejection| render(rejection).map(Into::into));
+        let problems = (*self.config.problems).clone().with_hook(hook);
+        self.config().problems = Arc::new(problems);
         self
     }
 }

@@ -10,7 +10,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
 
-const TYPE_BASE: &str =
+/// The default base of the problem types: this page, each problem an anchor on it.
+pub const DEFAULT_TYPE_BASE: &str =
     "https://docs.rs/tower-idempotency/latest/tower_idempotency/rejection/index.html#";
 
 /// A reason the layer answered instead of the handler.
@@ -97,7 +98,7 @@ impl Problem {
     /// assert!(Problem::KeyReused.type_uri().ends_with("#key-reused"));
     /// ```
     pub fn type_uri(self) -> String {
-        format!("{TYPE_BASE}{}", self.slug())
+        format!("{DEFAULT_TYPE_BASE}{}", self.slug())
     }
 
     /// The HTTP status.
@@ -140,7 +141,12 @@ impl Problem {
 
     /// The problem document with `detail` as a response.
     pub fn response(self, detail: &str) -> Response<Bytes> {
-        let type_uri = self.type_uri();
+        self.document(DEFAULT_TYPE_BASE, detail)
+    }
+
+    /// The problem document with `detail`, its `type` the slug under `base`.
+    fn document(self, base: &str, detail: &str) -> Response<Bytes> {
+        let type_uri = format!("{base}{}", self.slug());
         let body = Body {
             type_: &type_uri,
             title: self.title(),
@@ -169,6 +175,178 @@ impl Problem {
         res.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
         res
+    }
+}
+
+/// The layer answering in the handler's stead: which [`Problem`], the detail for this
+/// request, and when to look again. What an app's own error format is made from
+/// ([`IdempotencyLayer::rejection_with`](crate::IdempotencyLayer::rejection_with)).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::rejection::{Problem, Rejection};
+///
+/// let rejection = Rejection::new(Problem::InProgress, "still running")
+///     .with_retry_after(Duration::from_secs(1));
+/// assert_eq!(rejection.status(), 409);
+/// let res = rejection.to_response("https://api.example.com/problems/");
+/// assert_eq!(res.headers()["retry-after"], "1");
+/// # let doc: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
+/// # assert_eq!(doc["type"], "https://api.example.com/problems/in-progress");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    problem: Problem,
+    detail: String,
+    retry_after: Option<std::time::Duration>,
+}
+
+impl Rejection {
+    /// `problem`, with `detail` saying what it means for this request.
+    pub fn new(problem: Problem, detail: impl Into<String>) -> Self {
+        Self {
+            problem,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// With a `Retry-After` of `after` (whole seconds, rounded up, at least 1).
+    #[must_use]
+    pub fn with_retry_after(mut self, after: std::time::Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// The problem.
+    pub fn problem(&self) -> Problem {
+        self.problem
+    }
+
+    /// Its HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.problem.status()
+    }
+
+    /// What it means for this request.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// When the client should look again, if it should.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        self.retry_after
+    }
+
+    /// The RFC 9457 problem document, its `type` the problem's slug under `base` (the
+    /// default: [`DEFAULT_TYPE_BASE`]), with `Retry-After` if set.
+    pub fn to_response(&self, base: &str) -> Response<Bytes> {
+        let mut res = self.problem.document(base, &self.detail);
+        if let Some(after) = self.retry_after {
+            let secs = after.as_millis().div_ceil(1000).max(1);
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
+        }
+        res
+    }
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.problem.title(), self.detail)
+    }
+}
+
+impl std::error::Error for Rejection {}
+
+/// How a layer words its rejections: the base of the problem types, or the app's own
+/// format in their place.
+#[derive(Clone, Default)]
+pub(crate) struct Problems {
+    /// `None`: [`DEFAULT_TYPE_BASE`].
+    base: Option<std::sync::Arc<str>>,
+    hook: Option<Hook>,
+}
+
+type Hook = std::sync::Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
+
+impl Problems {
+    pub(crate) fn with_base(mut self, base: std::sync::Arc<str>) -> Self {
+        self.base = Some(base);
+        self
+    }
+
+    pub(crate) fn with_hook(mut self, hook: Hook) -> Self {
+        self.hook = Some(hook);
+        self
+    }
+
+    /// Whether rejections are the default documents.
+    pub(crate) fn is_default(&self) -> bool {
+        self.base.is_none() && self.hook.is_none()
+    }
+
+    /// The base of the problem types.
+    pub(crate) fn base(&self) -> &str {
+        self.base.as_deref().unwrap_or(DEFAULT_TYPE_BASE)
+    }
+
+    /// `rejection` as this layer answers it: the app's format, or the problem document
+    /// under this base; marked with its [`Problem`] either way.
+    pub(crate) fn render(&self, rejection: &Rejection) -> Response<Bytes> {
+        let mut res = match &self.hook {
+            Some(hook) => hook(rejection),
+            None => return rejection.to_response(self.base()),
+        };
+        res.extensions_mut().insert(rejection.problem);
+        res
+    }
+
+    /// `problem` with `detail`, as [`render`](Self::render) answers it.
+    pub(crate) fn response(&self, problem: Problem, detail: &str) -> Response<Bytes> {
+        if self.is_default() {
+            return problem.response(detail);
+        }
+        self.render(&Rejection::new(problem, detail))
+    }
+
+    /// Like [`response`](Self::response), with a `Retry-After` of `after`.
+    pub(crate) fn response_retry_after(
+        &self,
+        problem: Problem,
+        detail: &str,
+        after: std::time::Duration,
+    ) -> Response<Bytes> {
+        if self.is_default() {
+            return problem.response_retry_after(detail, after);
+        }
+        self.render(&Rejection::new(problem, detail).with_retry_after(after))
+    }
+}
+
+impl std::fmt::Debug for Problems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Problems")
+            .field("base", &self.base())
+            .field("hook", &self.hook.is_some())
+            .finish()
+    }
+}
+
+/// A handler may answer with a problem of its own kind: its document, with the title
+/// as its detail.
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for Problem {
+    fn into_response(self) -> axum_core::response::Response {
+        Rejection::new(self, self.title()).into_response()
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for Rejection {
+    fn into_response(self) -> axum_core::response::Response {
+        self.to_response(DEFAULT_TYPE_BASE)
+            .map(axum_core::body::Body::from)
     }
 }
 

@@ -82,15 +82,16 @@ where
             Ok(Some(key)) => key,
             Ok(None) if !config.require_key => {
                 crate::request::mark_unkeyed(req.extensions_mut(), &config.header);
+                crate::request::mark_problems(req.extensions_mut(), config);
                 return pass_through(self.inner.call(req));
             }
             Ok(None) => {
                 let detail = KeyError::Missing.naming(crate::request::header_label(&config.header));
-                return answered(reject(Problem::KeyMissing, &detail));
+                return answered(reject(&config.problems, Problem::KeyMissing, &detail));
             }
             Err(e) => {
                 let detail = e.naming(crate::request::header_label(&config.header));
-                return answered(reject(Problem::KeyMalformed, &detail));
+                return answered(reject(&config.problems, Problem::KeyMalformed, &detail));
             }
         };
         // So is one an outer layer guards already under this key (a copy of it too):
@@ -106,7 +107,7 @@ where
                 return pass_through(self.inner.call(req));
             }
             if outer.location.is_some() && outer.location == config.store.records_location() {
-                return answered(nested_on_one_table());
+                return answered(nested_on_one_table(&config.problems));
             }
         }
         // A guarded request's future owns an instance of its own (it may finish in a task
@@ -129,6 +130,7 @@ where
             span.record("key", key.as_str());
         }
         let config = config.clone();
+        let problems = config.problems.clone();
         let handoff = Arc::new(Handoff::default());
         let started = handoff.clone();
         let future = async move {
@@ -142,7 +144,7 @@ where
                         panic = crate::catch_panic::message(&panic),
                         "the request panicked"
                     );
-                    Ok(handler_failed())
+                    Ok(handler_failed(&problems))
                 }
             };
             if let Ok(res) = &res
@@ -183,7 +185,7 @@ where
     };
 
     let Some(in_flight) = config.shutdown.enter() else {
-        return Ok(shutting_down());
+        return Ok(shutting_down(&config.problems));
     };
     let scope = (config.scope)(&parts);
     // A tenant or user id may be personal data: traces carry its hash, computed only

@@ -140,6 +140,29 @@ impl std::fmt::Display for TransactionClosed {
 
 impl std::error::Error for TransactionClosed {}
 
+impl TransactionClosed {
+    /// What it answers: `500 handler-failed`.
+    pub fn rejection(&self) -> crate::rejection::Rejection {
+        crate::rejection::Rejection::new(
+            crate::rejection::Problem::HandlerFailed,
+            "the request's idempotency transaction had already ended when its handler asked for its connection",
+        )
+    }
+
+    /// The status it answers: `500`.
+    pub fn status(&self) -> http::StatusCode {
+        self.rejection().status()
+    }
+
+    /// The body it answers: the problem document.
+    pub fn body_text(&self) -> String {
+        let res = self
+            .rejection()
+            .to_response(crate::rejection::DEFAULT_TYPE_BASE);
+        String::from_utf8_lossy(res.body()).into_owned()
+    }
+}
+
 impl TransactionHandle {
     /// A handle over an open transaction, and the slot to take it back from.
     pub(crate) fn holding(conn: Checkout) -> (Self, Arc<Mutex<Option<Checkout>>>) {

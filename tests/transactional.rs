@@ -1871,6 +1871,26 @@ async fn a_handler_that_commits_the_transaction_gets_transaction_ended_and_runs_
     a_transaction_ended_by_the_handler("commit", 1).await;
 }
 
+/// The key is completed with `500 transaction-ended` as the layer words its problems,
+/// and replayed so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_ended_by_the_handler_is_stored_in_the_app_s_wording() {
+    let schema = TestSchema::new();
+    let store = schema.store_at(&common::database_url(), 2).await;
+    let table = setup(&schema, &store).await;
+    let base = "https://api.example.com/problems/";
+    let layer = IdempotencyLayer::transactional(store.clone()).problem_type_base(base);
+    let (router, counter) = app_on(post(ends_its_transaction), layer, &table);
+    let first = common::send_bounded(&router, post_with("k", &[("x-end", "commit")])).await;
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.json()["type"], format!("{base}transaction-ended"));
+    let retry = common::send_bounded(&router, post_with("k", &[("x-end", "commit")])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    common::idle(&store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_begins_and_commits_gets_transaction_ended_and_runs_once() {
     a_transaction_ended_by_the_handler("begin-commit", 1).await;

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use crate::{IdempotencyKey, layer::Config, store::ClaimRequest};
+use crate::{IdempotencyKey, layer::Config, rejection::Problems, store::ClaimRequest};
 
 /// Hands a claimed request over to its handler: its [`IdempotencyKey`], and the mark
 /// that it is guarded, in this mode, over this layer's records.
@@ -22,6 +22,29 @@ pub(crate) fn hand_over(
         transactional,
         location: config.store.records_location(),
     });
+    mark_problems(extensions, config);
+}
+
+/// Left in a request's extensions by a layer that words its problems its own way
+/// ([`problem_type_base`](crate::IdempotencyLayer::problem_type_base),
+/// [`rejection_with`](crate::IdempotencyLayer::rejection_with)), for the extractors'
+/// rejections to be worded the same.
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "axum"), allow(dead_code))]
+pub(crate) struct LayerProblems(pub(crate) Arc<Problems>);
+
+/// Marks `extensions` with the layer's own wording of problems, if it has one (the
+/// default costs the request nothing).
+pub(crate) fn mark_problems(extensions: &mut http::Extensions, config: &Config) {
+    if !config.problems.is_default() {
+        extensions.insert(LayerProblems(config.problems.clone()));
+    }
+}
+
+/// How the layer that saw the request words its problems.
+#[cfg(feature = "axum")]
+pub(crate) fn problems_in(extensions: &http::Extensions) -> Option<Arc<Problems>> {
+    extensions.get::<LayerProblems>().map(|p| p.0.clone())
 }
 
 /// Left in a request's extensions by the layer that guards it, beside its

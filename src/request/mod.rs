@@ -13,8 +13,10 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 #[cfg(feature = "axum")]
+pub(crate) use marks::problems_in;
+#[cfg(feature = "axum")]
 pub(crate) use marks::unkeyed_in;
-pub(crate) use marks::{Guarded, hand_over, header_label, mark_unkeyed};
+pub(crate) use marks::{Guarded, hand_over, header_label, mark_problems, mark_unkeyed};
 
 use crate::{
     answers::{reject, too_large},
@@ -42,7 +44,7 @@ where
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
-        return Err(too_large(limit));
+        return Err(too_large(&config.problems, limit));
     }
     let read = tokio::time::timeout(
         config.request_body_timeout,
@@ -50,17 +52,22 @@ where
     );
     match read.await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(limit)),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(too_large(&config.problems, limit))
+        }
         // A limit set in front of the layer (a `Limited` body, wrapped on its way).
         Ok(Err(e)) if over_a_limit(&*e) => Err(reject(
+            &config.problems,
             Problem::BodyTooLarge,
             &format!("the request body is over a size limit: {e}"),
         )),
         Ok(Err(e)) => Err(reject(
+            &config.problems,
             Problem::BodyUnreadable,
             &format!("the request body could not be read: {e}"),
         )),
         Err(_) => Err(reject(
+            &config.problems,
             Problem::BodyTimeout,
             &format!(
                 "the request body did not arrive within {} ms; nothing was processed",

@@ -10,6 +10,7 @@ use crate::{
     Fingerprint, StoredResponse,
     answers::{in_progress, mismatch, replay},
     body::ResponseBody,
+    layer::Config,
     store::{Claim, Lease},
 };
 
@@ -42,19 +43,23 @@ pub(crate) fn decide(claim: Claim, fingerprint: Fingerprint) -> Decision {
 
 /// The lease when the claim is ours to run; otherwise the answer: 422 for another
 /// request's key, the replay, or 409 while it runs, telling the client to retry after
-/// `retry_hint`, or sooner if the running request's lease lapses sooner. Both modes
+/// `in_progress_retry_after`, or sooner if the running request's lease lapses sooner. Both modes
 /// answer through here.
 // The `Err` is the response itself, returned to the client at once, not an error to box.
 #[allow(clippy::result_large_err)]
 pub(crate) fn lease_or_answer<B>(
     claim: Claim,
     fingerprint: Fingerprint,
-    retry_hint: Duration,
+    config: &Config,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     match decide(claim, fingerprint) {
         Decision::Run(lease) => Ok(lease),
-        Decision::Mismatch => Err(mismatch()),
+        Decision::Mismatch => Err(mismatch(&config.problems)),
         Decision::Replay(response) => Err(replay(response)),
-        Decision::Running { retry_after } => Err(in_progress(retry_after, retry_hint)),
+        Decision::Running { retry_after } => Err(in_progress(
+            &config.problems,
+            retry_after,
+            config.in_progress_retry_after,
+        )),
     }
 }

@@ -72,7 +72,7 @@ where
                 "the request panicked; releasing the key"
             );
             config.leased().release(&held, counted).await;
-            Ok(handler_failed())
+            Ok(handler_failed(&config.problems))
         }
     }
 }
@@ -104,7 +104,7 @@ async fn claim<B>(
         // After `close()` nothing new is claimed, not even by a request that was waiting
         // when it came.
         if config.shutdown.is_closed() {
-            return Err(shutting_down());
+            return Err(shutting_down(&config.problems));
         }
         // Subscribed before the claim, so a completion in between is not missed.
         let changed = wait_until.map(|_| config.store.changed(request.scope, request.key));
@@ -126,7 +126,11 @@ async fn claim<B>(
                 // Registering and waiting hold nothing: a client that goes now takes the
                 // request along, and one that has gone already is not waited for.
                 if !handoff.let_go() {
-                    return Err(in_progress(retry_after, config.in_progress_retry_after));
+                    return Err(in_progress(
+                        &config.problems,
+                        retry_after,
+                        config.in_progress_retry_after,
+                    ));
                 }
                 let registered = tokio::time::timeout(
                     config.store_timeout,
@@ -160,15 +164,15 @@ async fn claim<B>(
                 continue;
             }
             Ok(Ok(claim)) => {
-                return lease_or_answer(claim, request.fingerprint, config.in_progress_retry_after);
+                return lease_or_answer(claim, request.fingerprint, config);
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "claim failed; the handler was not run");
-                return Err(unavailable());
+                return Err(unavailable(&config.problems));
             }
             Err(_) => {
                 tracing::error!(timeout = ?config.store_timeout, "claim timed out; the handler was not run");
-                return Err(unavailable());
+                return Err(unavailable(&config.problems));
             }
         }
     }
@@ -223,7 +227,7 @@ where
                 tracing::error!(error = %e, "the response body failed; releasing the key");
                 drop(renewal);
                 leased.release(&lease, in_flight).await;
-                Ok(handler_failed())
+                Ok(handler_failed(&config.problems))
             }
         }
         Produced::Buffered(parts, body) => {

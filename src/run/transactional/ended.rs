@@ -28,7 +28,7 @@ use crate::{
     Outcome, StoredResponse,
     answers::with_outcome,
     body::ResponseBody,
-    rejection::Problem,
+    rejection::{Problem, Problems},
     store::{
         Backend, Checkout, ClaimRequest, Lease, PostgresStore, in_an_aborted_transaction,
         roll_back_keeping, roll_back_or_close,
@@ -39,13 +39,13 @@ use crate::{
 const DETAIL: &str = "the request's handler ended its idempotency transaction itself (a COMMIT or ROLLBACK on its connection), so what it wrote may have been committed, in part or in whole, without its response; it is not run again under this key, and a retry with it gets this answer";
 
 /// `500 transaction-ended`, as its client gets it.
-fn problem() -> Response<Bytes> {
-    Problem::TransactionEnded.response(DETAIL)
+fn problem(problems: &Problems) -> Response<Bytes> {
+    problems.response(Problem::TransactionEnded, DETAIL)
 }
 
 /// `500 transaction-ended`, as the key stores it.
-fn stored() -> StoredResponse {
-    let (parts, body) = problem().into_parts();
+fn stored(problems: &Problems) -> StoredResponse {
+    let (parts, body) = problem(problems).into_parts();
     StoredResponse {
         status: parts.status,
         headers: parts.headers,
@@ -54,11 +54,12 @@ fn stored() -> StoredResponse {
 }
 
 /// `500 transaction-ended`, for the client of the request whose transaction ended.
-pub(crate) fn response<B>() -> Response<ResponseBody<B>> {
-    with_outcome(problem().map(ResponseBody::full), Outcome::Executed)
+pub(crate) fn response<B>(problems: &Problems) -> Response<ResponseBody<B>> {
+    with_outcome(problem(problems).map(ResponseBody::full), Outcome::Executed)
 }
 
-/// Whether `response` is a stored `500 transaction-ended`: a result of no job.
+/// Whether `response` is a stored `500 transaction-ended`: a result of no job (whose
+/// problems are the default documents).
 pub(crate) fn is_stored(response: &StoredResponse) -> bool {
     response.status == Problem::TransactionEnded.status()
         && serde_json::from_slice::<serde_json::Value>(&response.body)
@@ -89,7 +90,7 @@ pub(crate) async fn finish(
                 &claimed.lease,
                 &claimed.backend,
                 &request.fingerprint,
-                &stored(),
+                &stored(&claimed.problems),
                 request.ttl,
             )
             .await;

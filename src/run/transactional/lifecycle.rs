@@ -2,13 +2,14 @@
 //! timeout: opened with the claim, then committed with the completion, or rolled back;
 //! a `COMMIT` with no answer is in doubt, and checked on another connection.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::ended;
 use crate::{
     StoredResponse,
+    rejection::Problems,
     store::{
         Backend, Checkout, Claim, ClaimRequest, Fenced, Lease, PostgresStore, Resolution,
         StoreErrorKind, begin, commit_on, connection_lost, in_an_aborted_transaction,
@@ -23,6 +24,9 @@ pub(crate) struct Claimed {
     pub(crate) lease: Lease,
     /// The session and transaction that hold the row.
     pub(crate) backend: Backend,
+    /// How the layer words its problems: the key is completed with one if the
+    /// transaction ends under it.
+    pub(crate) problems: Arc<Problems>,
 }
 
 /// The result of opening a transaction and claiming the key in it.
@@ -45,6 +49,7 @@ pub(crate) enum Opened {
 pub(crate) async fn open(
     store: &PostgresStore,
     request: &ClaimRequest<'_>,
+    problems: &Arc<Problems>,
     claim_wait: Duration,
     lock_timeout: Duration,
     store_timeout: Duration,
@@ -93,9 +98,14 @@ pub(crate) async fn open(
     })
     .await;
     match claimed {
-        Ok(Ok((Claim::Acquired(lease), backend))) => {
-            Opened::Acquired(conn, Claimed { lease, backend })
-        }
+        Ok(Ok((Claim::Acquired(lease), backend))) => Opened::Acquired(
+            conn,
+            Claimed {
+                lease,
+                backend,
+                problems: problems.clone(),
+            },
+        ),
         Ok(Ok((found, _))) => {
             // Nothing was written: the answer need not wait for the ROLLBACK; the
             // connection goes back to the pool when it is done, or is closed if the

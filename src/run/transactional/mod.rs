@@ -161,6 +161,7 @@ where
     let opened = open(
         &store,
         &request,
+        &config.problems,
         claim_wait,
         config.lock_timeout,
         config.store_timeout,
@@ -170,7 +171,7 @@ where
     let opened = tokio::select! {
         biased;
         opened = opened => opened,
-        () = config.shutdown.closed() => return Ok(shutting_down()),
+        () = config.shutdown.closed() => return Ok(shutting_down(&config.problems)),
     };
     let store_timeout = config.store_timeout;
     let (conn, claimed) = match opened {
@@ -178,7 +179,7 @@ where
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
             roll_back_or_close(conn, store_timeout).await;
-            return Ok(shutting_down());
+            return Ok(shutting_down(&config.problems));
         }
         Opened::Acquired(conn, claimed) => {
             // Until now, dropping the request dropped its connection, which rolled
@@ -188,17 +189,15 @@ where
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
-            return Ok(
-                lease_or_answer(found, request.fingerprint, config.in_progress_retry_after)
-                    .err()
-                    .unwrap_or_else(unavailable),
-            );
+            return Ok(lease_or_answer(found, request.fingerprint, &config)
+                .err()
+                .unwrap_or_else(|| unavailable(&config.problems)));
         }
-        Opened::Unavailable => return Ok(unavailable()),
+        Opened::Unavailable => return Ok(unavailable(&config.problems)),
         // The running request's lease is not known here: its row is locked, unread.
         Opened::Busy => {
             let hint = config.in_progress_retry_after;
-            return Ok(in_progress(hint, hint));
+            return Ok(in_progress(&config.problems, hint, hint));
         }
     };
 
@@ -242,8 +241,8 @@ where
         Err(kept) => {
             let settled = ended::kept(store, kept, claimed, request, store_timeout);
             return Ok(match settled.await {
-                RolledBack::Yes => handler_failed(),
-                RolledBack::Ended => ended::response(),
+                RolledBack::Yes => handler_failed(&config.problems),
+                RolledBack::Ended => ended::response(&config.problems),
             });
         }
     };
@@ -256,7 +255,7 @@ where
                 ended::roll_back_unless_ended(store, conn, claimed, request, store_timeout);
             return match rolled_back.await {
                 RolledBack::Yes => answer,
-                RolledBack::Ended => Ok(ended::response()),
+                RolledBack::Ended => Ok(ended::response(&config.problems)),
             };
         }
     };
@@ -285,11 +284,11 @@ where
                 status = res.status().as_u16(),
                 "the handler answered although a statement of its transaction failed, which aborted it; nothing was committed"
             );
-            Ok(not_committed(NOT_COMMITTED))
+            Ok(not_committed(&config.problems, NOT_COMMITTED))
         }
-        Committed::No => Ok(not_committed(NOT_COMMITTED)),
-        Committed::Unknown => Ok(not_committed(COMMIT_UNKNOWN)),
-        Committed::Ended => Ok(ended::response()),
+        Committed::No => Ok(not_committed(&config.problems, NOT_COMMITTED)),
+        Committed::Unknown => Ok(not_committed(&config.problems, COMMIT_UNKNOWN)),
+        Committed::Ended => Ok(ended::response(&config.problems)),
     }
 }
 
@@ -319,14 +318,14 @@ where
                 panic = crate::catch_panic::message(&panic),
                 "the handler panicked; rolling back"
             );
-            return Decision::RollBack(Ok(handler_failed()));
+            return Decision::RollBack(Ok(handler_failed(&config.problems)));
         }
     };
     match produced {
         Produced::ServiceFailed(e) => Decision::RollBack(Err(e)),
         Produced::BodyFailed(_, e) => {
             tracing::error!(error = %e, "the response body failed; rolling back");
-            Decision::RollBack(Ok(handler_failed()))
+            Decision::RollBack(Ok(handler_failed(&config.problems)))
         }
         // Not kept: neither are the handler's writes.
         Produced::Buffered(parts, body) if !crate::policy::is_stored(&config.policy, &parts) => {
