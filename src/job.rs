@@ -181,9 +181,13 @@ impl JobRunner {
     }
 
     /// A runner in transactional mode: the work gets the open transaction in
-    /// [`JobContext::transaction`], and its writes commit with the result.
+    /// [`JobContext::transaction`], and its writes commit with the result. `store` is a
+    /// [`PostgresStore`](crate::store::PostgresStore), or the app's
+    /// `deadpool_postgres::Pool` (the table `public.idempotency_keys`); run
+    /// [`migrate`](Self::migrate) once before the first job.
     #[cfg(feature = "postgres")]
-    pub fn transactional(store: crate::store::PostgresStore) -> Self {
+    pub fn transactional(store: impl Into<crate::store::PostgresStore>) -> Self {
+        let store = store.into();
         let mut runner = Self::new(store.clone());
         runner.transactional = Some((store, Duration::from_secs(5)));
         runner
@@ -255,6 +259,18 @@ impl JobRunner {
     /// ```
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()
+    }
+
+    /// Sets up the runner's store so that it can serve
+    /// ([`Store::migrate`](crate::store::Store::migrate)): for PostgreSQL, creates the
+    /// table and applies pending migrations (safe from every consumer at start-up); for
+    /// the memory store, nothing.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or could not be set up.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.store.migrate().await
     }
 
     /// Runs `work` for (`scope`, `key`) unless it already ran. `input` is fingerprinted:
