@@ -262,7 +262,7 @@ impl JobRunner {
     }
 
     /// Sets up the runner's store so that it can serve
-    /// ([`Store::migrate`](crate::store::Store::migrate)): for PostgreSQL, creates the
+    /// ([`Store::migrate`]): for PostgreSQL, creates the
     /// table and applies pending migrations (safe from every consumer at start-up); for
     /// the memory store, nothing.
     ///
