@@ -327,6 +327,87 @@ async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
+/// The app's repository, written for any `deadpool_postgres` client or transaction.
+async fn insert_row(
+    db: &impl tower_idempotency::deadpool_postgres::GenericClient,
+    table: &str,
+    key: &str,
+) -> Result<u64, tokio_postgres::Error> {
+    let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 1, '')");
+    db.execute(&insert, &[&key]).await
+}
+
+/// The app's repository, written for any `tokio_postgres` client or transaction.
+async fn rows_of(
+    db: &impl tower_idempotency::tokio_postgres::GenericClient,
+    table: &str,
+    key: &str,
+) -> Result<i64, tokio_postgres::Error> {
+    let count = format!("SELECT count(*) FROM {table} WHERE key = $1");
+    Ok(db.query_one(&count, &[&key]).await?.get(0))
+}
+
+/// Helpers written against either crate's `GenericClient`, handed the transaction's
+/// client, run in the request's transaction: their write commits with a stored
+/// response, and rolls back with one the storage policy releases.
+#[tokio::test]
+async fn helpers_written_against_generic_client_write_in_the_request_s_transaction() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let handler = |State(app): State<App>,
+                   key: IdempotencyKey,
+                   tx: TransactionHandle,
+                   headers: HeaderMap| async move {
+        let client = tx.client().await.expect("transaction");
+        insert_row(client.as_deadpool(), &app.table, key.as_str())
+            .await
+            .unwrap();
+        // The helper sees the write: the same connection, the same transaction.
+        let seen = rows_of(client.as_tokio_postgres(), &app.table, key.as_str())
+            .await
+            .unwrap();
+        let status = if headers.contains_key("x-fail") {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::CREATED
+        };
+        (status, seen.to_string())
+    };
+    let (router, _) = app_on(
+        post(handler),
+        IdempotencyLayer::transactional(store.clone()),
+        &table,
+    );
+
+    let created = send(&router, post_with("kept", &[])).await;
+    assert_eq!(
+        (created.status, &created.body[..]),
+        (StatusCode::CREATED, &b"1"[..])
+    );
+    let replay = send(&router, post_with("kept", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, created.body);
+
+    let failed = send(&router, post_with("released", &[("x-fail", "1")])).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failed.body, "1", "the helper saw its own write");
+    let written = format!("SELECT key FROM {table} ORDER BY key");
+    let keys: Vec<String> = schema
+        .query(&written)
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        keys,
+        ["kept"],
+        "the released request's write was rolled back"
+    );
+    assert_eq!(records_of(&schema, "released").await, 0);
+    common::idle(&store).await;
+}
+
 /// Inserts the payment id the body names into `app.table` (its primary key) in the
 /// request's transaction and answers 201; an id already taken answers 409, from the
 /// aborted transaction, as a payments API would. With `x-savepoint` the insert runs under
