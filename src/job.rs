@@ -376,7 +376,7 @@ impl JobRunner {
             tokio::spawn(
                 async move {
                     let (held, holding) = (lease.clone(), in_flight.clone());
-                    let finishing = crate::catch_panic::CatchPanic::new(runner.finish(lease, task, in_flight));
+                    let finishing = crate::catch_panic::catch_panic(runner.finish(lease, task, in_flight));
                     match finishing.await {
                         Ok(result) => result,
                         Err(panic) => {
@@ -533,7 +533,7 @@ impl JobRunner {
                     let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
                     let work = async move {
                         let _counted = counted;
-                        let result = crate::catch_panic::CatchPanic::new(work).await.ok();
+                        let result = crate::catch_panic::catch_panic(work).await.ok();
                         let conn = take_back(&taken, &held, &backend, store_timeout);
                         (result, conn.await)
                     };

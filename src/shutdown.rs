@@ -1,11 +1,11 @@
 //! Graceful shutdown: stop claiming, let running handlers finish and store their results.
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicBool, AtomicUsize, Ordering},
-};
+use std::sync::Arc;
 
-use tokio::sync::Notify;
+use tokio_util::{
+    sync::CancellationToken,
+    task::{TaskTracker, task_tracker::TaskTrackerToken},
+};
 
 /// Stops a layer from claiming new keys and waits for the requests it is running.
 ///
@@ -29,16 +29,11 @@ use tokio::sync::Notify;
 /// ```
 #[derive(Clone, Default)]
 pub struct ShutdownHandle {
-    state: Arc<State>,
-}
-
-#[derive(Default)]
-struct State {
-    closing: AtomicBool,
-    in_flight: AtomicUsize,
-    idle: Notify,
-    /// Wakes the requests waiting for a running key, so that they answer at once.
-    closed: Notify,
+    /// Counts the requests in flight, and is closed first thing by `close`.
+    requests: TaskTracker,
+    /// Cancelled by `close`, after `requests` is closed: wakes the requests waiting for
+    /// a running key, so that they answer at once.
+    closed: CancellationToken,
 }
 
 /// Held while a claimed request runs and stores its result. Its clones (the tasks that
@@ -46,61 +41,43 @@ struct State {
 /// in flight until every clone is dropped, even once the handle is closing.
 #[derive(Clone)]
 pub(crate) struct InFlight {
-    _request: Arc<Counted>,
-}
-
-/// One request counted in flight, until dropped.
-struct Counted(Arc<State>);
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
+    _request: Arc<TaskTrackerToken>,
 }
 
 impl ShutdownHandle {
     /// Registers a request about to claim a key; `None` once closing.
     pub(crate) fn enter(&self) -> Option<InFlight> {
-        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
-        let guard = InFlight {
-            _request: Arc::new(Counted(self.state.clone())),
-        };
-        // Checked after counting, so `drain` cannot miss a request that got in: the count
-        // and the flag are each written, then the other read, by the two sides, which
-        // sequential consistency (not acquire/release alone) keeps from both reading the
-        // old values.
-        (!self.state.closing.load(Ordering::SeqCst)).then_some(guard)
+        let counted = self.requests.token();
+        // Checked after counting, so `drain` cannot miss a request that got in: the
+        // count and the closed mark are one atomic word in the tracker, so either
+        // `close` marked it before this request counted itself, and the check below
+        // sees the mark, or after, and `drain` sees the count.
+        (!self.requests.is_closed()).then(|| InFlight {
+            _request: Arc::new(counted),
+        })
     }
 
     /// Stops claiming new keys. Idempotent. Requests waiting for a running key
     /// (`wait_for_running`) stop waiting and answer `503 shutting-down` too.
     pub fn close(&self) {
-        self.state.closing.store(true, Ordering::SeqCst);
-        self.state.closed.notify_waiters();
+        self.requests.close();
+        self.closed.cancel();
     }
 
     /// Resolves once [`close`](Self::close) is called.
     pub(crate) async fn closed(&self) {
-        let closed = self.state.closed.notified();
-        tokio::pin!(closed);
-        // Registered before the check, so a `close` in between still wakes it.
-        closed.as_mut().enable();
-        if !self.is_closed() {
-            closed.await;
-        }
+        self.closed.cancelled().await;
     }
 
     /// Whether [`close`](Self::close) was called.
     pub fn is_closed(&self) -> bool {
-        self.state.closing.load(Ordering::Acquire)
+        self.requests.is_closed()
     }
 
     /// How many guarded requests are still in progress: claiming, waiting, running, or
     /// storing their results.
     pub fn in_flight(&self) -> usize {
-        self.state.in_flight.load(Ordering::SeqCst)
+        self.requests.len()
     }
 
     /// Closes, then waits until every claimed request has finished and its result is
@@ -111,15 +88,7 @@ impl ShutdownHandle {
     /// then starts for it is not waited for.
     pub async fn drain(&self) {
         self.close();
-        loop {
-            let idle = self.state.idle.notified();
-            tokio::pin!(idle);
-            idle.as_mut().enable();
-            if self.in_flight() == 0 {
-                return;
-            }
-            idle.await;
-        }
+        self.requests.wait().await;
     }
 }
 
