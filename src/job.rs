@@ -261,6 +261,15 @@ impl JobRunner {
         self.shutdown.clone()
     }
 
+    /// Makes `handle` this runner's shutdown handle (default: one of its own), so that
+    /// one [`drain`](ShutdownHandle::drain) shuts it down with the app's layers and
+    /// other runners given the same handle. See [`ShutdownHandle`].
+    #[must_use]
+    pub fn shutdown_with(mut self, handle: ShutdownHandle) -> Self {
+        self.shutdown = handle;
+        self
+    }
+
     /// Sets up the runner's store so that it can serve
     /// ([`Store::migrate`]): for PostgreSQL, creates the
     /// table and applies pending migrations (safe from every consumer at start-up); for

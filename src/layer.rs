@@ -444,6 +444,17 @@ impl IdempotencyLayer {
         self.config.shutdown.clone()
     }
 
+    /// Makes `handle` this layer's shutdown handle (default: one of its own). Give the
+    /// same handle to every layer and job runner of the app, and one
+    /// [`drain`](ShutdownHandle::drain) shuts them all down; build it with
+    /// [`ShutdownHandle::closed_by`] to close it with the app's own
+    /// `CancellationToken`. See [`ShutdownHandle`].
+    #[must_use]
+    pub fn shutdown_with(mut self, handle: ShutdownHandle) -> Self {
+        self.config().shutdown = handle;
+        self
+    }
+
     /// Sets up the layer's store so that it can serve
     /// ([`Store::migrate`](crate::store::Store::migrate)): for PostgreSQL, creates the
     /// table and applies pending migrations

@@ -17,7 +17,7 @@ use axum::{
 };
 use common::{Counter, Reply, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
+    IdempotencyKey, IdempotencyLayer, Outcome, ShutdownHandle, store::PostgresStore,
     transactional::TransactionHandle,
 };
 
@@ -525,6 +525,95 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
     assert_eq!(duplicate.problem(), "shutting-down");
     assert_eq!(counter.runs(), 1);
     assert_eq!(rows_in(&schema, &table).await, 0);
+    common::idle(&store).await;
+}
+
+/// One shutdown for the whole app: a lease-mode layer on one route and a transactional
+/// layer on another, given one handle closed by the app's own `CancellationToken`. The
+/// app's cancel closes both layers (new keys on each are refused with `503
+/// shutting-down`, claiming nothing); one drain waits for the request running under
+/// each, and both complete and are stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_drain_shuts_down_a_lease_mode_and_a_transactional_layer_together() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let shutdown = ShutdownHandle::closed_by(&cancel);
+    let leased = IdempotencyLayer::new(store.clone()).shutdown_with(shutdown.clone());
+    let transactional =
+        IdempotencyLayer::transactional(store.clone()).shutdown_with(shutdown.clone());
+    let counter = Counter::default();
+    let lease_handler = |State(app): State<App>, headers: HeaderMap| async move {
+        let run = app.counter.count_run();
+        if headers.contains_key("x-held") {
+            app.counter.held().await;
+        }
+        (StatusCode::CREATED, format!("{{\"run\":{run}}}"))
+    };
+    let router = Router::new()
+        .route("/leased", post(lease_handler).route_layer(leased))
+        .route("/payments", post(create).route_layer(transactional))
+        .with_state(App {
+            counter: counter.clone(),
+            table: table.clone(),
+        });
+    let to = |path: &str, key: &str, held: bool| {
+        let mut b = req("POST").uri(path).header("idempotency-key", key);
+        if held {
+            b = b.header("x-held", "1");
+        }
+        b.body(Body::from("{}")).unwrap()
+    };
+    let running_leased = in_flight(&router, to("/leased", "l", true), &counter).await;
+    let running_tx = in_flight(&router, to("/payments", "t", true), &counter).await;
+    assert_eq!(shutdown.in_flight(), 2);
+
+    cancel.cancel(); // the app's signal handler
+    for (path, key) in [("/leased", "l-new"), ("/payments", "t-new")] {
+        let refused = send(&router, to(path, key, false)).await;
+        assert_eq!(refused.status, 503, "{path}");
+        assert_eq!(refused.problem(), "shutting-down");
+        assert_eq!(
+            records_of(&schema, key).await,
+            0,
+            "a refused request claims nothing"
+        );
+    }
+    let drained = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { shutdown.drain().await }
+    });
+    // However long it is given, the drain does not end while either request runs.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !drained.is_finished(),
+        "the drain waits for both layers' requests"
+    );
+    counter.let_go(2);
+    tokio::time::timeout(Duration::from_secs(30), drained)
+        .await
+        .expect("drained")
+        .unwrap();
+    assert_eq!(shutdown.in_flight(), 0);
+    let (leased, tx) = (running_leased.await.unwrap(), running_tx.await.unwrap());
+    assert_eq!(
+        (leased.status, tx.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    // Drained means stored: both keys are complete, the transactional one with its write.
+    let completed = format!(
+        "SELECT key FROM \"{}\".idempotency_keys WHERE state = 'completed' ORDER BY key",
+        schema.name
+    );
+    let keys: Vec<String> = schema
+        .query(&completed)
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, ["l", "t"]);
+    assert_eq!(rows_in(&schema, &table).await, 1);
     common::idle(&store).await;
 }
 
