@@ -1,51 +1,23 @@
-//! [`CatchPanic`]: a handler's panic as a value, so the task that runs the handler can
+//! [`catch_panic`]: a handler's panic as a value, so the task that runs the handler can
 //! release its key instead of dying with it.
 
-use std::{
-    any::Any,
-    future::Future,
-    panic::{AssertUnwindSafe, catch_unwind},
-    pin::Pin,
-    task::{Context, Poll},
-};
+use std::{any::Any, future::Future, panic::AssertUnwindSafe};
 
-use pin_project_lite::pin_project;
+use futures_util::future::{CatchUnwind, FutureExt};
 
 /// The payload of a caught panic.
 pub(crate) type Panicked = Box<dyn Any + Send>;
 
-pin_project! {
-    /// Polls `future`, turning a panic during a poll into `Err`.
-    ///
-    /// A guarded request runs inside the layer's own future, not in a task of its own;
-    /// this is what lets the layer still release the key or roll back after a panic
-    /// (the handler's, the storage policy's, a store's), whether or not its client is
-    /// still there to be answered.
-    pub(crate) struct CatchPanic<F> {
-        #[pin]
-        future: F,
-    }
-}
-
-impl<F> CatchPanic<F> {
-    pub(crate) fn new(future: F) -> Self {
-        Self { future }
-    }
-}
-
-impl<F: Future> Future for CatchPanic<F> {
-    type Output = Result<F::Output, Panicked>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let future = self.project().future;
-        // Unwind safety: after a panic the future is never polled again (its owner
-        // only releases the key and answers 500), so no broken invariant is observed.
-        match catch_unwind(AssertUnwindSafe(|| future.poll(cx))) {
-            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(panic) => Poll::Ready(Err(panic)),
-        }
-    }
+/// Polls `future`, turning a panic during a poll into `Err`.
+///
+/// A guarded request runs inside the layer's own future, not in a task of its own;
+/// this is what lets the layer still release the key or roll back after a panic
+/// (the handler's, the storage policy's, a store's), whether or not its client is
+/// still there to be answered.
+pub(crate) fn catch_panic<F: Future>(future: F) -> CatchUnwind<AssertUnwindSafe<F>> {
+    // Unwind safety: after a panic the future is never polled again (its owner only
+    // releases the key and answers 500), so no broken invariant is observed.
+    AssertUnwindSafe(future).catch_unwind()
 }
 
 /// The panic's message, when it has one, for the log.
@@ -63,10 +35,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_panic_becomes_an_error_and_a_value_passes_through() {
-        let ok = CatchPanic::new(async { 7 }).await;
+        let ok = catch_panic(async { 7 }).await;
         assert_eq!(ok.ok(), Some(7));
 
-        let caught = CatchPanic::new(async {
+        let caught = catch_panic(async {
             tokio::task::yield_now().await;
             panic!("the handler broke");
         })
@@ -74,7 +46,7 @@ mod tests {
         let panic = caught.expect_err("the panic is caught");
         assert_eq!(message(&panic), "the handler broke");
 
-        let formatted = CatchPanic::new(async {
+        let formatted = catch_panic(async {
             let n = 3;
             panic!("broke at step {n}");
         })

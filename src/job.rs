@@ -181,9 +181,13 @@ impl JobRunner {
     }
 
     /// A runner in transactional mode: the work gets the open transaction in
-    /// [`JobContext::transaction`], and its writes commit with the result.
+    /// [`JobContext::transaction`], and its writes commit with the result. `store` is a
+    /// [`PostgresStore`](crate::store::PostgresStore), or the app's
+    /// `deadpool_postgres::Pool` (the table `public.idempotency_keys`); run
+    /// [`migrate`](Self::migrate) once before the first job.
     #[cfg(feature = "postgres")]
-    pub fn transactional(store: crate::store::PostgresStore) -> Self {
+    pub fn transactional(store: impl Into<crate::store::PostgresStore>) -> Self {
+        let store = store.into();
         let mut runner = Self::new(store.clone());
         runner.transactional = Some((store, Duration::from_secs(5)));
         runner
@@ -255,6 +259,27 @@ impl JobRunner {
     /// ```
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()
+    }
+
+    /// Makes `handle` this runner's shutdown handle (default: one of its own), so that
+    /// one [`drain`](ShutdownHandle::drain) shuts it down with the app's layers and
+    /// other runners given the same handle. See [`ShutdownHandle`].
+    #[must_use]
+    pub fn shutdown_with(mut self, handle: ShutdownHandle) -> Self {
+        self.shutdown = handle;
+        self
+    }
+
+    /// Sets up the runner's store so that it can serve
+    /// ([`Store::migrate`]): for PostgreSQL, creates the
+    /// table and applies pending migrations (safe from every consumer at start-up); for
+    /// the memory store, nothing.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or could not be set up.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.store.migrate().await
     }
 
     /// Runs `work` for (`scope`, `key`) unless it already ran. `input` is fingerprinted:
@@ -360,7 +385,7 @@ impl JobRunner {
             tokio::spawn(
                 async move {
                     let (held, holding) = (lease.clone(), in_flight.clone());
-                    let finishing = crate::catch_panic::CatchPanic::new(runner.finish(lease, task, in_flight));
+                    let finishing = crate::catch_panic::catch_panic(runner.finish(lease, task, in_flight));
                     match finishing.await {
                         Ok(result) => result,
                         Err(panic) => {
@@ -518,7 +543,7 @@ impl JobRunner {
                     let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
                     let work = async move {
                         let _counted = counted;
-                        let result = crate::catch_panic::CatchPanic::new(work).await.ok();
+                        let result = crate::catch_panic::catch_panic(work).await.ok();
                         let conn = take_back(&taken, &held, &backend, store_timeout);
                         (result, conn.await)
                     };

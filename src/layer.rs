@@ -49,8 +49,9 @@ const LARGEST_STORED_BODY: usize = 512 * 1024 * 1024;
 ///     );
 /// ```
 ///
-/// With PostgreSQL, pass a [`PostgresStore`](crate::store::PostgresStore) (or a
-/// `deadpool_postgres::Pool`, for the default table) after running its `migrate()`.
+/// With PostgreSQL, pass a [`PostgresStore`](crate::store::PostgresStore), or the
+/// app's `deadpool_postgres::Pool` for the default table, and run
+/// [`migrate`](Self::migrate) once at start-up.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     pub(crate) config: Arc<Config>,
@@ -144,8 +145,23 @@ impl IdempotencyLayer {
     /// transaction that holds its claim, the handler's own writes (through the
     /// [`TransactionHandle`](crate::transactional::TransactionHandle)) and its stored
     /// response, committed together. See [`transactional`](crate::transactional).
+    ///
+    /// `store` is a [`PostgresStore`](crate::store::PostgresStore), or the app's
+    /// `deadpool_postgres::Pool` (the table `public.idempotency_keys`), as for
+    /// [`new`](Self::new):
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{IdempotencyLayer, store::pool_for_url};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = pool_for_url("postgres://postgres@127.0.0.1/postgres", 16)?;
+    /// let layer = IdempotencyLayer::transactional(pool.clone()); // the app keeps `pool`
+    /// layer.migrate().await?;
+    /// # Ok(()) }
+    /// ```
     #[cfg(feature = "postgres")]
-    pub fn transactional(store: crate::store::PostgresStore) -> Self {
+    pub fn transactional(store: impl Into<crate::store::PostgresStore>) -> Self {
+        let store = store.into();
         let mut layer = Self::new(store.clone());
         layer.config().transactional = Some(store);
         layer
@@ -493,6 +509,42 @@ impl IdempotencyLayer {
     /// layer (and its clones) stops claiming and reports its in-flight requests to it.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.config.shutdown.clone()
+    }
+
+    /// Makes `handle` this layer's shutdown handle (default: one of its own). Give the
+    /// same handle to every layer and job runner of the app, and one
+    /// [`drain`](ShutdownHandle::drain) shuts them all down; build it with
+    /// [`ShutdownHandle::closed_by`] to close it with the app's own
+    /// `CancellationToken`. See [`ShutdownHandle`].
+    #[must_use]
+    pub fn shutdown_with(mut self, handle: ShutdownHandle) -> Self {
+        self.config().shutdown = handle;
+        self
+    }
+
+    /// Sets up the layer's store so that it can serve
+    /// ([`Store::migrate`](crate::store::Store::migrate)): for PostgreSQL, creates the
+    /// table and applies pending migrations
+    /// ([`PostgresStore::migrate`](crate::store::PostgresStore::migrate), safe from
+    /// every replica at start-up); for the memory store, nothing. Run it once before
+    /// serving; a layer built from a bare pool needs no store object for it.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{IdempotencyLayer, store::pool_for_url};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = pool_for_url("postgres://postgres@127.0.0.1/postgres", 16)?;
+    /// let layer = IdempotencyLayer::new(pool);
+    /// layer.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or could not be set up (a migration that could
+    /// not lock its table in time, a role that may not create the table).
+    pub async fn migrate(&self) -> Result<(), crate::store::StoreError> {
+        self.config.store.migrate().await
     }
 }
 

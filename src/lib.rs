@@ -48,3 +48,30 @@ pub use request::key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN, p
 pub use request::scope::Scope;
 pub use service::Idempotency;
 pub use shutdown::ShutdownHandle;
+
+/// The `deadpool-postgres` this crate is built with: build the pool you hand to
+/// [`IdempotencyLayer::new`] or [`IdempotencyLayer::transactional`] with it, and write
+/// repository code against its [`GenericClient`](deadpool_postgres::GenericClient), so
+/// that the app's pool and the layer's are one type without matching versions by hand.
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, deadpool_postgres, tokio_postgres};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut config = deadpool_postgres::Config::new();
+/// config.url = Some("postgres://app@127.0.0.1/payments".into());
+/// let pool = config.create_pool(
+///     Some(deadpool_postgres::Runtime::Tokio1),
+///     tokio_postgres::NoTls,
+/// )?;
+/// let layer = IdempotencyLayer::transactional(pool);
+/// layer.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[cfg(feature = "postgres")]
+pub use deadpool_postgres;
+/// The `tokio-postgres` this crate is built with (the driver under
+/// [`deadpool_postgres`]): its `NoTls`, types and errors, at the version the store's
+/// connections use.
+#[cfg(feature = "postgres")]
+pub use tokio_postgres;

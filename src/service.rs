@@ -15,7 +15,7 @@ use crate::{
     Outcome,
     answers::{handler_failed, nested_on_one_table, reject, shutting_down},
     body::{BoxError, ResponseBody},
-    catch_panic::CatchPanic,
+    catch_panic::catch_panic,
     future::{Answer, Handoff, ResponseFuture, answered, detach, pass_through},
     layer::Config,
     rejection::Problem,
@@ -137,7 +137,7 @@ where
             // Whatever panics before the claim (a scope or fingerprint function, a
             // store) or in transactional mode (where dropping the transaction rolls it
             // back) answers 500 too, and leaves nothing behind to be resumed.
-            let res = match CatchPanic::new(guarded(config, inner, req, key, &started)).await {
+            let res = match catch_panic(guarded(config, inner, req, key, &started)).await {
                 Ok(res) => res,
                 Err(panic) => {
                     tracing::error!(

@@ -1,11 +1,11 @@
 //! Graceful shutdown: stop claiming, let running handlers finish and store their results.
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicBool, AtomicUsize, Ordering},
-};
+use std::sync::Arc;
 
-use tokio::sync::Notify;
+use tokio_util::{
+    sync::CancellationToken,
+    task::{TaskTracker, task_tracker::TaskTrackerToken},
+};
 
 /// Stops a layer from claiming new keys and waits for the requests it is running.
 ///
@@ -27,18 +27,45 @@ use tokio::sync::Notify;
 /// assert_eq!(shutdown.in_flight(), 0);
 /// # }
 /// ```
+///
+/// **One shutdown for the whole app.** Give one handle to every layer and job runner
+/// ([`IdempotencyLayer::shutdown_with`](crate::IdempotencyLayer::shutdown_with),
+/// [`JobRunner::shutdown_with`](crate::job::JobRunner::shutdown_with)): one
+/// [`drain`](Self::drain) closes them all and waits for the requests and jobs of each.
+/// Built with [`closed_by`](Self::closed_by), the handle also closes when the app's
+/// own `CancellationToken` is cancelled:
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use tokio_util::sync::CancellationToken;
+/// use tower_idempotency::{IdempotencyLayer, ShutdownHandle, job::JobRunner, store::MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let cancel = CancellationToken::new(); // the app's, cancelled on SIGTERM
+/// let shutdown = ShutdownHandle::closed_by(&cancel);
+/// let payments = IdempotencyLayer::new(MemoryStore::new()).shutdown_with(shutdown.clone());
+/// let refunds = IdempotencyLayer::new(MemoryStore::new())
+///     .require_key(true)
+///     .shutdown_with(shutdown.clone());
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { "paid" }).route_layer(payments))
+///     .route("/refunds", post(|| async { "refunded" }).route_layer(refunds));
+/// let runner = JobRunner::new(MemoryStore::new()).shutdown_with(shutdown.clone());
+///
+/// cancel.cancel(); // from the signal handler: every layer and the runner stop claiming
+/// assert!(shutdown.is_closed());
+/// // ... once the server has stopped accepting (`axum::serve(…).with_graceful_shutdown(
+/// // cancel.cancelled_owned())`), wait for what all of them still run:
+/// shutdown.drain().await;
+/// # }
+/// ```
 #[derive(Clone, Default)]
 pub struct ShutdownHandle {
-    state: Arc<State>,
-}
-
-#[derive(Default)]
-struct State {
-    closing: AtomicBool,
-    in_flight: AtomicUsize,
-    idle: Notify,
-    /// Wakes the requests waiting for a running key, so that they answer at once.
-    closed: Notify,
+    /// Counts the requests in flight, and is closed first thing by `close`.
+    requests: TaskTracker,
+    /// Cancelled by `close`, after `requests` is closed: wakes the requests waiting for
+    /// a running key, so that they answer at once.
+    closed: CancellationToken,
 }
 
 /// Held while a claimed request runs and stores its result. Its clones (the tasks that
@@ -46,61 +73,64 @@ struct State {
 /// in flight until every clone is dropped, even once the handle is closing.
 #[derive(Clone)]
 pub(crate) struct InFlight {
-    _request: Arc<Counted>,
-}
-
-/// One request counted in flight, until dropped.
-struct Counted(Arc<State>);
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
+    _request: Arc<TaskTrackerToken>,
 }
 
 impl ShutdownHandle {
+    /// A new handle, open: to share among several layers and job runners
+    /// (`shutdown_with`), so that one [`drain`](Self::drain) shuts them all down.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A new handle, open until [`close`](Self::close) (or [`drain`](Self::drain)) or
+    /// until `token` is cancelled: the app's own shutdown signal closes every layer
+    /// and job runner given this handle, at once. Cancelling the token does not wait
+    /// for anything: [`drain`](Self::drain) still does. Closing the handle does not
+    /// cancel the token.
+    pub fn closed_by(token: &CancellationToken) -> Self {
+        Self {
+            requests: TaskTracker::new(),
+            closed: token.child_token(),
+        }
+    }
+
     /// Registers a request about to claim a key; `None` once closing.
     pub(crate) fn enter(&self) -> Option<InFlight> {
-        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
-        let guard = InFlight {
-            _request: Arc::new(Counted(self.state.clone())),
-        };
-        // Checked after counting, so `drain` cannot miss a request that got in: the count
-        // and the flag are each written, then the other read, by the two sides, which
-        // sequential consistency (not acquire/release alone) keeps from both reading the
-        // old values.
-        (!self.state.closing.load(Ordering::SeqCst)).then_some(guard)
+        let counted = self.requests.token();
+        // Checked after counting, so `drain` cannot miss a request that got in: the
+        // count and the closed mark are one atomic word in the tracker, so either
+        // `close` marked it before this request counted itself, and the check below
+        // sees the mark, or after, and `drain` sees the count. (The app's token, if
+        // any, only closes earlier: `drain` closes the tracker itself.)
+        (!self.is_closed()).then(|| InFlight {
+            _request: Arc::new(counted),
+        })
     }
 
     /// Stops claiming new keys. Idempotent. Requests waiting for a running key
     /// (`wait_for_running`) stop waiting and answer `503 shutting-down` too.
     pub fn close(&self) {
-        self.state.closing.store(true, Ordering::SeqCst);
-        self.state.closed.notify_waiters();
+        self.requests.close();
+        self.closed.cancel();
     }
 
-    /// Resolves once [`close`](Self::close) is called.
+    /// Resolves once [`close`](Self::close) is called (or the token of
+    /// [`closed_by`](Self::closed_by) cancelled).
     pub(crate) async fn closed(&self) {
-        let closed = self.state.closed.notified();
-        tokio::pin!(closed);
-        // Registered before the check, so a `close` in between still wakes it.
-        closed.as_mut().enable();
-        if !self.is_closed() {
-            closed.await;
-        }
+        self.closed.cancelled().await;
     }
 
-    /// Whether [`close`](Self::close) was called.
+    /// Whether [`close`](Self::close) was called (or the token of
+    /// [`closed_by`](Self::closed_by) cancelled).
     pub fn is_closed(&self) -> bool {
-        self.state.closing.load(Ordering::Acquire)
+        self.requests.is_closed() || self.closed.is_cancelled()
     }
 
     /// How many guarded requests are still in progress: claiming, waiting, running, or
     /// storing their results.
     pub fn in_flight(&self) -> usize {
-        self.state.in_flight.load(Ordering::SeqCst)
+        self.requests.len()
     }
 
     /// Closes, then waits until every claimed request has finished and its result is
@@ -111,15 +141,7 @@ impl ShutdownHandle {
     /// then starts for it is not waited for.
     pub async fn drain(&self) {
         self.close();
-        loop {
-            let idle = self.state.idle.notified();
-            tokio::pin!(idle);
-            idle.as_mut().enable();
-            if self.in_flight() == 0 {
-                return;
-            }
-            idle.await;
-        }
+        self.requests.wait().await;
     }
 }
 
@@ -149,6 +171,41 @@ mod tests {
         assert_eq!(handle.in_flight(), 1);
         drop(other);
         assert_eq!(handle.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_app_s_token_closes_the_handle_and_a_close_leaves_the_token_alone() {
+        let app = CancellationToken::new();
+        let handle = ShutdownHandle::closed_by(&app);
+        let running = handle.enter().expect("open");
+        let waiting = tokio::spawn({
+            let handle = handle.clone();
+            async move { handle.closed().await }
+        });
+        app.cancel();
+        waiting
+            .await
+            .expect("a waiter wakes when the app's token is cancelled");
+        assert!(handle.is_closed());
+        assert!(
+            handle.enter().is_none(),
+            "closed handles refuse new requests"
+        );
+        assert_eq!(
+            handle.in_flight(),
+            1,
+            "the running request is still counted"
+        );
+        drop(running);
+        handle.drain().await;
+
+        let app = CancellationToken::new();
+        let handle = ShutdownHandle::closed_by(&app);
+        handle.drain().await;
+        assert!(
+            !app.is_cancelled(),
+            "the app's token is the app's to cancel"
+        );
     }
 
     #[tokio::test]

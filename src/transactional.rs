@@ -116,6 +116,33 @@ pub struct TransactionHandle {
 /// The transaction's connection, locked for one handler at a time; derefs to the pooled
 /// client (`prepare_cached`, `execute`, `query`, …).
 ///
+/// Repository code written against a `GenericClient` takes it through
+/// [`as_deadpool`](Self::as_deadpool) (`deadpool_postgres::GenericClient`, with
+/// `prepare_cached`) or [`as_tokio_postgres`](Self::as_tokio_postgres)
+/// (`tokio_postgres::GenericClient`): both traits are sealed, so the client cannot
+/// implement them itself, and these hand out the connection as the types that do. Its
+/// statements run in the request's transaction all the same.
+///
+/// ```no_run
+/// use tower_idempotency::{deadpool_postgres::GenericClient, transactional::TransactionHandle};
+///
+/// /// The app's repository, written for any client or transaction.
+/// async fn charge(
+///     db: &impl GenericClient,
+///     payment: &str,
+///     amount: i64,
+/// ) -> Result<u64, tower_idempotency::tokio_postgres::Error> {
+///     let insert = db.prepare_cached("INSERT INTO charges (payment, amount) VALUES ($1, $2)").await?;
+///     db.execute(&insert, &[&payment, &amount]).await
+/// }
+///
+/// async fn handler(tx: TransactionHandle) -> Result<(), Box<dyn std::error::Error>> {
+///     let client = tx.client().await?;
+///     charge(client.as_deadpool(), "p-1", 1250).await?; // commits with the response
+///     Ok(())
+/// }
+/// ```
+///
 /// Do not run `COMMIT`, `ROLLBACK` or `BEGIN` on it (nor a helper written for a plain
 /// connection that does): the layer ends the transaction. If the handler ends it
 /// anyway, the layer finds out when it completes or rolls back, and answers `500
@@ -180,15 +207,32 @@ impl TransactionHandle {
     }
 }
 
-impl Deref for TransactionClient {
-    type Target = ClientWrapper;
-
-    fn deref(&self) -> &ClientWrapper {
+impl TransactionClient {
+    /// The connection as `deadpool_postgres` hands it out of its pool, for code written
+    /// against [`deadpool_postgres::GenericClient`]: what a helper that takes
+    /// `&impl GenericClient` is passed. It is the request's connection, inside its
+    /// transaction.
+    pub fn as_deadpool(&self) -> &deadpool_postgres::Client {
         match self.guard.as_ref() {
             Some(tx) => tx,
             // `client()` checked, and the slot only empties under this lock.
             None => unreachable!("TransactionClient over an ended transaction"),
         }
+    }
+
+    /// The connection as a [`tokio_postgres::Client`], for code written against
+    /// [`tokio_postgres::GenericClient`]. It is the request's connection, inside its
+    /// transaction.
+    pub fn as_tokio_postgres(&self) -> &tokio_postgres::Client {
+        self.as_deadpool()
+    }
+}
+
+impl Deref for TransactionClient {
+    type Target = ClientWrapper;
+
+    fn deref(&self) -> &ClientWrapper {
+        self.as_deadpool()
     }
 }
 

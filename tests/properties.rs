@@ -1,6 +1,7 @@
-//! Properties, over generated inputs: the key parser accepts exactly its grammar and
-//! never panics; fingerprints are stable and change with any input; stored responses
-//! round-trip byte for byte, through each store.
+//! Properties, over generated inputs: the key parser accepts exactly its grammar,
+//! never panics, and reads sf-strings as `sfv` does; fingerprints are stable and
+//! change with any input; stored responses round-trip byte for byte, through each
+//! store.
 #![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
 
 mod common;
@@ -147,6 +148,133 @@ proptest! {
             }
         };
         prop_assert_ne!(a, fingerprint(&changed, &headers, &body2));
+    }
+}
+
+/// Checks the parser against `sfv`, an implementation of RFC 8941 of its own, for the
+/// sf-string form of the key. Where they differ, the difference is deliberate:
+///
+/// - a key is 1 to 255 visible ASCII characters: an sf-string may also be empty, longer,
+///   or hold spaces, and such a value is no key (the IETF draft's own limit, and a key
+///   with a space in it is one a log or a client mangles);
+/// - a quoted key takes no parameters (`"k";a=1`): sfv reads them, the layer rejects
+///   the field rather than ignore what a client meant by them;
+/// - the bare form (`order-42`, what many clients send) is opaque: all of it is the key,
+///   where sfv reads a token, an integer, parameters, or nothing at all. They agree
+///   where sfv reads a bare value as a token without parameters;
+/// - optional whitespace (SP or HTAB) around the value is HTTP's, removed before any
+///   parser sees the value; sfv is given the value without it.
+mod against_sfv {
+    use super::*;
+    use sfv::{BareItem, Item, Parser, Version};
+
+    /// Whether an sf-string's value is a key.
+    pub(super) fn keyable(value: &str) -> bool {
+        (1..=MAX_KEY_LEN).contains(&value.len()) && !value.contains(' ')
+    }
+
+    /// What sfv reads from a field value, with HTTP's optional whitespace removed.
+    pub(super) fn sfv_item(field: &[u8]) -> Option<Item> {
+        let is_ows = |b: &u8| *b == b' ' || *b == b'\t';
+        let start = field.iter().position(|b| !is_ows(b)).unwrap_or(field.len());
+        let end = field
+            .iter()
+            .rposition(|b| !is_ows(b))
+            .map_or(start, |e| e + 1);
+        Parser::new(&field[start..end])
+            .with_version(Version::Rfc8941)
+            .parse::<Item>()
+            .ok()
+    }
+
+    /// Any sf-string value (SP to `~`), mostly the characters that need care: quotes,
+    /// backslashes, spaces; from empty to past the longest key.
+    pub(super) fn sf_string_value() -> impl Strategy<Value = String> {
+        let c = prop_oneof![
+            3 => Just('"'),
+            3 => Just('\\'),
+            1 => Just(' '),
+            20 => proptest::char::range('!', '~'),
+        ];
+        prop::collection::vec(c, 0..300).prop_map(|cs| cs.into_iter().collect())
+    }
+
+    /// Field values around an sf-string or a bare value: optional whitespace, and
+    /// now and then parameters or other trailing matter; or any bytes at all.
+    pub(super) fn fields() -> impl Strategy<Value = Vec<u8>> {
+        let ows = prop_oneof![Just(""), Just(" "), Just("  "), Just("\t ")];
+        let after = prop_oneof![
+            6 => Just(""),
+            1 => Just(";a=1"),
+            1 => Just(";b"),
+            1 => Just(", \"c\""),
+            1 => Just("x"),
+        ];
+        let quoted = (ows.clone(), sf_string_value(), after.clone(), ows.clone())
+            .prop_map(|(a, v, t, b)| format!("{a}{}{t}{b}", quote(&v)).into_bytes());
+        let bare = (ows.clone(), "[!-~]{1,40}", after, ows)
+            .prop_map(|(a, v, t, b)| format!("{a}{v}{t}{b}").into_bytes());
+        prop_oneof![2 => quoted, 1 => bare, 1 => field_bytes()]
+    }
+
+    pub(super) fn string_of(item: &Item) -> Option<&str> {
+        match &item.bare_item {
+            BareItem::String(s) if item.params.is_empty() => Some(s.as_str()),
+            _ => None,
+        }
+    }
+
+    pub(super) fn token_of(item: &Item) -> Option<&str> {
+        match &item.bare_item {
+            BareItem::Token(t) if item.params.is_empty() => Some(t.as_str()),
+            _ => None,
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Every sf-string, as sfv writes it, is read as the same key, unless its value is
+    /// no key (empty, over 255 characters, or with a space), which is rejected.
+    #[test]
+    fn every_sf_string_sfv_writes_is_read_as_the_same_key(
+        value in against_sfv::sf_string_value(),
+    ) {
+        let string = sfv::StringRef::from_str(&value).unwrap();
+        let field = sfv::ItemSerializer::new().bare_item(string).finish();
+        let ours = parse_key(field.as_bytes());
+        if against_sfv::keyable(&value) {
+            prop_assert_eq!(ours, Ok(value));
+        } else {
+            prop_assert!(ours.is_err(), "{value:?} is no key, and was taken for one");
+        }
+    }
+
+    /// A key read from a quoted field is the sf-string sfv reads there (without
+    /// parameters); a key read bare is the token sfv reads, where it reads a token
+    /// without parameters; a field whose sf-string sfv reads is rejected only if that
+    /// value is no key.
+    #[test]
+    fn keys_read_are_the_values_sfv_reads(field in against_sfv::fields()) {
+        let sf = against_sfv::sfv_item(&field);
+        let quoted = field.iter().find(|b| **b != b' ' && **b != b'\t') == Some(&b'"');
+        match parse_key(&field) {
+            Ok(key) if quoted => {
+                let read = sf.as_ref().and_then(against_sfv::string_of);
+                prop_assert_eq!(read, Some(key.as_str()), "sfv reads {:?}", sf);
+            }
+            Ok(key) => {
+                if let Some(token) = sf.as_ref().and_then(against_sfv::token_of) {
+                    prop_assert_eq!(token, key.as_str());
+                }
+            }
+            Err(e) => {
+                if let Some(value) = sf.as_ref().and_then(against_sfv::string_of) {
+                    prop_assert!(!against_sfv::keyable(value), "sfv reads {value:?}; we: {e}");
+                }
+            }
+        }
     }
 }
 

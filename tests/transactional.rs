@@ -17,7 +17,7 @@ use axum::{
 };
 use common::{Counter, Reply, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, Outcome, store::PostgresStore,
+    IdempotencyKey, IdempotencyLayer, Outcome, ShutdownHandle, store::PostgresStore,
     transactional::TransactionHandle,
 };
 
@@ -327,6 +327,87 @@ async fn a_handler_error_rolls_back_its_writes_and_frees_the_key() {
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
+/// The app's repository, written for any `deadpool_postgres` client or transaction.
+async fn insert_row(
+    db: &impl tower_idempotency::deadpool_postgres::GenericClient,
+    table: &str,
+    key: &str,
+) -> Result<u64, tokio_postgres::Error> {
+    let insert = format!("INSERT INTO {table} (key, run, body) VALUES ($1, 1, '')");
+    db.execute(&insert, &[&key]).await
+}
+
+/// The app's repository, written for any `tokio_postgres` client or transaction.
+async fn rows_of(
+    db: &impl tower_idempotency::tokio_postgres::GenericClient,
+    table: &str,
+    key: &str,
+) -> Result<i64, tokio_postgres::Error> {
+    let count = format!("SELECT count(*) FROM {table} WHERE key = $1");
+    Ok(db.query_one(&count, &[&key]).await?.get(0))
+}
+
+/// Helpers written against either crate's `GenericClient`, handed the transaction's
+/// client, run in the request's transaction: their write commits with a stored
+/// response, and rolls back with one the storage policy releases.
+#[tokio::test]
+async fn helpers_written_against_generic_client_write_in_the_request_s_transaction() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let handler = |State(app): State<App>,
+                   key: IdempotencyKey,
+                   tx: TransactionHandle,
+                   headers: HeaderMap| async move {
+        let client = tx.client().await.expect("transaction");
+        insert_row(client.as_deadpool(), &app.table, key.as_str())
+            .await
+            .unwrap();
+        // The helper sees the write: the same connection, the same transaction.
+        let seen = rows_of(client.as_tokio_postgres(), &app.table, key.as_str())
+            .await
+            .unwrap();
+        let status = if headers.contains_key("x-fail") {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::CREATED
+        };
+        (status, seen.to_string())
+    };
+    let (router, _) = app_on(
+        post(handler),
+        IdempotencyLayer::transactional(store.clone()),
+        &table,
+    );
+
+    let created = send(&router, post_with("kept", &[])).await;
+    assert_eq!(
+        (created.status, &created.body[..]),
+        (StatusCode::CREATED, &b"1"[..])
+    );
+    let replay = send(&router, post_with("kept", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, created.body);
+
+    let failed = send(&router, post_with("released", &[("x-fail", "1")])).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failed.body, "1", "the helper saw its own write");
+    let written = format!("SELECT key FROM {table} ORDER BY key");
+    let keys: Vec<String> = schema
+        .query(&written)
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        keys,
+        ["kept"],
+        "the released request's write was rolled back"
+    );
+    assert_eq!(records_of(&schema, "released").await, 0);
+    common::idle(&store).await;
+}
+
 /// Inserts the payment id the body names into `app.table` (its primary key) in the
 /// request's transaction and answers 201; an id already taken answers 409, from the
 /// aborted transaction, as a payments API would. With `x-savepoint` the insert runs under
@@ -444,6 +525,95 @@ async fn a_duplicate_that_gets_the_row_after_close_answers_503_and_never_runs() 
     assert_eq!(duplicate.problem(), "shutting-down");
     assert_eq!(counter.runs(), 1);
     assert_eq!(rows_in(&schema, &table).await, 0);
+    common::idle(&store).await;
+}
+
+/// One shutdown for the whole app: a lease-mode layer on one route and a transactional
+/// layer on another, given one handle closed by the app's own `CancellationToken`. The
+/// app's cancel closes both layers (new keys on each are refused with `503
+/// shutting-down`, claiming nothing); one drain waits for the request running under
+/// each, and both complete and are stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_drain_shuts_down_a_lease_mode_and_a_transactional_layer_together() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let shutdown = ShutdownHandle::closed_by(&cancel);
+    let leased = IdempotencyLayer::new(store.clone()).shutdown_with(shutdown.clone());
+    let transactional =
+        IdempotencyLayer::transactional(store.clone()).shutdown_with(shutdown.clone());
+    let counter = Counter::default();
+    let lease_handler = |State(app): State<App>, headers: HeaderMap| async move {
+        let run = app.counter.count_run();
+        if headers.contains_key("x-held") {
+            app.counter.held().await;
+        }
+        (StatusCode::CREATED, format!("{{\"run\":{run}}}"))
+    };
+    let router = Router::new()
+        .route("/leased", post(lease_handler).route_layer(leased))
+        .route("/payments", post(create).route_layer(transactional))
+        .with_state(App {
+            counter: counter.clone(),
+            table: table.clone(),
+        });
+    let to = |path: &str, key: &str, held: bool| {
+        let mut b = req("POST").uri(path).header("idempotency-key", key);
+        if held {
+            b = b.header("x-held", "1");
+        }
+        b.body(Body::from("{}")).unwrap()
+    };
+    let running_leased = in_flight(&router, to("/leased", "l", true), &counter).await;
+    let running_tx = in_flight(&router, to("/payments", "t", true), &counter).await;
+    assert_eq!(shutdown.in_flight(), 2);
+
+    cancel.cancel(); // the app's signal handler
+    for (path, key) in [("/leased", "l-new"), ("/payments", "t-new")] {
+        let refused = send(&router, to(path, key, false)).await;
+        assert_eq!(refused.status, 503, "{path}");
+        assert_eq!(refused.problem(), "shutting-down");
+        assert_eq!(
+            records_of(&schema, key).await,
+            0,
+            "a refused request claims nothing"
+        );
+    }
+    let drained = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { shutdown.drain().await }
+    });
+    // However long it is given, the drain does not end while either request runs.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !drained.is_finished(),
+        "the drain waits for both layers' requests"
+    );
+    counter.let_go(2);
+    tokio::time::timeout(Duration::from_secs(30), drained)
+        .await
+        .expect("drained")
+        .unwrap();
+    assert_eq!(shutdown.in_flight(), 0);
+    let (leased, tx) = (running_leased.await.unwrap(), running_tx.await.unwrap());
+    assert_eq!(
+        (leased.status, tx.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    // Drained means stored: both keys are complete, the transactional one with its write.
+    let completed = format!(
+        "SELECT key FROM \"{}\".idempotency_keys WHERE state = 'completed' ORDER BY key",
+        schema.name
+    );
+    let keys: Vec<String> = schema
+        .query(&completed)
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, ["l", "t"]);
+    assert_eq!(rows_in(&schema, &table).await, 1);
     common::idle(&store).await;
 }
 

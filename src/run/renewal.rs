@@ -357,8 +357,7 @@ mod tests {
             token: crate::store::FencingToken::new(1),
         };
         let mut renewal = Renewal::start(&store, &lease, Duration::from_millis(30));
-        let watched =
-            crate::catch_panic::CatchPanic::new(renewal.watch(std::future::pending::<()>()));
+        let watched = crate::catch_panic::catch_panic(renewal.watch(std::future::pending::<()>()));
         let panic = watched
             .await
             .expect_err("the renewal's panic reaches the watched future");

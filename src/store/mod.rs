@@ -430,6 +430,22 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Creates, or brings up to date, what the store keeps its records in, so that it
+    /// can serve: [`PostgresStore`] runs its [`migrate`](PostgresStore::migrate) (safe
+    /// from every replica at start-up). The default does nothing: a store that needs
+    /// nothing set up, as [`MemoryStore`].
+    ///
+    /// [`IdempotencyLayer::migrate`](crate::IdempotencyLayer::migrate) and
+    /// [`JobRunner::migrate`](crate::job::JobRunner::migrate) call it, so that an app
+    /// that handed them a bare pool needs no store of its own to migrate.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or could not be set up.
+    fn migrate(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// Extends the lease to `duration` from now. [`LeaseLost`](Fenced::LeaseLost): the
     /// lease no longer held the key.
     ///
@@ -485,9 +501,10 @@ pub fn spawn_purger(
     })
 }
 
-/// Anything [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) accepts as a store:
-/// a [`Store`], an `Arc<dyn Store>`, or a `deadpool_postgres::Pool` (used with the
-/// default table `public.idempotency_keys`).
+/// Anything [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) and
+/// [`JobRunner::new`](crate::job::JobRunner::new) accept as a store: a [`Store`], an
+/// `Arc<dyn Store>`, or a `deadpool_postgres::Pool` (a [`PostgresStore`] over it, with
+/// the default table `public.idempotency_keys`).
 pub trait IntoStore {
     /// The store, shared.
     fn into_store(self) -> Arc<dyn Store>;

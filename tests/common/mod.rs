@@ -389,6 +389,58 @@ impl Drop for TestSchema {
     }
 }
 
+/// A database of its own for one test, dropped (its connections ended) when the test
+/// ends, whether it passed or panicked: for a test that uses the store's defaults (the
+/// table `public.idempotency_keys`) as an app would, without touching the shared
+/// database's `public` schema.
+pub struct TestDatabase {
+    pub name: String,
+}
+
+#[allow(dead_code)] // not every test binary uses it
+impl TestDatabase {
+    pub async fn new() -> Self {
+        let db = Self {
+            name: unique_name("ti_test_db"),
+        };
+        let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!("CREATE DATABASE \"{}\"", db.name))
+            .await
+            .expect("create the test's database");
+        db
+    }
+
+    /// `DATABASE_URL`, naming this database instead of its own.
+    pub fn url(&self) -> String {
+        let url = database_url();
+        let (base, query) = url
+            .split_once('?')
+            .map_or((url.as_str(), None), |(b, q)| (b, Some(q)));
+        let (scheme, rest) = base.split_once("://").expect("a postgres:// URL");
+        let authority = rest
+            .split_once('/')
+            .map_or(rest, |(authority, _)| authority);
+        let url = format!("{scheme}://{authority}/{}", self.name);
+        match query {
+            Some(query) => format!("{url}?{query}"),
+            None => url,
+        }
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
+        if let Err(e) = run_from_drop(sql) {
+            eprintln!("could not drop test database {}: {e}", self.name);
+        }
+    }
+}
+
 /// A handler behind the layer that counts its runs, per key, and makes every run's
 /// response unique, so equal responses prove a single execution.
 #[derive(Clone)]

@@ -32,7 +32,7 @@ use crate::{
         unavailable, with_outcome,
     },
     body::{BoxError, ResponseBody},
-    catch_panic::CatchPanic,
+    catch_panic::catch_panic,
     future::{Answer, Handoff},
     layer::Config,
     shutdown::InFlight,
@@ -232,7 +232,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let store_timeout = config.store_timeout;
-    let produced = CatchPanic::new(run_inner(inner, req, config)).await;
+    let produced = catch_panic(run_inner(inner, req, config)).await;
     let taken = take_back(slot, store, &claimed.backend, store_timeout);
     let conn = match taken.await {
         Ok(conn) => conn,

@@ -1933,6 +1933,19 @@ impl Store for PostgresStore {
     fn records_location(&self) -> Option<Arc<str>> {
         Some(self.location.clone())
     }
+
+    fn migrate(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(PostgresStore::migrate(self))
+    }
+}
+
+/// A store over the pool, with the default table: [`PostgresStore::new`]. What lets
+/// [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional) and
+/// [`JobRunner::transactional`](crate::job::JobRunner::transactional) take a bare pool.
+impl From<Pool> for PostgresStore {
+    fn from(pool: Pool) -> Self {
+        Self::new(pool)
+    }
 }
 
 #[cfg(test)]
