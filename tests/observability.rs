@@ -336,3 +336,40 @@ async fn a_failed_renewal_is_logged_in_the_request_s_span() {
     assert_eq!(event.get("span").map(String::as_str), Some("idempotency"));
     assert_eq!(event.get("span.key").map(String::as_str), Some("order-7"));
 }
+
+/// `migrate()` on a schema that exists already (a DBA made it; another replica
+/// migrated at the same moment) makes PostgreSQL send notices (`schema … already
+/// exists, skipping`), which tokio-postgres logs at `info` through `log`: nothing went
+/// wrong, and nothing of it is printed.
+#[tokio::test]
+async fn migrating_prints_no_notice_of_postgresql() {
+    // tokio-postgres logs notices with `log`; its records reach the subscriber as
+    // `tracing` events, as they do in an app whose subscriber was set with `init()`.
+    let _ = tracing_log::LogTracer::init();
+    let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let sink = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || Sink(sink.clone()))
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let schema = common::TestSchema::new();
+    schema
+        .query(&format!("CREATE SCHEMA \"{}\"", schema.name))
+        .await;
+    let (a, b) = (
+        schema.unmigrated_store_at(&common::database_url()),
+        schema.unmigrated_store_at(&common::database_url()),
+    );
+    // Two replicas at once (one waits for the other's lock, then finds its objects),
+    // then once more.
+    let (first, second) = tokio::join!(a.migrate(), b.migrate());
+    first.unwrap();
+    second.unwrap();
+    a.migrate().await.unwrap();
+    // The subscriber sees tokio-postgres's records: a statement logged at `debug`.
+    let printed = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+    assert!(printed.contains("tokio_postgres"), "{printed}");
+    assert!(!printed.contains("NOTICE"), "{printed}");
+}
