@@ -38,7 +38,7 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// a new key. Keep the bound above the keys that arrive in the time clients retry
 /// within. Running claims are never evicted: when only running claims are left, a claim
 /// of a new key fails with a [`StoreError`] of kind
-/// [`Unavailable`](StoreErrorKind::Unavailable), which the layer answers with
+/// [`Unavailable`](super::StoreErrorKind::Unavailable), which the layer answers with
 /// `503 store-unavailable` and `Retry-After`, without running the handler. A response
 /// is always stored once its handler has run, evicting other completed records to make
 /// room; when only running claims are left to evict, it takes the store over
