@@ -21,6 +21,8 @@ pub mod guide;
 mod hex;
 pub mod job;
 mod layer;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 mod observe;
 mod outcome;
 mod policy;

@@ -1,5 +1,7 @@
 //! What the layer and the job runner say of their work: one event per guarded request
-//! (and per job) naming its outcome, at a level set by what it means to an operator.
+//! (and per job) naming its outcome, at a level set by what it means to an operator;
+//! and, with the `metrics` feature, the [metrics](crate::guide::observability) counted
+//! and timed along the way. Without that feature the metrics calls here are empty.
 //!
 //! Levels (docs/observability.md says why): `debug` for a request whose handler ran,
 //! as for any request (the app and its access log say the rest); `info` for a
@@ -119,13 +121,28 @@ impl Seen {
 /// key, none required; or guarded by an outer layer), or refused where the refusal is
 /// logged already.
 pub(crate) fn count_request(outcome: Outcome, mode: Mode) {
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!(
+        crate::metrics::REQUESTS,
+        "outcome" => outcome.as_str(),
+        "mode" => mode.as_str(),
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
     let _ = (outcome, mode);
 }
 
 /// A job run ended with `outcome`; `result` names the `JobOutcome` or `JobError`
-/// variant. Logged in the job's span, at the levels of the layer's
+/// variant. Counted, and logged in the job's span, at the levels of the layer's
 /// outcomes.
 pub(crate) fn job_ended(outcome: Outcome, result: &'static str, mode: Mode) {
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!(
+        crate::metrics::JOBS,
+        "outcome" => outcome.as_str(),
+        "mode" => mode.as_str(),
+    )
+    .increment(1);
     let mode = mode.as_str();
     macro_rules! event {
         ($level:ident, $message:literal) => {
@@ -147,4 +164,78 @@ pub(crate) fn job_ended(outcome: Outcome, result: &'static str, mode: Mode) {
         Outcome::StoreError => event!(DEBUG, "the store failed; the work did not run"),
         Outcome::PassedThrough => {}
     }
+}
+
+/// Times a claim or a completion, for its histogram; nothing without the `metrics`
+/// feature.
+pub(crate) struct Timer {
+    #[cfg(feature = "metrics")]
+    started: std::time::Instant,
+}
+
+impl Timer {
+    pub(crate) fn start() -> Self {
+        Self {
+            #[cfg(feature = "metrics")]
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// A claim (in transactional mode: the connection, `BEGIN` and the claim, a
+    /// duplicate's wait on the first request's row included) got its answer, or was
+    /// given up on.
+    pub(crate) fn claimed(self, mode: Mode) {
+        #[cfg(feature = "metrics")]
+        ::metrics::histogram!(crate::metrics::CLAIM_DURATION, "mode" => mode.as_str())
+            .record(self.started.elapsed());
+        #[cfg(not(feature = "metrics"))]
+        let _ = mode;
+    }
+
+    /// An attempt to store a result (in transactional mode: the completion and its
+    /// `COMMIT`, a check of a `COMMIT` in doubt included) ended.
+    pub(crate) fn completed(self, mode: Mode) {
+        #[cfg(feature = "metrics")]
+        ::metrics::histogram!(crate::metrics::COMPLETION_DURATION, "mode" => mode.as_str())
+            .record(self.started.elapsed());
+        #[cfg(not(feature = "metrics"))]
+        let _ = mode;
+    }
+}
+
+/// A store operation failed or got no answer in time: `claim`, `complete`, `commit`,
+/// `release`, `renew` or `purge`. (Its cause is logged where it happened.)
+pub(crate) fn store_failed(operation: &'static str) {
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!(crate::metrics::STORE_ERRORS, "operation" => operation).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = operation;
+}
+
+/// A request waiting for a running duplicate: counted once when it starts to wait, and
+/// in the gauge of those waiting until this is dropped.
+pub(crate) struct Waiting(());
+
+pub(crate) fn waiting() -> Waiting {
+    #[cfg(feature = "metrics")]
+    {
+        ::metrics::counter!(crate::metrics::WAITS).increment(1);
+        ::metrics::gauge!(crate::metrics::WAITING).increment(1.0);
+    }
+    Waiting(())
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        ::metrics::gauge!(crate::metrics::WAITING).decrement(1.0);
+    }
+}
+
+/// A purge deleted `rows` expired records.
+pub(crate) fn purged(rows: u64) {
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!(crate::metrics::PURGED).increment(rows);
+    #[cfg(not(feature = "metrics"))]
+    let _ = rows;
 }
