@@ -1,7 +1,7 @@
 //! The guides: how the layer behaves when things break, which mode to pick, how to run
-//! it on PostgreSQL, what it keeps and shows, what clients should do, and how it reads
-//! against the standards. The same pages as the repository's `docs/`, and their examples
-//! compiled and run as tests.
+//! it on PostgreSQL, what it keeps and shows, what it logs and counts, what clients
+//! should do, and how it reads against the standards. The same pages as the
+//! repository's `docs/`, and their examples compiled and run as tests.
 
 /// Lease mode and transactional mode: what each guarantees, costs and cannot do.
 pub mod modes {
@@ -25,6 +25,13 @@ pub mod postgres {
 /// Keys, scopes, what is stored and for how long, and what the traces show.
 pub mod security {
     #![doc = include_str!("../docs/security.md")]
+}
+
+/// What the layer logs of each request, at which level and why; and its metrics.
+///
+/// [security]: crate::guide::security
+pub mod observability {
+    #![doc = include_str!("../docs/observability.md")]
 }
 
 /// For API clients: what to retry, retry settings, and what they live through.

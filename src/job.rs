@@ -39,7 +39,8 @@ use tracing::Instrument;
 #[cfg(feature = "postgres")]
 use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
-    Fingerprint, IdempotencyKey, Scope, ShutdownHandle, StoredResponse,
+    Fingerprint, IdempotencyKey, Outcome, Scope, ShutdownHandle, StoredResponse,
+    observe::Mode,
     run::{
         Leased,
         decision::{Decision, decide},
@@ -309,7 +310,7 @@ impl JobRunner {
         E: Send + 'static,
     {
         let span = tracing::info_span!("job", key);
-        async move {
+        let running = async move {
             let Some(in_flight) = self.shutdown.enter() else {
                 return Err(JobError::ShuttingDown);
             };
@@ -335,12 +336,16 @@ impl JobRunner {
             )
             .await
             .map_err(|_| {
+                tracing::error!(timeout = ?self.store_timeout, "claim timed out; the work was not run");
                 JobError::Store(StoreError::new(
                     crate::store::StoreErrorKind::Timeout,
                     "claim timed out",
                 ))
             })?
-            .map_err(JobError::Store)?;
+            .map_err(|e| {
+                tracing::error!(error = %e, "claim failed; the work was not run");
+                JobError::Store(e)
+            })?;
             let lease = match found(claim, &request)? {
                 Ok(lease) => lease,
                 Err(outcome) => return Ok(outcome),
@@ -404,9 +409,23 @@ impl JobRunner {
             )
             .await
             .unwrap_or(Err(JobError::Panicked))
+        };
+        let mode = self.mode();
+        async move {
+            let result = running.await;
+            let (outcome, name) = outcome_of(&result);
+            crate::observe::job_ended(outcome, name, mode);
+            result
         }
         .instrument(span)
         .await
+    }
+
+    fn mode(&self) -> Mode {
+        #[cfg(feature = "postgres")]
+        return Mode::of(self.transactional.is_some());
+        #[cfg(not(feature = "postgres"))]
+        Mode::Lease
     }
 
     /// Renews `lease` while `task` runs, then stores its result or releases the key.
@@ -634,6 +653,25 @@ where
             );
             None
         }
+    }
+}
+
+/// A run's result as the layer's [`Outcome`] (the work ran, its stored result was
+/// returned, another worker runs it, ...), and the name of its variant, for its event
+/// and metrics.
+fn outcome_of<E>(result: &Result<JobOutcome, JobError<E>>) -> (Outcome, &'static str) {
+    match result {
+        Ok(JobOutcome::Ran(_)) => (Outcome::Executed, "ran"),
+        Ok(JobOutcome::AlreadyDone(_)) => (Outcome::Replayed, "already_done"),
+        Ok(JobOutcome::Running { .. }) => (Outcome::Conflict, "running"),
+        Err(JobError::Failed(_)) => (Outcome::Executed, "failed"),
+        Err(JobError::Panicked) => (Outcome::Executed, "panicked"),
+        Err(JobError::TakenOver(_)) => (Outcome::Executed, "taken_over"),
+        Err(JobError::TransactionEnded) => (Outcome::Executed, "transaction_ended"),
+        Err(JobError::Mismatch) => (Outcome::Mismatch, "mismatch"),
+        Err(JobError::ShuttingDown) => (Outcome::Rejected, "shutting_down"),
+        Err(JobError::Store(_)) => (Outcome::StoreError, "store"),
+        Err(JobError::NotCommitted) => (Outcome::StoreError, "not_committed"),
     }
 }
 

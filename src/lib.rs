@@ -4,6 +4,7 @@
 #![doc = "[failure-modes]: crate::guide::failure_modes"]
 #![doc = "[modes]: crate::guide::modes"]
 #![doc = "[security]: crate::guide::security"]
+#![doc = "[observability]: crate::guide::observability"]
 #![doc = "[postgres]: crate::guide::postgres"]
 #![doc = "[clients]: crate::guide::clients"]
 #![doc = "[standards]: crate::guide::standards"]
@@ -20,6 +21,9 @@ pub mod guide;
 mod hex;
 pub mod job;
 mod layer;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+mod observe;
 mod outcome;
 mod policy;
 mod random;

@@ -18,6 +18,7 @@ use crate::{
     catch_panic::catch_panic,
     future::{Answer, Handoff, ResponseFuture, answered, detach, pass_through},
     layer::Config,
+    observe::{Mode, Seen},
     rejection::Problem,
     request::{
         key::{KeyError, key_from_headers},
@@ -78,19 +79,24 @@ where
             return pass_through(self.inner.call(req));
         }
         let mut req = req;
+        let transactional = config.is_transactional();
+        let mode = Mode::of(transactional);
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !config.require_key => {
+                crate::observe::count_request(Outcome::PassedThrough, mode);
                 crate::request::mark_unkeyed(req.extensions_mut(), &config.header);
                 crate::request::mark_problems(req.extensions_mut(), config);
                 return pass_through(self.inner.call(req));
             }
             Ok(None) => {
                 let detail = KeyError::Missing.naming(crate::request::header_label(&config.header));
+                Seen::of(&req, mode).refused(Problem::KeyMissing, &detail);
                 return answered(reject(&config.problems, Problem::KeyMissing, &detail));
             }
             Err(e) => {
                 let detail = e.naming(crate::request::header_label(&config.header));
+                Seen::of(&req, mode).refused(Problem::KeyMalformed, &detail);
                 return answered(reject(&config.problems, Problem::KeyMalformed, &detail));
             }
         };
@@ -99,14 +105,16 @@ where
         // outer layer would store. An outer layer of the other mode over the same
         // records is the app's wiring gone wrong: claimed again here, the key would wait
         // on the outer claim's row, or find it running.
-        let transactional = config.is_transactional();
         if let Some(outer) = req.extensions().get::<crate::request::Guarded>()
             && *outer.key == *key
         {
             if outer.transactional == transactional {
+                crate::observe::count_request(Outcome::PassedThrough, mode);
                 return pass_through(self.inner.call(req));
             }
             if outer.location.is_some() && outer.location == config.store.records_location() {
+                // Logged at `error` as it is answered.
+                crate::observe::count_request(Outcome::Rejected, mode);
                 return answered(nested_on_one_table(&config.problems));
             }
         }
@@ -129,6 +137,7 @@ where
         } else {
             span.record("key", key.as_str());
         }
+        let seen = Seen::of(&req, mode);
         let config = config.clone();
         let problems = config.problems.clone();
         let handoff = Arc::new(Handoff::default());
@@ -147,9 +156,14 @@ where
                     Ok(handler_failed(&problems))
                 }
             };
-            if let Ok(res) = &res
-                && let Some(outcome) = res.extensions().get::<Outcome>()
-            {
+            // The event first: recorded in the span before it, the outcome would be
+            // printed twice on its line.
+            let outcome = res
+                .as_ref()
+                .ok()
+                .and_then(|r| r.extensions().get::<Outcome>());
+            seen.answered(outcome.copied(), res.as_ref().ok().map(|r| r.status()));
+            if let Some(outcome) = outcome {
                 Span::current().record("outcome", outcome.as_str());
             }
             res

@@ -336,3 +336,186 @@ async fn a_failed_renewal_is_logged_in_the_request_s_span() {
     assert_eq!(event.get("span").map(String::as_str), Some("idempotency"));
     assert_eq!(event.get("span.key").map(String::as_str), Some("order-7"));
 }
+
+/// What the default `fmt` subscriber prints, at `debug`, into a buffer of the test's
+/// own, until the guard is dropped.
+fn printed_at_debug() -> (Arc<Mutex<Vec<u8>>>, tracing::subscriber::DefaultGuard) {
+    let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let sink = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(move || Sink(sink.clone()))
+        .finish();
+    (out, tracing::subscriber::set_default(subscriber))
+}
+
+/// The lines of `out` that name an outcome.
+fn outcome_lines(out: &Mutex<Vec<u8>>) -> Vec<String> {
+    let printed = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+    printed
+        .lines()
+        .filter(|l| l.contains("outcome="))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The first 16 hex digits of the SHA-256 of `key`, as the span carries it.
+fn hashed(key: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(key.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// With nothing but the usual `fmt` subscriber, each guarded request prints one line
+/// saying what the layer did with it: its outcome, status, mode, method and route, in
+/// the request's span (with the key's hash, never the key), at a level by what it
+/// means: `debug` for a request whose handler ran, `info` for a duplicate answered in
+/// its stead or a refused key, `warn` for a key reused with another request.
+#[tokio::test]
+async fn every_outcome_is_printed_by_the_default_fmt_subscriber() {
+    let (out, _guard) = printed_at_debug();
+    let layer = IdempotencyLayer::new(MemoryStore::new()).require_key(true);
+    let (router, counter) = app(layer);
+    let line = |outcome: &str| {
+        let lines = outcome_lines(&out);
+        let found: Vec<_> = lines
+            .iter()
+            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .cloned()
+            .collect();
+        assert_eq!(found.len(), 1, "one line for {outcome}: {lines:#?}");
+        found[0].clone()
+    };
+
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    let executed = line("executed");
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    let replayed = line("replayed");
+    // A duplicate while the first request with its key still runs.
+    let held = common::post_with_headers("order-2", &[("x-held", "1")]);
+    let first = common::in_flight(&router, held, &counter).await;
+    assert_eq!(send(&router, post("order-2", "{}")).await.status, 409);
+    let conflict = line("conflict");
+    counter.let_go(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(
+        send(&router, post("order-1", "{\"amount\":2}"))
+            .await
+            .status,
+        422
+    );
+    let mismatch = line("mismatch");
+
+    for (line, level, status, key) in [
+        (&executed, "DEBUG", 201, "order-1"),
+        (&replayed, " INFO", 201, "order-1"),
+        (&conflict, " INFO", 409, "order-2"),
+        (&mismatch, " WARN", 422, "order-1"),
+    ] {
+        assert!(line.contains(level), "{line}");
+        assert!(line.contains(&format!("status={status}")), "{line}");
+        assert!(line.contains("mode=\"lease\""), "{line}");
+        assert!(line.contains("method=\"POST\""), "{line}");
+        assert!(line.contains("route=\"/payments\""), "{line}");
+        // In the request's span, with the key's hash.
+        assert!(
+            line.contains(&format!("idempotency{{key=\"{}\"", hashed(key))),
+            "{line}"
+        );
+        assert!(!line.contains(key), "the key in clear: {line}");
+    }
+
+    // Refused keys: no key at all, and one that is not a key. No span yet.
+    let none = common::req("POST")
+        .body(axum::body::Body::from("{}"))
+        .unwrap();
+    assert_eq!(send(&router, none).await.status, 400);
+    let malformed = post("order 3", "{}");
+    assert_eq!(send(&router, malformed).await.status, 400);
+    let lines = outcome_lines(&out);
+    let rejected: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains("outcome=\"rejected\""))
+        .collect();
+    assert_eq!(rejected.len(), 2, "{lines:#?}");
+    assert!(
+        rejected[0].contains("problem=\"key-missing\""),
+        "{lines:#?}"
+    );
+    assert!(
+        rejected[1].contains("problem=\"key-malformed\""),
+        "{lines:#?}"
+    );
+    for line in rejected {
+        assert!(line.contains(" INFO"), "{line}");
+        assert!(line.contains("status=400"), "{line}");
+        assert!(line.contains("reason="), "{line}");
+        assert!(!line.contains("order 3"), "the key in clear: {line}");
+    }
+    // One line per request: five requests, one that waited held, and two refused.
+    assert_eq!(lines.len(), 7, "{lines:#?}");
+}
+
+/// A job's outcome is printed too, in its span.
+#[tokio::test]
+async fn a_job_s_outcome_is_printed_by_the_default_fmt_subscriber() {
+    let (out, _guard) = printed_at_debug();
+    let runner = JobRunner::new(MemoryStore::new());
+    let scope = Scope::new("consumer");
+    for input in [&b"a"[..], b"a", b"b"] {
+        let _ = runner
+            .run(&scope, "msg-1", input, |_| async {
+                Ok::<_, std::io::Error>(bytes::Bytes::from("done"))
+            })
+            .await;
+    }
+    let lines = outcome_lines(&out);
+    assert_eq!(lines.len(), 3, "{lines:#?}");
+    for (line, outcome, result) in [
+        (&lines[0], "executed", "ran"),
+        (&lines[1], "replayed", "already_done"),
+        (&lines[2], "mismatch", "mismatch"),
+    ] {
+        assert!(line.contains(&format!("outcome=\"{outcome}\"")), "{line}");
+        assert!(line.contains(&format!("result=\"{result}\"")), "{line}");
+        assert!(line.contains("job{key=\"msg-1\"}"), "{line}");
+    }
+}
+
+/// `migrate()` on a schema that exists already (a DBA made it; another replica
+/// migrated at the same moment) makes PostgreSQL send notices (`schema … already
+/// exists, skipping`), which tokio-postgres logs at `info` through `log`: nothing went
+/// wrong, and nothing of it is printed.
+#[tokio::test]
+async fn migrating_prints_no_notice_of_postgresql() {
+    // tokio-postgres logs notices with `log`; its records reach the subscriber as
+    // `tracing` events, as they do in an app whose subscriber was set with `init()`.
+    let _ = tracing_log::LogTracer::init();
+    let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let sink = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || Sink(sink.clone()))
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let schema = common::TestSchema::new();
+    schema
+        .query(&format!("CREATE SCHEMA \"{}\"", schema.name))
+        .await;
+    let (a, b) = (
+        schema.unmigrated_store_at(&common::database_url()),
+        schema.unmigrated_store_at(&common::database_url()),
+    );
+    // Two replicas at once (one waits for the other's lock, then finds its objects),
+    // then once more.
+    let (first, second) = tokio::join!(a.migrate(), b.migrate());
+    first.unwrap();
+    second.unwrap();
+    a.migrate().await.unwrap();
+    // The subscriber sees tokio-postgres's records: a statement logged at `debug`.
+    let printed = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+    assert!(printed.contains("tokio_postgres"), "{printed}");
+    assert!(!printed.contains("NOTICE"), "{printed}");
+}

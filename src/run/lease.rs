@@ -100,6 +100,9 @@ async fn claim<B>(
     in_flight: &InFlight,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
+    // Counted once it first waits, and among those waiting until it returns (or is
+    // dropped).
+    let mut waiting = None;
     loop {
         // After `close()` nothing new is claimed, not even by a request that was waiting
         // when it came.
@@ -132,6 +135,7 @@ async fn claim<B>(
                         config.in_progress_retry_after,
                     ));
                 }
+                waiting.get_or_insert_with(crate::observe::waiting);
                 let registered = tokio::time::timeout(
                     config.store_timeout,
                     config.store.register_waiter(request.scope, request.key),

@@ -64,6 +64,7 @@ impl Leased {
         match crate::store::within(self.store_timeout, "a release", releasing).await {
             Ok(_) => true,
             Err(e) => {
+                crate::observe::store_failed("release");
                 tracing::debug!(token = %lease.token, error = %e, "releasing the key failed");
                 false
             }

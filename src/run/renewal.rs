@@ -197,7 +197,10 @@ async fn renew(store: Arc<dyn Store>, lease: Lease, duration: Duration, control:
                 });
                 return;
             }
-            Err(e) => control.log(|| tracing::warn!(error = %e, "lease renewal failed")),
+            Err(e) => {
+                crate::observe::store_failed("renew");
+                control.log(|| tracing::warn!(error = %e, "lease renewal failed"));
+            }
         }
     }
 }

@@ -8,6 +8,7 @@ use tracing::Instrument;
 use super::{Leased, renewal::Renewal};
 use crate::{
     StoredResponse,
+    observe::{Mode, Timer, store_failed},
     store::{Fenced, Lease},
 };
 
@@ -80,12 +81,17 @@ impl Leased {
 
     /// One completion attempt.
     async fn try_complete(&self, lease: &Lease, stored: &StoredResponse, attempt: u32) -> Attempt {
-        match tokio::time::timeout(
+        let timer = Timer::start();
+        let completed = tokio::time::timeout(
             self.store_timeout,
             self.store.complete(lease, stored, self.ttl),
         )
-        .await
-        {
+        .await;
+        timer.completed(Mode::Lease);
+        if !matches!(completed, Ok(Ok(_))) {
+            store_failed("complete");
+        }
+        match completed {
             Ok(Ok(Fenced::Kept)) => Attempt::Stored,
             Ok(Ok(Fenced::LeaseLost)) => {
                 tracing::warn!(

@@ -87,7 +87,13 @@ pub(crate) async fn claim_within(
         release_within: timeout,
     };
     let running = claim.claim.as_mut().expect("the claim was just set");
-    let claimed = tokio::time::timeout(timeout, running).await?;
+    let timer = crate::observe::Timer::start();
+    let claimed = tokio::time::timeout(timeout, running).await;
+    timer.claimed(crate::observe::Mode::Lease);
+    if !matches!(claimed, Ok(Ok(_))) {
+        crate::observe::store_failed("claim");
+    }
+    let claimed = claimed?;
     claim.claim = None;
     Ok(claimed)
 }
@@ -489,9 +495,14 @@ pub fn spawn_purger(
             tick.tick().await;
             loop {
                 match store.purge(batch).await {
-                    Ok(n) if n as usize >= batch => continue,
-                    Ok(_) => break,
+                    Ok(n) => {
+                        crate::observe::purged(n);
+                        if (n as usize) < batch {
+                            break;
+                        }
+                    }
                     Err(e) => {
+                        crate::observe::store_failed("purge");
                         tracing::warn!(error = %e, "purging expired idempotency records failed");
                         break;
                     }

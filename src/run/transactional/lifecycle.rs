@@ -9,6 +9,7 @@ use tokio::time::{Instant, timeout, timeout_at};
 use super::ended;
 use crate::{
     StoredResponse,
+    observe::{Mode, Timer, store_failed},
     rejection::Problems,
     store::{
         Backend, Checkout, Claim, ClaimRequest, Fenced, Lease, PostgresStore, Resolution,
@@ -47,6 +48,32 @@ pub(crate) enum Opened {
 /// `claim_wait`; the transaction then goes on with `lock_timeout`, set again in the
 /// same round trip where the two differ.
 pub(crate) async fn open(
+    store: &PostgresStore,
+    request: &ClaimRequest<'_>,
+    problems: &Arc<Problems>,
+    claim_wait: Duration,
+    lock_timeout: Duration,
+    store_timeout: Duration,
+) -> Opened {
+    let timer = Timer::start();
+    let opened = claim_in(
+        store,
+        request,
+        problems,
+        claim_wait,
+        lock_timeout,
+        store_timeout,
+    )
+    .await;
+    timer.claimed(Mode::Transactional);
+    if matches!(opened, Opened::Unavailable) {
+        store_failed("claim");
+    }
+    opened
+}
+
+/// [`open`], untimed.
+async fn claim_in(
     store: &PostgresStore,
     request: &ClaimRequest<'_>,
     problems: &Arc<Problems>,
@@ -208,6 +235,34 @@ async fn resolve(
 /// ([`Committed::Ended`]). If the connection fails during the `COMMIT`, or no answer
 /// comes in time, finds out on another connection whether it committed ([`resolve`]).
 pub(crate) async fn commit(
+    store: &PostgresStore,
+    conn: Checkout,
+    claimed: &Claimed,
+    request: &ClaimRequest<'_>,
+    stored: &StoredResponse,
+    lock_timeout: Duration,
+    store_timeout: Duration,
+) -> Committed {
+    let timer = Timer::start();
+    let committed = complete_and_commit(
+        store,
+        conn,
+        claimed,
+        request,
+        stored,
+        lock_timeout,
+        store_timeout,
+    )
+    .await;
+    timer.completed(Mode::Transactional);
+    if matches!(committed, Committed::No | Committed::Unknown) {
+        store_failed("commit");
+    }
+    committed
+}
+
+/// [`commit`], untimed.
+async fn complete_and_commit(
     store: &PostgresStore,
     conn: Checkout,
     claimed: &Claimed,

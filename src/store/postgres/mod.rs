@@ -1234,8 +1234,12 @@ impl PostgresStore {
         // A lock_timeout, statement_timeout or (PostgreSQL 17) transaction_timeout of the
         // role or database would end the wait for another replica's migrations, which
         // may take as long as they take. Only the settings this server has are set.
+        // `IF NOT EXISTS` on what exists (a schema made by hand, what another replica
+        // just made) draws a notice, which tokio-postgres logs at `info`: expected, so
+        // not sent.
         tx.batch_execute(
-            "SELECT set_config(name, '0', true) FROM pg_settings
+            "SET LOCAL client_min_messages = warning;
+             SELECT set_config(name, '0', true) FROM pg_settings
              WHERE name IN ('lock_timeout', 'statement_timeout', 'transaction_timeout')",
         )
         .await

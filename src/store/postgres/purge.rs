@@ -112,10 +112,19 @@ impl BackgroundPurge {
         loop {
             let started = tokio::time::Instant::now();
             let deleted = match tokio::time::timeout(BATCH_BOUND, self.batch()).await {
-                Ok(deleted) => deleted?,
-                Err(_) => return Err("a batch took longer than 30 s; given up".to_owned()),
+                Ok(Ok(deleted)) => deleted,
+                Ok(Err(e)) => {
+                    crate::observe::store_failed("purge");
+                    return Err(e);
+                }
+                Err(_) => {
+                    crate::observe::store_failed("purge");
+                    return Err("a batch took longer than 30 s; given up".to_owned());
+                }
             };
             purged += deleted;
+            // Counted batch by batch: a round that fails midway deleted these all the same.
+            crate::observe::purged(deleted);
             if deleted < BATCH as u64 {
                 return Ok(purged);
             }

@@ -1,0 +1,93 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics/0.24) facade (feature
+//! `metrics`): what the layer and the job runner do, counted and timed, for whatever
+//! recorder the app installs (a Prometheus exporter, StatsD, OpenTelemetry).
+//!
+//! Without a recorder installed the calls cost next to nothing; without the feature
+//! they are not compiled in. The names, their labels and what they count are in the
+//! table of [the observability guide](crate::guide::observability#metrics), and here
+//! as constants. [`describe`] gives each its unit and description, for exporters that
+//! print them (Prometheus's `# HELP`).
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+//!
+//! // Once, after installing the app's recorder (e.g. metrics-exporter-prometheus's
+//! // `PrometheusBuilder::install_recorder()`):
+//! tower_idempotency::metrics::describe();
+//! let app: Router = Router::new()
+//!     .route("/payments", post(|| async { "charged" }))
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()));
+//! ```
+//!
+//! `examples/metrics_exporter.rs` drives a few requests and prints what a Prometheus
+//! scrape would read.
+
+use ::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+/// Counter: guarded requests, by `outcome` (an [`Outcome`](crate::Outcome) name) and
+/// `mode` (`lease`, `transactional`).
+pub const REQUESTS: &str = "idempotency_requests_total";
+
+/// Counter: [`JobRunner`](crate::job::JobRunner) runs, by `outcome` and `mode`.
+pub const JOBS: &str = "idempotency_jobs_total";
+
+/// Histogram, seconds: a claim, by `mode`.
+pub const CLAIM_DURATION: &str = "idempotency_claim_duration_seconds";
+
+/// Histogram, seconds: an attempt to store a result, by `mode`.
+pub const COMPLETION_DURATION: &str = "idempotency_completion_duration_seconds";
+
+/// Counter: store operations that failed or got no answer in time, by `operation`.
+pub const STORE_ERRORS: &str = "idempotency_store_errors_total";
+
+/// Counter: requests that waited for a running duplicate (`wait_for_running`).
+pub const WAITS: &str = "idempotency_waits_total";
+
+/// Gauge: requests waiting for a running duplicate now.
+pub const WAITING: &str = "idempotency_waiting";
+
+/// Counter: expired records deleted by a background purge.
+pub const PURGED: &str = "idempotency_purged_total";
+
+/// Describes every metric of this crate to the installed recorder: its unit and what
+/// it counts. Call it once, after installing the recorder; the metrics are recorded
+/// whether or not it is called.
+pub fn describe() {
+    describe_counter!(
+        REQUESTS,
+        Unit::Count,
+        "Guarded requests, by the layer's outcome and mode."
+    );
+    describe_counter!(JOBS, Unit::Count, "JobRunner runs, by outcome and mode.");
+    describe_histogram!(
+        CLAIM_DURATION,
+        Unit::Seconds,
+        "Time to claim a key in the store (transactional mode: connection, BEGIN and claim)."
+    );
+    describe_histogram!(
+        COMPLETION_DURATION,
+        Unit::Seconds,
+        "Time of one attempt to store a result (transactional mode: completion and COMMIT)."
+    );
+    describe_counter!(
+        STORE_ERRORS,
+        Unit::Count,
+        "Store operations that failed or timed out, by operation."
+    );
+    describe_counter!(
+        WAITS,
+        Unit::Count,
+        "Requests that waited for a running duplicate to finish."
+    );
+    describe_gauge!(
+        WAITING,
+        Unit::Count,
+        "Requests waiting for a running duplicate now."
+    );
+    describe_counter!(
+        PURGED,
+        Unit::Count,
+        "Expired idempotency records deleted by background purges."
+    );
+}

@@ -1,0 +1,236 @@
+//! With the `metrics` feature, what the layer and the job runner do is counted and
+//! timed through the `metrics` facade: checked here with a real recorder (metrics-util's
+//! `DebuggingRecorder`), set for the test's own thread. Each test runs on a
+//! current-thread runtime, so that everything it starts records there.
+#![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
+
+mod common;
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use common::{
+    TestSchema, app,
+    completions::{AlteredCompletions, Completion},
+    eventually, post, send,
+};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tower_idempotency::{
+    IdempotencyLayer, Scope,
+    job::JobRunner,
+    metrics::{
+        CLAIM_DURATION, COMPLETION_DURATION, JOBS, PURGED, REQUESTS, STORE_ERRORS, WAITING, WAITS,
+    },
+    store::MemoryStore,
+};
+
+/// What the recorder has recorded so far, summed over its snapshots (each of which
+/// takes what came since the last).
+struct Recorded {
+    snapshotter: Snapshotter,
+    /// Counters and gauges, by name and labels (`name{a=x,b=y}`).
+    values: HashMap<String, f64>,
+    /// Histograms' observations, by name and labels.
+    observed: HashMap<String, Vec<f64>>,
+}
+
+impl Recorded {
+    fn new(recorder: &DebuggingRecorder) -> Self {
+        Self {
+            snapshotter: recorder.snapshotter(),
+            values: HashMap::new(),
+            observed: HashMap::new(),
+        }
+    }
+
+    fn update(&mut self) {
+        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let mut labels: Vec<_> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            labels.sort();
+            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            match value {
+                DebugValue::Counter(n) => *self.values.entry(name).or_default() += n as f64,
+                DebugValue::Gauge(v) => *self.values.entry(name).or_default() += v.into_inner(),
+                DebugValue::Histogram(vs) => self
+                    .observed
+                    .entry(name)
+                    .or_default()
+                    .extend(vs.into_iter().map(|v| v.into_inner())),
+            }
+        }
+    }
+
+    /// A counter's or gauge's value now (0 if never recorded).
+    fn value(&mut self, name: &str) -> f64 {
+        self.update();
+        self.values.get(name).copied().unwrap_or(0.0)
+    }
+
+    /// How many observations a histogram has had.
+    fn observations(&mut self, name: &str) -> usize {
+        self.update();
+        self.observed.get(name).map_or(0, Vec::len)
+    }
+}
+
+#[tokio::test]
+async fn outcomes_claims_and_completions_are_counted() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    let (router, counter) = app(IdempotencyLayer::new(MemoryStore::new()));
+
+    // Executed, replayed, and a duplicate while the first request runs.
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    let held = common::post_with_headers("order-2", &[("x-held", "1")]);
+    let first = common::in_flight(&router, held, &counter).await;
+    assert_eq!(send(&router, post("order-2", "{}")).await.status, 409);
+    counter.let_go(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    // Refused for its key; and one without a key, passed through.
+    assert_eq!(send(&router, post("order 3", "{}")).await.status, 400);
+    let unkeyed = common::req("POST")
+        .body(axum::body::Body::from("{}"))
+        .unwrap();
+    assert_eq!(send(&router, unkeyed).await.status, 201);
+
+    let requests = |outcome: &str| format!("{REQUESTS}{{mode=lease,outcome={outcome}}}");
+    assert_eq!(recorded.value(&requests("executed")), 2.0);
+    assert_eq!(recorded.value(&requests("replayed")), 1.0);
+    assert_eq!(recorded.value(&requests("conflict")), 1.0);
+    assert_eq!(recorded.value(&requests("rejected")), 1.0);
+    assert_eq!(recorded.value(&requests("passed_through")), 1.0);
+    assert_eq!(recorded.value(&requests("mismatch")), 0.0);
+    // A claim for each keyed request that got as far; a completion for each that ran.
+    assert_eq!(
+        recorded.observations(&format!("{CLAIM_DURATION}{{mode=lease}}")),
+        4
+    );
+    assert_eq!(
+        recorded.observations(&format!("{COMPLETION_DURATION}{{mode=lease}}")),
+        2
+    );
+    assert!(
+        recorded.values.keys().all(|k| !k.starts_with(STORE_ERRORS)),
+        "{:?}",
+        recorded.values
+    );
+}
+
+#[tokio::test]
+async fn a_duplicate_that_waits_is_counted_and_gauged_while_it_waits() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    let layer = IdempotencyLayer::new(MemoryStore::new()).wait_for_running(Duration::from_secs(30));
+    let (router, counter) = app(layer);
+    let held = common::post_with_headers("order-1", &[("x-held", "1")]);
+    let first = common::in_flight(&router, held, &counter).await;
+    let duplicate = {
+        let router = router.clone();
+        tokio::spawn(async move { send(&router, post("order-1", "{}")).await })
+    };
+    let waiting = format!("{WAITING}{{}}");
+    eventually(|| recorded.value(&waiting) == 1.0).await;
+    assert_eq!(recorded.value(&format!("{WAITS}{{}}")), 1.0);
+    counter.let_go(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    let replay = duplicate.await.unwrap();
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(recorded.value(&waiting), 0.0);
+    assert_eq!(recorded.value(&format!("{WAITS}{{}}")), 1.0);
+}
+
+#[tokio::test]
+async fn store_errors_are_counted_by_operation() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    // Every completion fails: the first attempt before the answer, then more in the
+    // background for one lease.
+    let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
+    let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_millis(100));
+    let (router, _) = app(layer);
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    assert!(recorded.value(&format!("{STORE_ERRORS}{{operation=complete}}")) >= 1.0);
+    assert_eq!(
+        recorded.value(&format!("{REQUESTS}{{mode=lease,outcome=executed}}")),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn jobs_are_counted_by_outcome() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    let runner = JobRunner::new(MemoryStore::new());
+    let scope = Scope::new("consumer");
+    for input in [&b"a"[..], b"a", b"b"] {
+        let _ = runner
+            .run(&scope, "msg-1", input, |_| async {
+                Ok::<_, std::io::Error>(bytes::Bytes::from("done"))
+            })
+            .await;
+    }
+    let jobs = |outcome: &str| format!("{JOBS}{{mode=lease,outcome={outcome}}}");
+    assert_eq!(recorded.value(&jobs("executed")), 1.0);
+    assert_eq!(recorded.value(&jobs("replayed")), 1.0);
+    assert_eq!(recorded.value(&jobs("mismatch")), 1.0);
+}
+
+/// On PostgreSQL, in transactional mode: the claim (with its `BEGIN`) and the
+/// completion (with its `COMMIT`) are timed, under `mode=transactional`.
+#[tokio::test]
+async fn transactional_claims_and_commits_are_timed() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let (router, _) = app(IdempotencyLayer::transactional(store.clone()));
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
+    let requests = |outcome: &str| format!("{REQUESTS}{{mode=transactional,outcome={outcome}}}");
+    assert_eq!(recorded.value(&requests("executed")), 1.0);
+    assert_eq!(recorded.value(&requests("replayed")), 1.0);
+    assert_eq!(
+        recorded.observations(&format!("{CLAIM_DURATION}{{mode=transactional}}")),
+        2
+    );
+    assert_eq!(
+        recorded.observations(&format!("{COMPLETION_DURATION}{{mode=transactional}}")),
+        1
+    );
+    common::idle(&store).await;
+}
+
+/// The background purge counts the rows it deletes.
+#[tokio::test]
+async fn purged_rows_are_counted() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    let schema = TestSchema::new();
+    let store = schema
+        .store()
+        .await
+        .with_background_purge(Some(Duration::from_millis(20)));
+    let layer = IdempotencyLayer::new(store).ttl(Duration::from_millis(1));
+    let (router, _) = app(layer);
+    for key in ["a", "b", "c"] {
+        assert_eq!(send(&router, post(key, "{}")).await.status, 201);
+    }
+    let purged = format!("{PURGED}{{}}");
+    for _ in 0..1000 {
+        if recorded.value(&purged) >= 3.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(recorded.value(&purged), 3.0);
+}
