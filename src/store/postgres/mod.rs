@@ -1,5 +1,6 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
+mod generations;
 mod hosts;
 mod listener;
 mod purge;
@@ -30,6 +31,7 @@ use tokio_postgres::{
     types::ToSql,
 };
 
+pub use generations::GenerationRotation;
 use listener::Listener;
 use purge::BackgroundPurge;
 use sha2::{Digest, Sha256};
@@ -323,6 +325,8 @@ struct Options {
     shared: usize,
     purge_every: Option<Duration>,
     transaction_pooling: bool,
+    /// The period of the table's generations, if it has them.
+    generations: Option<Duration>,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -381,10 +385,13 @@ struct Sql {
     expires_index: String,
     migrations_table: String,
     claim_function: String,
+    /// The names of a table in generations, if it is one (`with_generations`).
+    generations: Option<generations::Names>,
 }
 
 impl Sql {
-    fn new(schema: &str, table: &str) -> Self {
+    fn new(schema: &str, table: &str, in_generations: bool) -> Self {
+        let names = in_generations.then(|| generations::Names::new(schema, table));
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_function = format!("\"{schema}\".\"{table}_claim\"");
         let ms = "$ms::bigint * interval '1 millisecond'";
@@ -443,6 +450,7 @@ impl Sql {
             tx: tx::Statements::new(
                 &t,
                 Statement::new(complete(tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
+                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
             release: Statement::new(
                 format!(
@@ -483,8 +491,19 @@ impl Sql {
             // unique check waits on it); the read, in a snapshot taken after, sees how
             // that transaction ended. Not `FOR SHARE`: that would wait for a duplicate
             // that took the row since, through its whole handler.
+            // In generations, the insert waits only for a transaction that inserted the
+            // key (it holds the key's lock); one that took an existing row over is
+            // waited for by locking that row, after.
             in_doubt_wait: Statement::new(
-                format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
+                if in_generations {
+                    format!(
+                        "SELECT {claim_function}($1, $2, $3, 1, 1, 0),
+                                (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE scope = $1 AND key = $2
+                                                       FOR NO KEY UPDATE) AS held)"
+                    )
+                } else {
+                    format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)")
+                },
                 params::KEY_AND_FINGERPRINT,
             ),
             in_doubt_read: Statement::new(
@@ -524,6 +543,7 @@ impl Sql {
             claim_function,
             expires_index: format!("\"{table}_expires_at\""),
             qualified: t,
+            generations: names,
         }
     }
 }
@@ -602,7 +622,9 @@ fn classify(e: tokio_postgres::Error) -> StoreError {
             | SqlState::UNDEFINED_COLUMN
             | SqlState::UNDEFINED_FUNCTION
             | SqlState::INVALID_SCHEMA_NAME
-            | SqlState::INSUFFICIENT_PRIVILEGE => StoreErrorKind::Misconfigured,
+            | SqlState::INSUFFICIENT_PRIVILEGE
+            // A table in generations claimed under repeatable read.
+            | SqlState::FEATURE_NOT_SUPPORTED => StoreErrorKind::Misconfigured,
             _ => StoreErrorKind::Other,
         },
     };
@@ -741,6 +763,7 @@ impl PostgresStore {
                 shared: 0,
                 purge_every: Some(purge::DEFAULT_EVERY),
                 transaction_pooling: false,
+                generations: None,
             },
         )
     }
@@ -796,6 +819,7 @@ impl PostgresStore {
             shared: self.shared.as_ref().map_or(0, |s| s.len()),
             purge_every: self.purge.every(),
             transaction_pooling: self.transaction_pooling,
+            generations: self.purge.generations(),
         }
     }
 
@@ -810,6 +834,7 @@ impl PostgresStore {
             shared,
             purge_every,
             transaction_pooling,
+            generations,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions.
@@ -825,7 +850,7 @@ impl PostgresStore {
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
             (pool.status().max_size / 2).max(1),
         ));
-        let sql = Sql::new(&schema, &table);
+        let sql = Sql::new(&schema, &table, generations.is_some());
         let location = Arc::from(format!(
             "{} {}",
             database(listen_config.as_ref(), &pool),
@@ -838,6 +863,9 @@ impl PostgresStore {
             sql.purge_in_turn.clone(),
             !transaction_pooling,
             purge::lock_id(&sql.qualified),
+            generations
+                .zip(sql.generations.clone())
+                .map(|(period, names)| generations::Rotator::new(period, names)),
         ));
         Self {
             location,
@@ -1200,7 +1228,8 @@ impl PostgresStore {
             return Ok(false);
         }
         let applied = self.applied(client).await?;
-        Ok(MIGRATIONS.iter().all(|(v, _)| applied.contains(v)))
+        Ok(MIGRATIONS.iter().all(|(v, _)| applied.contains(v))
+            && (self.sql.generations.is_none() || applied.contains(&generations::VERSION)))
     }
 
     /// The versions `<table>_migrations` records.
@@ -1285,6 +1314,7 @@ impl PostgresStore {
         ))
         .await
         .map_err(classify)?;
+        self.create_generations_if_absent(&tx).await?;
         for (version, sql) in MIGRATIONS {
             if applied.contains(version) {
                 continue;
@@ -1310,6 +1340,7 @@ impl PostgresStore {
             .await
             .map_err(classify)?;
         }
+        self.migrate_generations(&tx, &applied).await?;
         Ok(tx.commit().await.map_err(classify)?)
     }
 
@@ -1985,7 +2016,7 @@ mod tests {
 
     #[test]
     fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
-        let sql = Sql::new("s", "t").claim;
+        let sql = Sql::new("s", "t", false).claim;
         let select_list = &sql[..sql.find(" FROM ").expect("a FROM clause")];
         // Split at the commas outside parentheses (the insert's call has its own).
         let mut depth = 0;
