@@ -1806,9 +1806,12 @@ async fn kept_and_retried(headers: &[(&str, &str)]) -> (TestSchema, String, Coun
     let store = schema.store_at(&common::database_url(), 3).await;
     let table = setup(&schema, &store).await;
     let held = Held::default();
-    // The retry may wait on the row for a moment while an ended backend exits.
+    // The retry may wait on the row for a moment while an ended backend exits. The
+    // store timeout bounds how long the layer waits for the kept client and then each
+    // step of ending its transaction, on a connection it may have to open: short
+    // enough to keep the test quick, long enough for a connection on a busy machine.
     let layer = IdempotencyLayer::transactional(store.clone())
-        .store_timeout(Duration::from_millis(500))
+        .store_timeout(Duration::from_secs(2))
         .lock_timeout(Duration::from_secs(5));
     let (router, counter) = app_on(keeps_its_client(&store, &held), layer, &table);
     let kept: Vec<_> = [("x-keep", "1")].iter().chain(headers).copied().collect();

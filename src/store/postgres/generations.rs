@@ -290,12 +290,14 @@ pub(super) async fn create_if_absent(
             &[&names.qualified],
         )
         .await
-        .map_err(super::classify)?
+        .map_err(super::errors::classify)?
         .map(|row| row.get(0));
     match kind.as_deref() {
         None => {
             let sql = names.render(CREATE).replace("{{table}}", &names.qualified);
-            tx.batch_execute(&sql).await.map_err(super::classify)
+            tx.batch_execute(&sql)
+                .await
+                .map_err(super::errors::classify)
         }
         Some("p") => Ok(()),
         Some(_) => Err(StoreError::new(
@@ -309,53 +311,6 @@ pub(super) async fn create_if_absent(
 }
 
 impl super::PostgresStore {
-    /// Keeps the table in generations of `period`, and lets its expired rows go a
-    /// generation at a time instead of row by row (default: off, one plain table
-    /// purged in batches, [`with_background_purge`](Self::with_background_purge)). For
-    /// tables of hundreds of millions of keys, where deleting them one by one costs
-    /// more WAL and vacuum than the claims themselves.
-    ///
-    /// The table is then partitioned by a `generation` column, one partition per
-    /// generation; new keys go to the newest. [`migrate`](Self::migrate) creates it so
-    /// when it does not exist yet, and refuses a plain table of that name (see
-    /// docs/postgres.md to move one). Every store over the table must be built with
-    /// generations.
-    ///
-    /// The background purge, at its period, rotates instead of deleting: it starts a
-    /// new generation once the newest is `period` old, and empties an older one
-    /// (`TRUNCATE`) once none of its rows is live, neither unexpired nor running under a
-    /// live lease; then it detaches and drops its partition. A row taken over or
-    /// renewed stays in its generation and holds it until it expires. Emptying waits at
-    /// most 50 ms for a lock of the partition, in which time claims queue behind it; a
-    /// generation that a transaction keeps busy throughout is tried again next round.
-    /// Choose `period` about the TTL: a generation goes about a TTL after it ends.
-    ///
-    /// A key stays unique across generations because the insert of a new key takes a
-    /// transaction-scoped advisory lock of the key first and looks for it in every
-    /// generation after (claims of existing keys, replays, completions are unchanged).
-    /// That look must see what was committed before it: claims run under read
-    /// committed (the default) or serializable; under repeatable read they fail as
-    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured).
-    ///
-    /// ```no_run
-    /// use std::time::Duration;
-    /// use tower_idempotency::store::PostgresStore;
-    ///
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
-    ///     .with_generations(Duration::from_secs(24 * 60 * 60));
-    /// store.migrate().await?;
-    /// # Ok(()) }
-    /// ```
-    #[must_use]
-    pub fn with_generations(self, period: Duration) -> Self {
-        let options = super::Options {
-            generations: Some(period.min(crate::settings::TEN_YEARS)),
-            ..self.options()
-        };
-        Self::build(self.pool, options)
-    }
-
     /// Rotates the table's generations once, as the background purge does at its
     /// period: for a store whose background purge is off, from a scheduled job. Replicas
     /// take turns (a rotation that finds another under way does nothing). Without
@@ -394,7 +349,9 @@ impl super::PostgresStore {
             .render(FUNCTIONS)
             .replace("{{table}}", &self.sql.qualified)
             .replace("{{claim_function}}", &self.sql.claim_function);
-        tx.batch_execute(&sql).await.map_err(super::classify)?;
+        tx.batch_execute(&sql)
+            .await
+            .map_err(super::errors::classify)?;
         tx.execute(
             &format!(
                 "INSERT INTO {} (version) VALUES ($1)",
@@ -403,7 +360,7 @@ impl super::PostgresStore {
             &[&VERSION],
         )
         .await
-        .map_err(super::classify)?;
+        .map_err(super::errors::classify)?;
         Ok(())
     }
 }

@@ -26,7 +26,8 @@ use deadpool::managed::{TimeoutType, Timeouts};
 use deadpool_postgres::{ClientWrapper, PoolError};
 
 use super::{
-    Checkout, PostgresStore, classify_pool, lost_its_connection,
+    Checkout, PostgresStore,
+    errors::{classify_pool, lost_its_connection},
     shared::{STALLED, SharedClient},
 };
 use crate::store::StoreError;

@@ -28,7 +28,10 @@ use std::{
 
 use deadpool_postgres::{ClientWrapper, Object, Pool};
 
-use super::classify;
+use super::{
+    checkout::{POOL_WAIT, pooled},
+    errors::classify,
+};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// The `lock_timeout` of a shared connection: how long one claim may hold up the
@@ -238,7 +241,7 @@ async fn connect(
     }
     let counted = CountedOpen(open.clone());
     let client = match opened {
-        Opened::ForClaims => Object::take(super::pooled(pool).await?),
+        Opened::ForClaims => Object::take(pooled(pool).await?),
         Opened::Reserve => made(pool).await?,
     };
     let connection = Connection {
@@ -262,7 +265,7 @@ async fn connect(
 /// manager's, as those of connections taken out of the pool are.
 async fn made(pool: &Pool) -> Result<ClientWrapper, StoreError> {
     use deadpool::managed::Manager as _;
-    let bound = pool.timeouts().create.unwrap_or(super::POOL_WAIT);
+    let bound = pool.timeouts().create.unwrap_or(POOL_WAIT);
     let mut client = match tokio::time::timeout(bound, pool.manager().create()).await {
         Ok(made) => made.map_err(classify)?,
         Err(_) => {

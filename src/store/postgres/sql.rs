@@ -1,5 +1,5 @@
-//! A statement the store sends: its text, and the types of its parameters, so that it
-//! can be sent prepared (once per connection, `prepare_cached`) or unnamed (parsed with
+//! The statements the store sends ([`Sql`], one set per table), each with its text and
+//! the types of its parameters ([`Statement`]), so that it can be sent prepared (once per connection, `prepare_cached`) or unnamed (parsed with
 //! each execution, in the same message as it: behind a transaction-pooling PgBouncer,
 //! where a statement prepared in one transaction is gone in the next).
 
@@ -136,4 +136,241 @@ impl ToSql for crate::store::FencingToken {
     }
 
     tokio_postgres::types::to_sql_checked!();
+}
+
+/// The claim statement's columns, by position (`Sql::new` lists them in this order):
+/// read by index, a replay does not search the columns by name ten times over.
+pub(super) mod col {
+    pub(in crate::store::postgres) const TOKEN: usize = 0;
+    pub(in crate::store::postgres) const FINGERPRINT: usize = 1;
+    pub(in crate::store::postgres) const STATE: usize = 2;
+    pub(in crate::store::postgres) const LOCKED_UNTIL: usize = 3;
+    pub(in crate::store::postgres) const EXPIRES_AT: usize = 4;
+    pub(in crate::store::postgres) const STATUS: usize = 5;
+    pub(in crate::store::postgres) const HEADERS: usize = 6;
+    pub(in crate::store::postgres) const BODY: usize = 7;
+    pub(in crate::store::postgres) const NOW: usize = 8;
+    pub(in crate::store::postgres) const CLAIMED: usize = 9;
+}
+
+pub(super) struct Sql {
+    pub(super) claim: Statement,
+    pub(super) takeover: Statement,
+    pub(super) complete: Statement,
+    pub(super) release: Statement,
+    pub(super) renew: Statement,
+    pub(super) wait: Statement,
+    pub(super) in_doubt_wait: Statement,
+    pub(super) in_doubt_read: Statement,
+    pub(super) purge: Statement,
+    pub(super) purge_in_turn: Statement,
+    /// Transactional mode's own.
+    pub(super) tx: super::tx::Statements,
+    pub(super) qualified: String,
+    pub(super) expires_index: String,
+    pub(super) migrations_table: String,
+    pub(super) claim_function: String,
+    /// The names of a table in generations, if it is one (`with_generations`).
+    pub(super) generations: Option<super::generations::Names>,
+}
+
+impl Sql {
+    pub(super) fn new(schema: &str, table: &str, in_generations: bool) -> Self {
+        let names = in_generations.then(|| super::generations::Names::new(schema, table));
+        let t = format!("\"{schema}\".\"{table}\"");
+        let claim_function = format!("\"{schema}\".\"{table}_claim\"");
+        let ms = "$ms::bigint * interval '1 millisecond'";
+        // The notification is delivered when, and only if, the change commits. The
+        // TTL counts from this statement: in transactional mode `now()` would be the
+        // transaction's start, before the handler ran.
+        let complete = |only: &str| {
+            format!(
+                "WITH done AS (
+                    UPDATE {t} SET state = 'completed', locked_until = NULL, status = $4,
+                           headers = $5, body = $6, completed_at = statement_timestamp(),
+                           expires_at = statement_timestamp() + {e}
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'{only}
+                    RETURNING waiters)
+                 SELECT CASE WHEN waiters THEN pg_notify($8, $9) END FROM done",
+                e = ms.replace("$ms", "$7"),
+            )
+        };
+        Self {
+            // A primary-key read that inserts only when the key has no row: the insert
+            // is a function (migration 0003) called from a branch that an existing key
+            // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
+            // read does (0.9x its rate, docs/postgres.md). Two requests that both find
+            // nothing race on the insert, and its `ON CONFLICT` settles it; the loser gets
+            // neither a row nor a token and reads again (`claim_on`). Times are compared
+            // in Rust against the database's `now()`, which is cheaper than numeric
+            // arithmetic in SQL.
+            // The columns are read by position: keep them in the order of `col`.
+            claim: Statement::new(
+                format!(
+                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                            f.status, f.headers, f.body, now() AS now,
+                            CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
+                     FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
+                ),
+                params::CLAIM,
+            ),
+            // A record taken over after it completed starts with nobody waiting on it
+            // (the old value of `state` is read): a lapsed running one keeps its waiters.
+            takeover: Statement::new(
+                format!(
+                    "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
+                            locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
+                            completed_at = NULL, status = NULL, headers = NULL, body = NULL,
+                            waiters = (state = 'running' AND waiters)
+                     WHERE scope = $1 AND key = $2 AND token = $3
+                       AND (state = 'completed' OR locked_until <= now())
+                       AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))
+                     RETURNING token",
+                    l = ms.replace("$ms", "$5"),
+                    e = ms.replace("$ms", "$6"),
+                ),
+                params::TAKEOVER,
+            ),
+            complete: Statement::new(complete(""), params::COMPLETE),
+            tx: super::tx::Statements::new(
+                &t,
+                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
+                names.as_ref().map(|n| n.insert_completed_function.as_str()),
+            ),
+            release: Statement::new(
+                format!(
+                    "WITH done AS (
+                        DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'
+                        RETURNING waiters)
+                     SELECT CASE WHEN waiters THEN pg_notify($4, $5) END FROM done"
+                ),
+                params::RELEASE,
+            ),
+            renew: Statement::new(
+                format!(
+                    "UPDATE {t} SET locked_until = now() + {l}, expires_at = greatest(expires_at, now() + {l})
+                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'",
+                    l = ms.replace("$ms", "$4"),
+                ),
+                params::RENEW,
+            ),
+            // Whether the key is still running, setting its `waiters` flag only where it
+            // is not set yet: a retry storm on one key re-registers on every turn, and a
+            // write each time would take the row lock and make a new row version each
+            // time. A flag already set is read, not written (the outer read sees the
+            // row as it was before the update, which never touches such a row).
+            wait: Statement::new(
+                format!(
+                    "WITH flagged AS (
+                        UPDATE {t} SET waiters = true
+                        WHERE scope = $1 AND key = $2 AND state = 'running' AND NOT waiters
+                        RETURNING 1)
+                     SELECT EXISTS (SELECT 1 FROM flagged)
+                         OR EXISTS (SELECT 1 FROM {t}
+                                    WHERE scope = $1 AND key = $2 AND state = 'running' AND waiters)"
+                ),
+                params::KEY,
+            ),
+            // For a COMMIT in doubt (`committed_on`): an insert of the key, rolled back
+            // after, waits for a transaction still inserting or updating its row (the
+            // unique check waits on it); the read, in a snapshot taken after, sees how
+            // that transaction ended. Not `FOR SHARE`: that would wait for a duplicate
+            // that took the row since, through its whole handler.
+            // In generations, the insert waits only for a transaction that inserted the
+            // key (it holds the key's lock); one that took an existing row over is
+            // waited for by locking that row, after.
+            in_doubt_wait: Statement::new(
+                if in_generations {
+                    format!(
+                        "SELECT {claim_function}($1, $2, $3, 1, 1, 0),
+                                (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE scope = $1 AND key = $2
+                                                       FOR NO KEY UPDATE) AS held)"
+                    )
+                } else {
+                    format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)")
+                },
+                params::KEY_AND_FINGERPRINT,
+            ),
+            in_doubt_read: Statement::new(
+                format!(
+                    "SELECT token, state, fingerprint, status, headers, body, created_at FROM {t}
+                     WHERE scope = $1 AND key = $2"
+                ),
+                params::KEY,
+            ),
+            // The outer condition repeats the inner one: a ctid names a row only within
+            // one table, so on a partitioned table it could name a live row elsewhere.
+            purge: Statement::new(
+                format!(
+                    "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                        SELECT ctid FROM {t}
+                        WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                        LIMIT $1 FOR UPDATE SKIP LOCKED))
+                     AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+                ),
+                params::PURGE,
+            ),
+            // The background purge's batch: the same, in this replica's turn only (an
+            // advisory lock of the table's own, `$2`, tried once per statement and held
+            // until it commits; another replica's batch holding it deletes nothing).
+            purge_in_turn: Statement::new(
+                format!(
+                    "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                        SELECT ctid FROM {t}
+                        WHERE (SELECT pg_try_advisory_xact_lock($2))
+                          AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                        LIMIT $1 FOR UPDATE SKIP LOCKED))
+                     AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+                ),
+                params::PURGE_IN_TURN,
+            ),
+            migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
+            claim_function,
+            generations: names,
+            expires_index: format!("\"{table}_expires_at\""),
+            qualified: t,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
+        let sql = Sql::new("s", "t", false).claim;
+        let select_list = &sql[..sql.find(" FROM ").expect("a FROM clause")];
+        // Split at the commas outside parentheses (the insert's call has its own).
+        let mut depth = 0;
+        let names: Vec<&str> = select_list
+            .trim_start_matches("SELECT")
+            .split(|c: char| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                c == ',' && depth == 0
+            })
+            .map(|c| c.split_whitespace().last().expect("a column"))
+            .map(|c| c.rsplit('.').next().unwrap_or(c))
+            .collect();
+        let expected = [
+            (col::TOKEN, "token"),
+            (col::FINGERPRINT, "fingerprint"),
+            (col::STATE, "state"),
+            (col::LOCKED_UNTIL, "locked_until"),
+            (col::EXPIRES_AT, "expires_at"),
+            (col::STATUS, "status"),
+            (col::HEADERS, "headers"),
+            (col::BODY, "body"),
+            (col::NOW, "now"),
+            (col::CLAIMED, "claimed"),
+        ];
+        assert_eq!(names.len(), expected.len(), "{names:?}");
+        for (index, name) in expected {
+            assert_eq!(names[index], name, "column {index} of {names:?}");
+        }
+    }
 }

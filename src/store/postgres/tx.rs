@@ -13,7 +13,8 @@ use deadpool_postgres::ClientWrapper;
 use tokio_postgres::{Row, SimpleQueryMessage, types::ToSql};
 
 use super::{
-    Checkout, PostgresStore, ms,
+    Checkout, PostgresStore,
+    claim::ms,
     sql::{Statement, params},
 };
 use crate::{

@@ -1,0 +1,273 @@
+//! The claim and the completion: one statement reads the key and, finding no row,
+//! inserts it; a lapsed lease is taken over with the next token; a completion stores
+//! the response only under the token that holds the key.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use deadpool_postgres::ClientWrapper;
+use http::StatusCode;
+
+use super::{
+    PostgresStore,
+    errors::{again_if_it_lost_a_race, corrupt, lost_its_connection, waited_for_a_lock},
+    in_doubt::InDoubt,
+    shared,
+    sql::{Statement, col},
+};
+use crate::{
+    Fingerprint, StoredResponse,
+    store::{Claim, ClaimRequest, Fenced, FencingToken, Lease, StoreError, StoreErrorKind},
+};
+
+/// How many times a claim is re-read when the row changes under it.
+pub(super) const CLAIM_ATTEMPTS: usize = 16;
+
+/// What is left of a lease at the database's `now`, rounded up to the millisecond.
+pub(super) fn lease_left(locked_until: Option<SystemTime>, now: SystemTime) -> Duration {
+    let left = locked_until
+        .and_then(|until| until.duration_since(now).ok())
+        .unwrap_or_default();
+    Duration::from_millis(u64::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX))
+}
+
+/// Milliseconds for SQL, at most ten years (as the layer's settings): PostgreSQL's
+/// timestamps end in 294276 AD, and `now()` plus more fails the statement.
+pub(super) fn ms(d: Duration) -> i64 {
+    i64::try_from(d.min(crate::settings::TEN_YEARS).as_millis()).unwrap_or(i64::MAX)
+}
+
+impl PostgresStore {
+    /// Claims on a shared connection if there is one with room, else on a pooled one.
+    /// A claim whose connection is lost once its statement was sent is released in doubt.
+    pub(super) async fn claim_with(
+        &self,
+        request: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        if let Some(shared) = &self.shared
+            && let Some(mut client) = shared.get(&self.pool).await?
+        {
+            let claimed = {
+                let mut claiming = std::pin::pin!(again_if_it_lost_a_race(|| {
+                    self.claim_on(&client, request, token)
+                }));
+                match tokio::time::timeout(shared::STALLED, claiming.as_mut()).await {
+                    Ok(claimed) => claimed,
+                    Err(_) => {
+                        // The next claims go to another connection; this one waits on
+                        // (its caller's own bound answers its client).
+                        shared.evict(&client);
+                        claiming.await
+                    }
+                }
+            };
+            client.answered();
+            match claimed {
+                Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
+                Err(e) => {
+                    if lost_its_connection(&e) {
+                        shared.evict(&client);
+                        self.release_in_doubt(request, token);
+                    }
+                    return Err(e);
+                }
+                claimed => return claimed,
+            }
+        }
+        let claiming = InDoubt::new(self, request, token, self.client().await?);
+        let claimed =
+            again_if_it_lost_a_race(|| self.claim_on(claiming.client(), request, token)).await;
+        claiming.settle(&claimed);
+        claimed
+    }
+
+    /// Claims on `client`, which may be inside a transaction (a conflicting row that
+    /// another transaction has not committed yet is then waited for). A fresh row gets
+    /// `token`; the caller keeps it to release a claim in doubt.
+    pub(crate) async fn claim_on(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        self.claim_at(client, req, token)
+            .await
+            .map(|(claim, _)| claim)
+    }
+
+    /// [`claim_on`](Self::claim_on), with the database's `now()` as the claim read it:
+    /// inside a transaction, the time it started, which a claim row inserted or taken
+    /// over in it carries as `created_at`.
+    pub(crate) async fn claim_at(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<(Claim, SystemTime), StoreError> {
+        // A store in use purges what it expires (`with_background_purge`).
+        self.purge.start();
+        for _ in 0..CLAIM_ATTEMPTS {
+            if let (Some(claim), now) = self.claim_once(client, req, token).await? {
+                return Ok((claim, now));
+            }
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            "the key kept changing while it was being claimed",
+        ))
+    }
+
+    /// Stores `response` under `lease` on `client`; `Ok(false)` when the lease is lost.
+    pub(crate) async fn complete_on(
+        &self,
+        client: &ClientWrapper,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.complete_with(&self.sql.complete, client, lease, response, ttl)
+            .await
+    }
+
+    /// Stores `response` under `lease` on `client` with `sql`, a completion statement.
+    pub(super) async fn complete_with(
+        &self,
+        sql: &Statement,
+        client: &ClientWrapper,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let status = response.status.as_u16() as i16;
+        let headers = StoredResponse::encode_headers(&response.headers);
+        let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
+        let id = self.key_id(&lease.scope, &lease.key);
+        let rows = self
+            .query_on(
+                client,
+                sql,
+                &[
+                    &lease.scope.as_str(),
+                    &&*lease.key,
+                    &lease.token,
+                    &status,
+                    &h,
+                    &b,
+                    &ms(ttl),
+                    &self.listener.channel(),
+                    &id,
+                ],
+            )
+            .await?;
+        Ok(Fenced::kept_if(rows.len() == 1))
+    }
+
+    pub(super) async fn claim_once(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<(Option<Claim>, SystemTime), StoreError> {
+        let lease_ms = ms(req.lease);
+        let ttl_ms = ms(req.ttl);
+        let fp: &[u8] = req.fingerprint.as_bytes();
+        let rows = self
+            .query_on(
+                client,
+                &self.sql.claim,
+                &[
+                    &req.scope.as_str(),
+                    &req.key,
+                    &fp,
+                    &lease_ms,
+                    &ttl_ms,
+                    &token,
+                ],
+            )
+            .await?;
+        let row = rows
+            .first()
+            .ok_or_else(|| corrupt("the claim returned no row"))?;
+        let lease = |token| Lease {
+            scope: req.scope.clone(),
+            key: Arc::from(req.key),
+            token,
+        };
+        let now: SystemTime = row.get(col::NOW);
+        let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
+            // No row for the key. A token: ours, inserted. None: a concurrent request
+            // inserted it after this statement's snapshot (or it was released in
+            // between); either way, look again.
+            let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
+            return Ok((
+                claimed.map(|token| Claim::Acquired(lease(FencingToken::new(token)))),
+                now,
+            ));
+        };
+        let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
+            .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+        let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
+        let expires_at: SystemTime = row.get(col::EXPIRES_AT);
+        let state: &str = row.get(col::STATE);
+        let lapsed = locked_until.is_some_and(|until| until <= now);
+        let expired = expires_at <= now && (state == "completed" || lapsed);
+        let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
+        if take_over {
+            let rows = self
+                .query_on(
+                    client,
+                    &self.sql.takeover,
+                    &[
+                        &req.scope.as_str(),
+                        &req.key,
+                        &token,
+                        &fp,
+                        &lease_ms,
+                        &ttl_ms,
+                    ],
+                )
+                .await?;
+            let taken = rows
+                .first()
+                .map(|r| Claim::Acquired(lease(FencingToken::new(r.get("token")))));
+            return Ok((taken, now));
+        }
+        let found = match state {
+            "running" => Claim::Running {
+                fingerprint,
+                retry_after: lease_left(locked_until, now),
+            },
+            "completed" => {
+                let status: i16 = row
+                    .try_get(col::STATUS)
+                    .map_err(|_| corrupt("completed record without status"))?;
+                let status = u16::try_from(status)
+                    .ok()
+                    .and_then(|s| StatusCode::from_u16(s).ok())
+                    .ok_or_else(|| corrupt("stored status out of range"))?;
+                let headers = row
+                    .try_get::<_, &[u8]>(col::HEADERS)
+                    .ok()
+                    .and_then(StoredResponse::decode_headers)
+                    .ok_or_else(|| corrupt("stored headers undecodable"))?;
+                let body: &[u8] = row
+                    .try_get(col::BODY)
+                    .map_err(|_| corrupt("completed record without body"))?;
+                Claim::Completed {
+                    fingerprint,
+                    response: StoredResponse {
+                        status,
+                        headers,
+                        body: Bytes::copy_from_slice(body),
+                    },
+                }
+            }
+            other => return Err(corrupt(&format!("unknown state {other:?}"))),
+        };
+        Ok((Some(found), now))
+    }
+}

@@ -1,0 +1,507 @@
+//! Building a store: its constructors and `with_*` settings, all held in one
+//! [`Options`] value so that no setting resets another, and the checks on names.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use deadpool_postgres::Pool;
+use tokio_postgres::{
+    Socket,
+    tls::{MakeTlsConnect, TlsConnect},
+};
+
+use super::{
+    PostgresStore,
+    listener::Listener,
+    purge::{self, BackgroundPurge},
+    reserve,
+    shared::{Opened, Shared},
+    sql::Sql,
+    tls::Connector,
+    url::{parse_url, pool_for_url, pool_for_url_with_tls},
+};
+
+/// What a [`PostgresStore`] is built with besides its pool (see `PostgresStore::build`).
+pub(super) struct Options {
+    schema: String,
+    table: String,
+    listen_config: Option<tokio_postgres::Config>,
+    connector: Connector,
+    /// Shared claim connections; 0: none.
+    shared: usize,
+    purge_every: Option<Duration>,
+    transaction_pooling: bool,
+    /// The period of the table's generations, if it has them.
+    pub(super) generations: Option<Duration>,
+}
+
+/// A rejected store setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub(super) String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The database a store's table is in, as far as the store can tell: the hosts, ports
+/// and database name of its notification connection's configuration (the URL given to
+/// `connect`, or to `with_notifications`), else its pool (whose manager lives as long
+/// as the pool, at one address). Two stores over one table of one database, with pools
+/// of their own, claim the same keys.
+pub(super) fn database(config: Option<&tokio_postgres::Config>, pool: &Pool) -> String {
+    match config {
+        Some(config) => format!(
+            "postgres {:?} {:?} {:?}",
+            config.get_hosts(),
+            config.get_ports(),
+            config.get_dbname().unwrap_or_default()
+        ),
+        None => format!("pool {:p}", pool.manager()),
+    }
+}
+
+/// Checks a schema or table name: 1–50 characters of `a-z`, `0-9`, `_`, not starting
+/// with a digit. Names are still quoted in SQL; the check keeps them unambiguous.
+pub(super) fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigError> {
+    let ok = (1..=50).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError(format!(
+            "invalid {what} name {name:?}: use 1-50 characters of a-z, 0-9 and _, not starting with a digit"
+        )))
+    }
+}
+
+impl PostgresStore {
+    /// A store over `pool`, using the table `public.idempotency_keys`.
+    ///
+    /// Run [`migrate`](Self::migrate) once before serving (it is safe to run from every
+    /// replica at start-up). A pool without a wait timeout gets one of 5 s from the
+    /// store, so that an exhausted pool answers 503 instead of hanging; give it a create
+    /// timeout too, for an unreachable database ([`connect`](Self::connect) sets both).
+    ///
+    /// Waiting for running requests ([`IdempotencyLayer::wait_for_running`](crate::IdempotencyLayer::wait_for_running))
+    /// wakes on notifications through a `LISTEN` connection of its own, which a pool
+    /// cannot lend: give its configuration with [`with_notifications`](Self::with_notifications),
+    /// or build the store with [`connect`](Self::connect), which does. Without one, a
+    /// waiter looks again every 250 ms.
+    pub fn new(pool: Pool) -> Self {
+        Self::build(
+            pool,
+            Options {
+                schema: "public".into(),
+                table: "idempotency_keys".into(),
+                listen_config: None,
+                connector: Connector::default(),
+                shared: 0,
+                purge_every: Some(purge::DEFAULT_EVERY),
+                transaction_pooling: false,
+                generations: None,
+            },
+        )
+    }
+
+    /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for
+    /// one), listening for completions on a connection of its own.
+    pub fn connect(url: &str) -> Result<Self, ConfigError> {
+        Ok(Self::new(pool_for_url(url, 16)?).with_notifications(parse_url(url)?))
+    }
+
+    /// [`connect`](Self::connect) over TLS: a pool for `url` whose connections use
+    /// `tls`, and the store's own connections (the `LISTEN` connection, the cancel
+    /// requests) too, as [`with_tls`](Self::with_tls) sets. Ask for TLS in the URL
+    /// (`sslmode=require`), or the driver falls back to plain TCP where the server
+    /// offers no TLS.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut roots = rustls::RootCertStore::empty();
+    /// // roots.add(…): the certificate of the CA that signed the database's
+    /// let config = rustls::ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let tls = tokio_postgres_rustls::MakeRustlsConnect::new(config);
+    /// let store = PostgresStore::connect_with_tls(
+    ///     "postgres://app@db.internal/payments?sslmode=require",
+    ///     tls,
+    /// )?;
+    /// # Ok(()) }
+    /// ```
+    pub fn connect_with_tls<T>(url: &str, tls: T) -> Result<Self, ConfigError>
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        let pool = pool_for_url_with_tls(url, 16, tls.clone())?;
+        Ok(Self::new(pool)
+            .with_notifications(parse_url(url)?)
+            .with_tls(tls))
+    }
+
+    /// The settings this store was built with, to build it again with one changed.
+    pub(super) fn options(&self) -> Options {
+        Options {
+            schema: self.schema.clone(),
+            table: self.table.clone(),
+            listen_config: self.listen_config.clone(),
+            connector: self.connector.clone(),
+            shared: self.shared.as_ref().map_or(0, |s| s.len()),
+            purge_every: self.purge.every(),
+            transaction_pooling: self.transaction_pooling,
+            generations: self.purge.generations(),
+        }
+    }
+
+    /// A store over `pool` with `options`: every setting at once, so that a builder
+    /// method that changes one keeps the others.
+    pub(super) fn build(pool: Pool, options: Options) -> Self {
+        let Options {
+            schema,
+            table,
+            listen_config,
+            connector,
+            shared,
+            purge_every,
+            transaction_pooling,
+            generations,
+        } = options;
+        // A shared claim connection sets `lock_timeout` for its session, which a
+        // transaction pooler would hand to other clients' transactions.
+        let shared = if !transaction_pooling || shared == 0 {
+            shared
+        } else {
+            tracing::warn!(
+                "shared claim connections are off behind a transaction pooler: their session setting would leak to other clients"
+            );
+            0
+        };
+        let channel = format!("{table}_done");
+        let tx_claims = Arc::new(tokio::sync::Semaphore::new(
+            (pool.status().max_size / 2).max(1),
+        ));
+        let sql = Sql::new(&schema, &table, generations.is_some());
+        let location = Arc::from(format!(
+            "{} {}",
+            database(listen_config.as_ref(), &pool),
+            sql.qualified
+        ));
+        let purge = Arc::new(BackgroundPurge::new(
+            purge_every,
+            pool.clone(),
+            (!transaction_pooling).then(|| connector.clone()),
+            sql.purge_in_turn.clone(),
+            !transaction_pooling,
+            purge::lock_id(&sql.qualified),
+            generations
+                .zip(sql.generations.clone())
+                .map(|(period, names)| super::generations::Rotator::new(period, names)),
+        ));
+        Self {
+            location,
+            purge,
+            transaction_pooling,
+            tx_claims,
+            sql: Arc::new(sql),
+            listener: Arc::new(Listener::new(
+                listen_config.clone(),
+                channel,
+                connector.clone(),
+            )),
+            connector,
+            listen_config,
+            pool,
+            schema,
+            table,
+            statements: Arc::default(),
+            shared: (shared > 0).then(|| Arc::new(Shared::new(shared, Opened::ForClaims))),
+            reserve: Arc::new(Shared::new(reserve::RESERVE, Opened::Reserve)),
+        }
+    }
+
+    /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
+    pub fn with_schema_name(self, name: &str) -> Result<Self, ConfigError> {
+        validate_identifier("schema", name)?;
+        let options = Options {
+            schema: name.to_owned(),
+            ..self.options()
+        };
+        Ok(Self::build(self.pool, options))
+    }
+
+    /// Uses the table `name`.
+    pub fn with_table_name(self, name: &str) -> Result<Self, ConfigError> {
+        validate_identifier("table", name)?;
+        let options = Options {
+            table: name.to_owned(),
+            ..self.options()
+        };
+        Ok(Self::build(self.pool, options))
+    }
+
+    /// Listens for completions on a connection made with `config`, so that requests
+    /// waiting for a running key wake as soon as it completes, in any process.
+    ///
+    /// With several hosts (a primary and its standbys, `target_session_attrs=read-write`),
+    /// it connects as the pools of [`pool_for_url`] do, and finds the promoted standby
+    /// after a failover.
+    ///
+    /// The connection needs a session of its own: a direct one, or session pooling,
+    /// never a transaction-pooling PgBouncer. After `LISTEN`, and every 10 s, the
+    /// listener sends itself a notification (a small transaction, on a channel of its
+    /// own that no other listener hears) and counts as listening only while it comes
+    /// back within 5 s; a connection that hears nothing is replaced, and waiters poll
+    /// meanwhile. Through transaction pooling the check
+    /// may still pass, when the pooler hands back the server connection that listens,
+    /// so it does not make such a connection safe to use.
+    pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
+        let options = Options {
+            listen_config: Some(config),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Makes the connections the store opens outside its pool with `tls`: the
+    /// `LISTEN` connection ([`with_notifications`](Self::with_notifications)), and the
+    /// cancel requests sent for statements given up on (a client gone while its
+    /// transactional claim waits on a lock, say). Without it they are plain TCP: with
+    /// `sslmode=require` the `LISTEN` connection cannot connect and cancel requests are
+    /// not sent. Give it the connector your pool uses.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let roots = rustls::RootCertStore::empty();
+    /// let url = "postgres://app@db.internal/payments?sslmode=require";
+    /// let config = rustls::ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let tls = tokio_postgres_rustls::MakeRustlsConnect::new(config);
+    /// let config: tokio_postgres::Config = url.parse()?;
+    /// let manager = deadpool_postgres::Manager::new(config.clone(), tls.clone());
+    /// let pool = deadpool_postgres::Pool::builder(manager).max_size(16).build()?;
+    /// let store = PostgresStore::new(pool)
+    ///     .with_notifications(config)
+    ///     .with_tls(tls);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_tls<T>(self, tls: T) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        let options = Options {
+            connector: Connector::with(tls),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Runs lease mode's claims (and so its replays, 409s and 422s) on `n` connections
+    /// shared by all requests, instead of on a pooled connection each; `0`, the
+    /// default, turns sharing off.
+    ///
+    /// Concurrent claims on a shared connection are pipelined: written back to back,
+    /// each still its own autocommit statement, which costs PostgreSQL less per
+    /// statement than a connection each. Replays gain most. A shared connection runs
+    /// its claims one after another, and a claim that inserts a new key waits there for
+    /// its commit to reach the disk, so each claim goes to the connection with the
+    /// fewest in flight (the first on a tie: light load stays on one connection), and
+    /// past 8 on each to a pooled connection. At low concurrency new keys are slower
+    /// (1–6 % at concurrency 1 in the latest measurements, shared cores): turn it on
+    /// where duplicates are a large share of the traffic at high concurrency (client
+    /// retries, at-least-once queues), and measure. See `docs/postgres.md`.
+    ///
+    /// The connections are taken from the pool when first needed and kept (the pool
+    /// may open others in their place, and does not see or close these); one that
+    /// loses its connection, or stops answering for a second, is replaced when next
+    /// used, with at most `2n` shared connections open at once. A claim that would wait there
+    /// on a row lock gives up after 50 ms (`lock_timeout`), having changed nothing, and
+    /// runs again on a pooled connection of its own, so that it does not hold up the
+    /// claims queued behind it. Purges, migrations and all of transactional mode use
+    /// pooled connections, and so do completions, releases and renewals, or the
+    /// store's reserve when the pool has no idle connection (see [`PostgresStore`]).
+    ///
+    /// The `lock_timeout` is a session setting: connect directly or through session
+    /// pooling. Behind PgBouncer's transaction pooling it would leak to other clients'
+    /// transactions and not hold for the claims; leave sharing off there.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_shared_claim_connections(4);
+    /// # Ok::<(), tower_idempotency::store::ConfigError>(())
+    /// ```
+    pub fn with_shared_claim_connections(self, n: usize) -> Self {
+        let options = Options {
+            shared: n,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// How often this store deletes its expired rows in the background (default every
+    /// 60 s, give or take a fifth; at least 10 ms); `None` turns it off.
+    ///
+    /// The purger starts with the store's first claim (a layer's or a `JobRunner`'s),
+    /// runs on the runtime that made it, and ends with the last clone of the store. Each
+    /// round deletes expired rows in batches of 1 000, one statement each (resting between
+    /// batches as long as the last took, each bounded to 30 s), until a batch
+    /// comes back short. Replicas take turns: a batch first tries an advisory lock of
+    /// the table's own, held until it commits, and deletes nothing while another
+    /// replica's batch holds it. Turn it off where something else purges the table
+    /// (a cron job calling [`purge_expired`](Self::purge_expired), a partition drop).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_background_purge(Some(Duration::from_secs(300)));
+    /// # Ok::<(), tower_idempotency::store::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub fn with_background_purge(self, every: Option<Duration>) -> Self {
+        let options = Options {
+            purge_every: every,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Whether the store's pooled connections go through a transaction-pooling
+    /// PgBouncer (`pool_mode = transaction`, as managed databases' poolers run; default
+    /// `false`: connections of their own, or session pooling).
+    ///
+    /// Such a pooler lends a server session to a client for one transaction at a time,
+    /// so nothing may outlive a transaction on it. With `true`, the store:
+    ///
+    /// - sends its statements unnamed, parsed with each execution in the same round trip
+    ///   (a statement prepared in one transaction is missing, or another client's, in
+    ///   the next); they cost the database a parse each (docs/benchmarks.md measures it);
+    /// - turns shared claim connections
+    ///   ([`with_shared_claim_connections`](Self::with_shared_claim_connections)) off:
+    ///   they set `lock_timeout` for their session, which the pooler would hand on;
+    /// - sends no cancel request for a statement it gives up on, and only closes its
+    ///   connection: PgBouncer 1.18 (Debian 12's) can crash when a cancel request's
+    ///   connection closes as soon as it is sent, taking every client's connections
+    ///   with it. The statement then runs to its own bound.
+    ///
+    /// Also give [`with_notifications`](Self::with_notifications) a direct connection to
+    /// the server, not the pooler: `LISTEN` needs a session of its own (without one,
+    /// waiting duplicates look again every 250 ms). In transactional mode the handler's
+    /// own statements must not be cached across requests either: use `query`/`execute`
+    /// with the SQL text on the [`TransactionHandle`](crate::transactional::TransactionHandle)'s
+    /// client (prepared and closed inside the transaction), never `prepare_cached`.
+    ///
+    /// Everything else the store does holds there: transactional mode's `SET LOCAL`,
+    /// migrations in one transaction, the background purge's transaction-scoped lock.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::{PostgresStore, pool_for_url};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pooler = "postgres://app@pgbouncer.internal:6432/payments";
+    /// let direct = "postgres://app@db.internal:5432/payments";
+    /// let store = PostgresStore::new(pool_for_url(pooler, 16)?)
+    ///     .with_transaction_pooling(true)
+    ///     .with_notifications(direct.parse()?);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_transaction_pooling(self, pooling: bool) -> Self {
+        let options = Options {
+            transaction_pooling: pooling,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Keeps the table in generations of `period`, and lets its expired rows go a
+    /// generation at a time instead of row by row (default: off, one plain table
+    /// purged in batches, [`with_background_purge`](Self::with_background_purge)). For
+    /// tables of hundreds of millions of keys, where deleting them one by one costs
+    /// more WAL and vacuum than the claims themselves.
+    ///
+    /// The table is then partitioned by a `generation` column, one partition per
+    /// generation; new keys go to the newest. [`migrate`](Self::migrate) creates it so
+    /// when it does not exist yet, and refuses a plain table of that name (see
+    /// docs/postgres.md to move one). Every store over the table must be built with
+    /// generations.
+    ///
+    /// The background purge, at its period, rotates instead of deleting: it starts a
+    /// new generation once the newest is `period` old, and empties an older one
+    /// (`TRUNCATE`) once none of its rows is live, neither unexpired nor running under a
+    /// live lease; then it detaches and drops its partition. A row taken over or
+    /// renewed stays in its generation and holds it until it expires. Emptying waits at
+    /// most 50 ms for a lock of the partition, in which time claims queue behind it; a
+    /// generation that a transaction keeps busy throughout is tried again next round.
+    /// Choose `period` about the TTL: a generation goes about a TTL after it ends.
+    ///
+    /// A key stays unique across generations because the insert of a new key takes a
+    /// transaction-scoped advisory lock of the key first and looks for it in every
+    /// generation after (claims of existing keys, replays, completions are unchanged).
+    /// That look must see what was committed before it: claims run under read
+    /// committed (the default) or serializable; under repeatable read they fail as
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_generations(Duration::from_secs(24 * 60 * 60));
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_generations(self, period: Duration) -> Self {
+        let options = Options {
+            generations: Some(period.min(crate::settings::TEN_YEARS)),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        for ok in ["idempotency_keys", "a", "t_1", "_x"] {
+            assert!(validate_identifier("table", ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "1abc",
+            "Keys",
+            "a-b",
+            "a\"b",
+            "a b",
+            "x;drop table y",
+            &"a".repeat(51),
+        ] {
+            assert!(validate_identifier("table", bad).is_err(), "{bad}");
+        }
+    }
+}

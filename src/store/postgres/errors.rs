@@ -1,0 +1,178 @@
+//! What a database error means: classified by SQLSTATE (never by message), and the
+//! questions the store asks of one (a lost connection, a lost race, a lock waited for),
+//! with the retry of a statement that lost a race under repeatable read or serializable.
+
+use std::time::Duration;
+
+use deadpool_postgres::PoolError;
+use tokio_postgres::error::SqlState;
+
+use super::claim::CLAIM_ATTEMPTS;
+use crate::store::{StoreError, StoreErrorKind};
+
+/// The bound on the first wait after a serialization failure; it doubles with each
+/// further loss, up to `RACE_BACKOFF_CAP`. Sixteen attempts wait 0.35 s at most in all,
+/// well within a store timeout.
+pub(super) const RACE_BACKOFF_FIRST: Duration = Duration::from_millis(1);
+pub(super) const RACE_BACKOFF_CAP: Duration = Duration::from_millis(32);
+
+/// Classifies a database error by its SQLSTATE, never by its message.
+pub(super) fn classify(e: tokio_postgres::Error) -> StoreError {
+    let kind = match e.code() {
+        None => StoreErrorKind::Unavailable,
+        Some(code) if code.code().starts_with("08") => StoreErrorKind::Unavailable,
+        Some(code) => match *code {
+            SqlState::ADMIN_SHUTDOWN
+            | SqlState::CRASH_SHUTDOWN
+            | SqlState::CANNOT_CONNECT_NOW
+            | SqlState::TOO_MANY_CONNECTIONS
+            | SqlState::T_R_SERIALIZATION_FAILURE
+            | SqlState::T_R_DEADLOCK_DETECTED
+            | SqlState::READ_ONLY_SQL_TRANSACTION => StoreErrorKind::Unavailable,
+            SqlState::QUERY_CANCELED | SqlState::LOCK_NOT_AVAILABLE => StoreErrorKind::Timeout,
+            SqlState::UNDEFINED_TABLE
+            | SqlState::UNDEFINED_COLUMN
+            | SqlState::UNDEFINED_FUNCTION
+            | SqlState::INVALID_SCHEMA_NAME
+            | SqlState::INSUFFICIENT_PRIVILEGE
+            // A table in generations claimed under repeatable read or serializable.
+            | SqlState::FEATURE_NOT_SUPPORTED => StoreErrorKind::Misconfigured,
+            _ => StoreErrorKind::Other,
+        },
+    };
+    StoreError::new(kind, e)
+}
+
+pub(super) fn classify_pool(e: PoolError) -> StoreError {
+    match e {
+        PoolError::Backend(e) => classify(e),
+        PoolError::Timeout(_) => StoreError::new(StoreErrorKind::Timeout, e),
+        PoolError::NoRuntimeSpecified => StoreError::new(StoreErrorKind::Misconfigured, e),
+        _ => StoreError::new(StoreErrorKind::Unavailable, e),
+    }
+}
+
+/// The SQLSTATE of the database error behind `e`, if there is one.
+pub(super) fn sqlstate(e: &StoreError) -> Option<&SqlState> {
+    e.source
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::code)
+}
+
+/// Whether `e` is a statement refused because an earlier one failed in its transaction
+/// (which PostgreSQL has then aborted: its `COMMIT` rolls back).
+pub(crate) fn in_an_aborted_transaction(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::IN_FAILED_SQL_TRANSACTION)
+}
+
+/// Whether `e` is PostgreSQL cancelling the statement (`statement_timeout`, or a
+/// cancel request): a slow database, not a row held by another request.
+pub(crate) fn statement_cancelled(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::QUERY_CANCELED)
+}
+
+/// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
+pub(super) fn waited_for_a_lock(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::LOCK_NOT_AVAILABLE)
+}
+
+/// Whether `e` is a serialization failure: where transactions default to repeatable read
+/// or serializable, a statement that meets a row committed after its snapshot (the key
+/// inserted by a concurrent claim, the row changed by a concurrent takeover) fails so
+/// rather than seeing it. A statement with a snapshot of its own can look again.
+pub(super) fn lost_a_race(e: &StoreError) -> bool {
+    sqlstate(e) == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+}
+
+/// Runs `statement` again while it loses a race under repeatable read or serializable,
+/// up to `CLAIM_ATTEMPTS` times in all. Each attempt must take a snapshot of its own:
+/// one autocommit statement, or a transaction begun anew.
+///
+/// Under serializable, the statements that lost are the ones still running when another
+/// committed, and they all run again together: at once, they would meet each other again,
+/// and a burst of completions could lose sixteen times in a row. So each one waits a
+/// random time first, up to a bound that doubles with every loss (`race_backoff`).
+pub(crate) async fn again_if_it_lost_a_race<T, Fut>(
+    mut statement: impl FnMut() -> Fut,
+) -> Result<T, StoreError>
+where
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut attempts = 1;
+    loop {
+        match statement().await {
+            Err(e) if lost_a_race(&e) && attempts < CLAIM_ATTEMPTS => {
+                tokio::time::sleep(race_backoff(attempts, crate::random::u64())).await;
+                attempts += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// The wait before running a statement again after its `losses`-th serialization
+/// failure: `random` scaled into `0..=bound`, where the bound starts at 1 ms and
+/// doubles with each loss up to `RACE_BACKOFF_CAP` ("full jitter": the statements that
+/// lost together spread out instead of meeting again).
+pub(super) fn race_backoff(losses: usize, random: u64) -> Duration {
+    let bound = RACE_BACKOFF_FIRST
+        .saturating_mul(1 << (losses - 1).min(16))
+        .min(RACE_BACKOFF_CAP);
+    let micros = u64::try_from(bound.as_micros()).unwrap_or(u64::MAX);
+    Duration::from_micros(random % (micros + 1))
+}
+
+/// Whether `e` ended its connection ([`connection_lost`]).
+pub(super) fn lost_its_connection(e: &StoreError) -> bool {
+    e.source
+        .downcast_ref::<tokio_postgres::Error>()
+        .is_some_and(connection_lost)
+}
+
+/// Whether `e` ended the connection: an I/O error or a closed connection (no
+/// SQLSTATE), a connection exception (class `08`), or the server shutting the session
+/// down.
+pub(crate) fn connection_lost(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        None => true,
+        Some(code) => {
+            code.code().starts_with("08")
+                || [
+                    SqlState::ADMIN_SHUTDOWN,
+                    SqlState::CRASH_SHUTDOWN,
+                    SqlState::CANNOT_CONNECT_NOW,
+                ]
+                .contains(code)
+        }
+    }
+}
+
+pub(super) fn corrupt(what: &str) -> StoreError {
+    StoreError::new(StoreErrorKind::Corrupt, what.to_owned())
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_after_a_lost_race_are_spread_and_bounded() {
+        let (us, ms) = (Duration::from_micros, Duration::from_millis);
+        // The bound doubles with each loss from 1 ms, up to the cap.
+        assert_eq!(race_backoff(1, 1_000), ms(1));
+        assert_eq!(race_backoff(1, 1_001), ms(0));
+        assert_eq!(race_backoff(3, 4_000), ms(4));
+        assert_eq!(race_backoff(3, 4_001), ms(0));
+        assert_eq!(race_backoff(6, 32_000), ms(32));
+        assert_eq!(race_backoff(15, 32_000), ms(32));
+        assert_eq!(race_backoff(15, 32_001), ms(0));
+        assert_eq!(race_backoff(usize::MAX, 7), us(7));
+        for losses in 1..CLAIM_ATTEMPTS {
+            assert!(race_backoff(losses, u64::MAX) <= RACE_BACKOFF_CAP);
+        }
+        // Statements that lost together draw different waits.
+        let waits: std::collections::HashSet<_> = (0..32)
+            .map(|_| race_backoff(6, crate::random::u64()))
+            .collect();
+        assert!(waits.len() > 16, "{waits:?}");
+    }
+}
