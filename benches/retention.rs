@@ -6,12 +6,13 @@
 //! `docs/benchmarks.md` ("Retention"). Each scheme gets a schema of its own in the
 //! benchmark database, holding `RETENTION_ROWS` completed records: half expired (the
 //! day that goes), half live (the day that stays); in generations, each half is a
-//! generation of its own. For each: claims of new keys measured alone, then during the
+//! generation of its own. Both are loaded first, and claims of new keys measured on
+//! each alone, in alternating rounds; then, for each in turn, claims during the
 //! retention; the WAL the retention wrote (the window's, less what the claims in it
 //! wrote at their rate measured alone); the dead tuples left, and a `VACUUM` of the
 //! table (autovacuum is off on the benchmark's tables, so that it is measured here);
-//! the table and index sizes before and after. Results are printed as a markdown table
-//! and written to `target/bench/retention.csv`.
+//! the table and index sizes before and after. Results are printed as a markdown table and written to
+//! `target/bench/retention.csv`.
 #![allow(missing_docs)]
 
 mod support;
@@ -404,27 +405,64 @@ async fn prepare(db: &Db, s: &Settings, scheme: Scheme) -> PostgresStore {
     store
 }
 
-async fn run_scheme(db: &Db, s: &Settings, scheme: Scheme) -> Outcome {
+/// A scheme's table, loaded: its store, and what it held before the retention.
+struct Loaded {
+    scheme: Scheme,
+    store: PostgresStore,
+    bytes_before: (i64, i64),
+    expired_rows: i64,
+    /// Claims measured before the retention, and the WAL they wrote.
+    before: Latencies,
+    before_wal: i64,
+}
+
+async fn load_scheme(db: &Db, s: &Settings, scheme: Scheme) -> Loaded {
     eprintln!("{}: loading {} rows ...", scheme.name(), s.rows);
     let store = prepare(db, s, scheme).await;
-    let schema = scheme.schema();
-    let t = format!("{schema}.idempotency_keys");
-    let bytes_before = db.bytes(schema).await;
+    let t = format!("{}.idempotency_keys", scheme.schema());
+    let bytes_before = db.bytes(scheme.schema()).await;
     let expired_rows = db
         .number(&format!(
             "SELECT count(*) FROM {t} WHERE expires_at <= now()"
         ))
         .await;
-    db.run("CHECKPOINT").await;
+    Loaded {
+        scheme,
+        store,
+        bytes_before,
+        expired_rows,
+        before: Latencies::default(),
+        before_wal: 0,
+    }
+}
 
-    // Claims alone: their latency, and the WAL each writes.
+/// Claims on `loaded`'s table alone for `secs`: their latency, and the WAL they wrote.
+async fn claims_alone(db: &Db, s: &Settings, loaded: &mut Loaded, round: usize, secs: f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let lsn = db.lsn().await;
-    let workers = spawn_workers(&store, s.concurrency, "before", &stop);
-    tokio::time::sleep(Duration::from_secs_f64(s.secs)).await;
+    let tag = format!("before{round}");
+    let workers = spawn_workers(&loaded.store, s.concurrency, &tag, &stop);
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
     stop.store(true, Ordering::Relaxed);
-    let before = collect(workers).await;
-    let wal_per_claim = (db.lsn().await - lsn) as f64 / before.claims.len().max(1) as f64;
+    let lat = collect(workers).await;
+    loaded.before_wal += db.lsn().await - lsn;
+    loaded.before.claims.extend(lat.claims);
+    loaded.before.errors += lat.errors;
+    loaded.before.claims.sort_unstable();
+}
+
+async fn retain(db: &Db, s: &Settings, loaded: Loaded) -> Outcome {
+    let Loaded {
+        scheme,
+        store,
+        bytes_before,
+        expired_rows,
+        before,
+        before_wal,
+    } = loaded;
+    let schema = scheme.schema();
+    let t = format!("{schema}.idempotency_keys");
+    let wal_per_claim = before_wal as f64 / before.claims.len().max(1) as f64;
 
     // The retention, while claims run.
     db.run("CHECKPOINT").await;
@@ -499,9 +537,25 @@ fn main() {
 async fn run() {
     let s = Settings::from_env();
     let db = Db::open(&s.url).await;
-    let mut outcomes = Vec::new();
+    let mut loaded = Vec::new();
     for scheme in [Scheme::Delete, Scheme::Generations] {
-        outcomes.push(run_scheme(&db, &s, scheme).await);
+        loaded.push(load_scheme(&db, &s, scheme).await);
+    }
+    // Claims alone, on each table in turn, in rounds: the two compared under the same
+    // conditions (the machine's other load, the page cache holding both tables).
+    db.run("CHECKPOINT").await;
+    const ROUNDS: usize = 4;
+    for round in 0..ROUNDS {
+        for l in &mut loaded {
+            claims_alone(&db, &s, l, round, s.secs / ROUNDS as f64).await;
+        }
+    }
+    let mut outcomes = Vec::new();
+    for l in loaded {
+        let scheme = l.scheme;
+        outcomes.push(retain(&db, &s, l).await);
+        let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", scheme.schema());
+        db.run(&drop).await;
     }
     println!(
         "\n### Retention of {} expired rows out of {} (claims of new keys, c = {})\n",
@@ -564,12 +618,5 @@ async fn run() {
     let path = s.out_dir.join("retention.csv");
     std::fs::write(&path, csv).expect("csv");
     eprintln!("written {}", path.display());
-    for scheme in [Scheme::Delete, Scheme::Generations] {
-        db.run(&format!(
-            "DROP SCHEMA IF EXISTS {} CASCADE",
-            scheme.schema()
-        ))
-        .await;
-    }
     db.base.drop_if_created().await;
 }

@@ -19,8 +19,15 @@ const EVERY_TIME: Duration = Duration::from_millis(1);
 
 /// A migrated store in generations of `period`, with no background purge (the tests
 /// rotate by hand), on a pool of `size` connections to `url`.
+/// Through the transaction-pooling PgBouncer instead, if `TI_POOLER_URL` names one (as
+/// `TestSchema::store_at`).
 async fn store_at(schema: &TestSchema, url: &str, size: usize) -> PostgresStore {
-    let store = PostgresStore::new(pool_for_url(url, size).expect("pool"))
+    let (pool_url, pooling) = match common::pooler_url() {
+        Some(pooler) if url == database_url() => (pooler, true),
+        _ => (url.to_owned(), false),
+    };
+    let store = PostgresStore::new(pool_for_url(&pool_url, size).expect("pool"))
+        .with_transaction_pooling(pooling)
         .with_schema_name(&schema.name)
         .expect("schema name")
         .with_notifications(url.parse().expect("url"))
