@@ -459,3 +459,37 @@ async fn a_completed_record_is_inserted_once() {
     assert!(first && !second);
     assert_eq!(rows_of(&schema, "k").await, 1);
 }
+
+/// An app role that may only read and write: besides the table, it reads
+/// `<table>_generations` (the insert of a new key looks up the newest). Rotating needs the
+/// table's owner (it creates, attaches, empties and drops partitions): the app role's
+/// rotation fails, and says so, and claims go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_role_claims_and_the_owner_rotates() {
+    let schema = TestSchema::new();
+    let owner = store(&schema).await;
+    let role = common::TestRole::new().await;
+    let (s, r) = (&schema.name, &role.name);
+    role.run(&format!(
+        "GRANT USAGE ON SCHEMA \"{s}\" TO \"{r}\";
+         GRANT SELECT, INSERT, UPDATE, DELETE ON \"{s}\".idempotency_keys TO \"{r}\";
+         GRANT SELECT ON \"{s}\".idempotency_keys_migrations, \"{s}\".idempotency_keys_generations TO \"{r}\";"
+    ))
+    .await;
+    let app = PostgresStore::new(pool_for_url(&common::url_as(r), 4).expect("pool"))
+        .with_schema_name(s)
+        .expect("schema name")
+        .with_background_purge(None)
+        .with_generations(EVERY_TIME);
+    app.migrate().await.expect("migrate as the app's role");
+    let (router, counter) = common::app(IdempotencyLayer::new(app.clone()));
+    assert_eq!(send(&router, common::post("k", "{}")).await.status, 201);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(app.rotate_generations().await.is_err(), "not the owner");
+    assert_eq!(owner.rotate_generations().await.unwrap().started, Some(2));
+    assert_eq!(send(&router, common::post("k2", "{}")).await.status, 201);
+    let replay = send(&router, common::post("k", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(generation_of(&schema, "k2").await, 2);
+}
