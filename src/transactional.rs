@@ -95,7 +95,7 @@ use std::{ops::Deref, sync::Arc};
 use deadpool_postgres::ClientWrapper;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::store::Checkout;
+use crate::store::transaction::Checkout;
 
 /// The request's open transaction, for the handler's own writes.
 ///

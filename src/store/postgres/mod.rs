@@ -29,27 +29,40 @@ use deadpool_postgres::Pool;
 use sha2::{Digest, Sha256};
 use tokio_postgres::types::ToSql;
 
-pub(crate) use checkout::Checkout;
+use checkout::Checkout;
 use claim::ms;
 pub use config::ConfigError;
-pub(crate) use errors::{
-    again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction, statement_cancelled,
-};
+use errors::again_if_it_lost_a_race;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
 use purge::BackgroundPurge;
 use shared::Shared;
 use sql::Sql;
 use tls::Connector;
-pub(crate) use tx::{
-    Backend, Ending, Resolution, begin, commit_on, roll_back_keeping, roll_back_or_close,
-};
 pub use url::{pool_for_url, pool_for_url_with_tls};
 
 use super::{
     BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError, StoreErrorKind,
 };
 use crate::{Scope, StoredResponse};
+
+/// What transactional mode runs on: a claim taken in the transaction the handler
+/// writes in, that transaction committed or rolled back, and what a failure of it
+/// means. The statements themselves stay here; the engine (`run::transactional`)
+/// holds a [`Checkout`] in a transaction and calls these.
+pub(crate) mod transaction {
+    pub(crate) use super::{
+        checkout::Checkout,
+        errors::{
+            again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+            statement_cancelled,
+        },
+        tx::{
+            Backend, Ending, Resolution, begin, commit_on, kept_if_rolled_back, roll_back_keeping,
+            roll_back_or_close,
+        },
+    };
+}
 
 /// A [`Store`] in PostgreSQL, shared by every replica of the app.
 ///
