@@ -296,6 +296,16 @@ impl JobRunner {
     /// work, as the layer drops its handler: see [`JobError::Panicked`].)
     ///
     /// The run, and what it leaves running, is in a `job` tracing span with the key.
+    ///
+    /// # Errors
+    ///
+    /// [`JobError::Mismatch`] for another input under the key; [`JobError::Store`] when the
+    /// claim fails or times out (the work did not run); [`JobError::Failed`] or
+    /// [`JobError::Panicked`] when the work did (its key is released); [`JobError::TakenOver`]
+    /// when its lease was lost before its result could be stored; [`JobError::ShuttingDown`]
+    /// after [`ShutdownHandle::close`](crate::ShutdownHandle::close); in transactional mode,
+    /// [`JobError::NotCommitted`] and [`JobError::TransactionEnded`]. Each variant says
+    /// whether the work ran.
     pub async fn run<F, Fut, E>(
         &self,
         scope: &Scope,

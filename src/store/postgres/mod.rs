@@ -179,6 +179,12 @@ impl PostgresStore {
     /// the first waiters are woken by notifications rather than by the fallback timer.
     /// Call it at start-up when waiting for running requests is on; without it, the
     /// listener starts with the first waiter.
+    ///
+    /// # Errors
+    ///
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) when the store has no
+    /// notification connection to listen on; [`Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// when it did not come up within 5 s (it keeps trying in the background).
     pub async fn listen(&self) -> Result<(), StoreError> {
         if self.listener.listening(Duration::from_secs(5)).await {
             Ok(())
@@ -240,6 +246,11 @@ impl PostgresStore {
     /// it is still expired then. Runs again after a serialization failure. A `batch`
     /// below 1 is taken as 1 (a loop over it then runs until it returns 0), where it
     /// deleted nothing (0) or failed (a negative batch).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] when no connection could be had or the statement failed; nothing
+    /// is deleted then (the batch is one statement).
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let batch = batch.max(1);
         // Under repeatable read or serializable, locking a row changed since the
