@@ -32,25 +32,24 @@
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http::StatusCode;
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
-#[cfg(feature = "postgres")]
-use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
-    Fingerprint, IdempotencyKey, Outcome, Scope, ShutdownHandle, StoredResponse,
+    Fingerprint, IdempotencyKey, Outcome, Scope, ShutdownHandle,
     observe::Mode,
     run::{
         Leased,
-        decision::{Decision, decide},
+        job::{found, started, stored},
         renewal::Renewal,
         storing::Completion,
     },
     settings::{self, MILLISECOND, SHORTEST_LEASE},
     shutdown::InFlight,
-    store::{Claim, ClaimRequest, IntoStore, Lease, Store, StoreError},
+    store::{ClaimRequest, IntoStore, Lease, Store, StoreError},
 };
+#[cfg(feature = "postgres")]
+use crate::{run::transactional::run_job, settings::LONGEST_LOCK_TIMEOUT};
 
 /// Runs work at most once per (scope, key).
 #[derive(Clone)]
@@ -297,6 +296,16 @@ impl JobRunner {
     /// work, as the layer drops its handler: see [`JobError::Panicked`].)
     ///
     /// The run, and what it leaves running, is in a `job` tracing span with the key.
+    ///
+    /// # Errors
+    ///
+    /// [`JobError::Mismatch`] for another input under the key; [`JobError::Store`] when the
+    /// claim fails or times out (the work did not run); [`JobError::Failed`] or
+    /// [`JobError::Panicked`] when the work did (its key is released); [`JobError::TakenOver`]
+    /// when its lease was lost before its result could be stored; [`JobError::ShuttingDown`]
+    /// after [`ShutdownHandle::close`](crate::ShutdownHandle::close); in transactional mode,
+    /// [`JobError::NotCommitted`] and [`JobError::TransactionEnded`]. Each variant says
+    /// whether the work ran.
     pub async fn run<F, Fut, E>(
         &self,
         scope: &Scope,
@@ -324,9 +333,12 @@ impl JobRunner {
             let ctx_key = IdempotencyKey::new(scope.clone(), Arc::<str>::from(key));
             #[cfg(feature = "postgres")]
             if let Some((store, lock_timeout)) = &self.transactional {
-                return self
-                    .run_transactional(store, *lock_timeout, &request, ctx_key, work, in_flight)
-                    .await;
+                let timeouts = (*lock_timeout, self.store_timeout);
+                let shutdown = &self.shutdown;
+                return run_job(
+                    store, timeouts, shutdown, &request, ctx_key, work, in_flight,
+                )
+                .await;
             }
             let claim = crate::store::claim_within(
                 &self.store,
@@ -479,181 +491,6 @@ impl JobRunner {
             store_timeout: self.store_timeout,
         }
     }
-
-    #[cfg(feature = "postgres")]
-    async fn run_transactional<F, Fut, E>(
-        &self,
-        store: &crate::store::PostgresStore,
-        lock_timeout: Duration,
-        request: &ClaimRequest<'_>,
-        key: IdempotencyKey,
-        work: F,
-        in_flight: InFlight,
-    ) -> Result<JobOutcome, JobError<E>>
-    where
-        F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = Result<Bytes, E>> + Send + 'static,
-        E: Send + 'static,
-    {
-        use crate::{
-            run::transactional::{
-                Committed, Opened, RolledBack, commit, finish_kept, keeping_claim, open,
-                roll_back_unless_ended, take_back,
-            },
-            store::roll_back_or_close,
-            transactional::TransactionHandle,
-        };
-
-        let (conn, claimed) = match open(
-            store,
-            request,
-            &Arc::default(),
-            lock_timeout,
-            lock_timeout,
-            self.store_timeout,
-        )
-        .await
-        {
-            // A run that waited on another worker's row may get it after `close()`:
-            // nothing is claimed after the close, so it lets the row go.
-            Opened::Acquired(conn, _) if self.shutdown.is_closed() => {
-                roll_back_or_close(conn, self.store_timeout).await;
-                return Err(JobError::ShuttingDown);
-            }
-            Opened::Acquired(conn, claimed) => (conn, claimed),
-            Opened::Found(claim) => {
-                return match found(claim, request)? {
-                    Ok(_) => Err(JobError::Store(StoreError::new(
-                        crate::store::StoreErrorKind::Other,
-                        "claim returned outside its transaction",
-                    ))),
-                    Err(outcome) => Ok(outcome),
-                };
-            }
-            Opened::Busy => {
-                return Ok(JobOutcome::Running {
-                    retry_after: Duration::from_secs(1),
-                });
-            }
-            Opened::Unavailable => {
-                return Err(JobError::Store(StoreError::new(
-                    crate::store::StoreErrorKind::Unavailable,
-                    "the transaction could not be opened",
-                )));
-            }
-        };
-        let (handle, slot) = TransactionHandle::holding(conn);
-        let ctx = JobContext {
-            key,
-            transaction: Some(handle),
-        };
-        let store_timeout = self.store_timeout;
-        // Renewed should the work commit the claim itself (see `keeping_claim`).
-        let run = async {
-            let (joined, conn) = match started(work, ctx) {
-                Some(work) => {
-                    // Counted while it runs, even if the run is dropped and rolls back: a
-                    // drain waits for work that may still call other systems. The task
-                    // takes the transaction back from the work's handle itself: if the run
-                    // was dropped meanwhile, the connection is dropped with the task's
-                    // output, which rolls back, whatever copies of the handle live on.
-                    // A panic is caught there too, so that it is taken back then as well.
-                    let counted = in_flight.clone();
-                    let (taken, held, backend) = (slot.clone(), store.clone(), claimed.backend);
-                    let work = async move {
-                        let _counted = counted;
-                        let result = crate::catch_panic::catch_panic(work).await.ok();
-                        let conn = take_back(&taken, &held, &backend, store_timeout);
-                        (result, conn.await)
-                    };
-                    match tokio::spawn(work.in_current_span()).await {
-                        Ok((result, conn)) => (result.ok_or(()), conn),
-                        // The task itself was cancelled (the runtime shutting down).
-                        Err(_) => {
-                            let conn = take_back(&slot, store, &claimed.backend, store_timeout);
-                            (Err(()), conn.await)
-                        }
-                    }
-                }
-                None => {
-                    let conn = take_back(&slot, store, &claimed.backend, store_timeout);
-                    // The work never began, so it kept nothing.
-                    if let Ok(conn) = conn.await {
-                        roll_back_or_close(conn, store_timeout).await;
-                    }
-                    return Err(JobError::Panicked);
-                }
-            };
-            let conn = match conn {
-                Ok(conn) => conn,
-                // The work still held the transaction's client: nothing can be committed,
-                // and the transaction may have ended under the runner meanwhile. Otherwise
-                // what became of the work says more than that.
-                Err(kept) => {
-                    let settled = finish_kept(store, kept, &claimed, request, store_timeout);
-                    if settled.await == RolledBack::Ended {
-                        return Err(JobError::TransactionEnded);
-                    }
-                    return Err(match joined {
-                        Ok(Err(e)) => JobError::Failed(e),
-                        Err(_) => JobError::Panicked,
-                        Ok(Ok(_)) => JobError::NotCommitted,
-                    });
-                }
-            };
-            match joined {
-                Ok(Ok(result)) => {
-                    // A work that succeeded although one of its statements failed (and so
-                    // aborted the transaction) has had no effect either.
-                    let sent = stored(&result);
-                    let timeouts = (lock_timeout, store_timeout);
-                    match commit(
-                        store, conn, &claimed, request, &sent, timeouts.0, timeouts.1,
-                    )
-                    .await
-                    {
-                        Committed::Yes => Ok(JobOutcome::Ran(result)),
-                        Committed::Aborted | Committed::No | Committed::Unknown => {
-                            Err(JobError::NotCommitted)
-                        }
-                        Committed::Ended => Err(JobError::TransactionEnded),
-                    }
-                }
-                // Rolled back, unless the work ended the transaction itself.
-                failed => {
-                    let rolled_back =
-                        roll_back_unless_ended(store, conn, &claimed, request, store_timeout);
-                    if rolled_back.await == RolledBack::Ended {
-                        return Err(JobError::TransactionEnded);
-                    }
-                    Err(match failed {
-                        Ok(Err(e)) => JobError::Failed(e),
-                        _ => JobError::Panicked,
-                    })
-                }
-            }
-        };
-        keeping_claim(store, &claimed, request, run).await
-    }
-}
-
-/// Calls `work` for its future. A panic of the function itself, before the future
-/// exists, is caught like a panic of the future (`None`), so that the key claimed for it
-/// is released rather than held until its lease lapses.
-fn started<F, Fut>(work: F, ctx: JobContext) -> Option<Fut>
-where
-    F: FnOnce(JobContext) -> Fut,
-{
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx))) {
-        Ok(future) => Some(future),
-        Err(panic) => {
-            tracing::error!(
-                panic = crate::catch_panic::message(&panic),
-                "the job panicked before its work began"
-            );
-            None
-        }
-    }
 }
 
 /// A run's result as the layer's [`Outcome`] (the work ran, its stored result was
@@ -672,36 +509,6 @@ fn outcome_of<E>(result: &Result<JobOutcome, JobError<E>>) -> (Outcome, &'static
         Err(JobError::ShuttingDown) => (Outcome::Rejected, "shutting_down"),
         Err(JobError::Store(_)) => (Outcome::StoreError, "store"),
         Err(JobError::NotCommitted) => (Outcome::StoreError, "not_committed"),
-    }
-}
-
-/// A job's result as a stored record.
-fn stored(result: &Bytes) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::OK,
-        headers: http::HeaderMap::new(),
-        body: result.clone(),
-    }
-}
-
-/// What a claim means for a job ([`decide`]): `Ok(Ok(lease))` to run; `Ok(Err(outcome))`
-/// when there is nothing to run.
-fn found<E>(
-    claim: Claim,
-    request: &ClaimRequest<'_>,
-) -> Result<Result<Lease, JobOutcome>, JobError<E>> {
-    match decide(claim, request.fingerprint) {
-        Decision::Run(lease) => Ok(Ok(lease)),
-        Decision::Mismatch => Err(JobError::Mismatch),
-        // The work ended its transaction itself, and the key was completed so.
-        #[cfg(feature = "postgres")]
-        Decision::Replay(response)
-            if crate::run::transactional::is_transaction_ended(&response) =>
-        {
-            Err(JobError::TransactionEnded)
-        }
-        Decision::Replay(response) => Ok(Err(JobOutcome::AlreadyDone(response.body))),
-        Decision::Running { retry_after } => Ok(Err(JobOutcome::Running { retry_after })),
     }
 }
 

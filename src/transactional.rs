@@ -95,7 +95,7 @@ use std::{ops::Deref, sync::Arc};
 use deadpool_postgres::ClientWrapper;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::store::Checkout;
+use crate::store::transaction::Checkout;
 
 /// The request's open transaction, for the handler's own writes.
 ///
@@ -198,6 +198,12 @@ impl TransactionHandle {
     }
 
     /// The transaction's connection.
+    ///
+    /// # Errors
+    ///
+    /// [`TransactionClosed`] once the request's response has been produced (the layer has
+    /// taken the transaction back to commit or roll it back), or when the transaction was
+    /// given up on: nothing more can be written in it.
     pub async fn client(&self) -> Result<TransactionClient, TransactionClosed> {
         let guard = self.slot.clone().lock_owned().await;
         if guard.is_none() {

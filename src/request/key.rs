@@ -96,6 +96,13 @@ impl std::error::Error for KeyError {}
 
 /// Parses one `Idempotency-Key` field value (sf-string or bare) into the key it names.
 ///
+/// # Errors
+///
+/// A [`KeyError`] for a value that is empty, longer than [`MAX_KEY_LEN`], holds a byte
+/// outside visible ASCII (or a `"` in a bare value), or is not a well-formed sf-string
+/// (no closing quote, an escape other than `\"` or `\\`, anything after the closing
+/// quote); each variant says which, as the layer's `400` does.
+///
 /// ```
 /// use tower_idempotency::parse_key;
 ///

@@ -14,6 +14,7 @@ use crate::store::Store;
 
 pub(crate) mod decision;
 pub(crate) mod handler;
+pub(crate) mod job;
 pub(crate) mod lease;
 pub(crate) mod release;
 pub(crate) mod renewal;

@@ -45,11 +45,7 @@ mod waiters;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::{
-    Backend, Checkout, Ending, Resolution, again_if_it_lost_a_race, begin, commit_on,
-    connection_lost, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
-    statement_cancelled,
-};
+pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
 pub use postgres::{
     ConfigError, GenerationRotation, PostgresStore, StoreMetrics, pool_for_url,

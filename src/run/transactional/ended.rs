@@ -30,8 +30,11 @@ use crate::{
     body::ResponseBody,
     rejection::{Problem, Problems},
     store::{
-        Backend, Checkout, ClaimRequest, Lease, PostgresStore, in_an_aborted_transaction,
-        roll_back_keeping, roll_back_or_close,
+        ClaimRequest, Lease, PostgresStore,
+        transaction::{
+            Backend, Checkout, in_an_aborted_transaction, kept_if_rolled_back, roll_back_keeping,
+            roll_back_or_close,
+        },
     },
 };
 
@@ -175,18 +178,7 @@ pub(crate) async fn roll_back_unless_ended(
         timeout_at(deadline, store.still_ours(client, &claimed.lease)),
         timeout_at(deadline, store.send_rollback(client)),
     );
-    let conn = match rolled_back {
-        Ok(Ok(())) => Some(conn),
-        // Dropping the Checkout closes the connection, which rolls back.
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "rollback failed; closing the connection");
-            None
-        }
-        Err(_) => {
-            tracing::warn!("no answer to ROLLBACK in time; closing the connection");
-            None
-        }
-    };
+    let conn = kept_if_rolled_back(conn, rolled_back);
     match ours {
         Ok(Ok(false)) => {
             finish(store, conn, claimed, request, store_timeout).await;

@@ -12,9 +12,12 @@ use crate::{
     observe::{Mode, Timer, store_failed},
     rejection::Problems,
     store::{
-        Backend, Checkout, Claim, ClaimRequest, Fenced, Lease, PostgresStore, Resolution,
-        StoreErrorKind, begin, commit_on, connection_lost, in_an_aborted_transaction,
-        roll_back_keeping, roll_back_or_close, statement_cancelled,
+        Claim, ClaimRequest, Fenced, Lease, PostgresStore, StoreErrorKind,
+        transaction::{
+            Backend, Checkout, Resolution, again_if_it_lost_a_race, begin, commit_on,
+            connection_lost, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
+            statement_cancelled,
+        },
     },
 };
 
@@ -107,7 +110,7 @@ async fn claim_in(
         // that waited on the first request's row fails so once that row commits: it
         // looks again, in a new transaction.
         let mut again = false;
-        crate::store::again_if_it_lost_a_race(|| {
+        again_if_it_lost_a_race(|| {
             let retry = std::mem::replace(&mut again, true);
             let begin = &begin;
             async move {

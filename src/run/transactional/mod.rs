@@ -2,9 +2,10 @@
 //! ([`lifecycle::open`]), the handler run with its [`TransactionHandle`], the response
 //! written into the claim row and committed with the handler's writes
 //! ([`lifecycle::commit`]), or everything rolled back; and what is done when the handler
-//! ends or keeps the transaction itself ([`ended`]).
+//! ends or keeps the transaction itself ([`ended`]); and a job run so ([`job`]).
 
 mod ended;
+mod job;
 mod lifecycle;
 
 use std::{sync::Arc, time::Duration};
@@ -19,6 +20,7 @@ pub(crate) use ended::{
     RolledBack, is_stored as is_transaction_ended, keeping_claim, kept as finish_kept,
     roll_back_unless_ended,
 };
+pub(crate) use job::run_job;
 pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
 
 use super::{
@@ -36,7 +38,10 @@ use crate::{
     future::{Answer, Handoff},
     layer::Config,
     shutdown::InFlight,
-    store::{Backend, Checkout, ClaimRequest, Ending, PostgresStore, roll_back_or_close},
+    store::{
+        ClaimRequest, PostgresStore,
+        transaction::{Backend, Checkout, Ending, roll_back_or_close},
+    },
     transactional::TransactionHandle,
 };
 

@@ -111,6 +111,11 @@ impl PostgresStore {
 
     /// A store over a new pool for `url` (16 connections; 5 s to connect or wait for
     /// one), listening for completions on a connection of its own.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] for a URL that does not parse. Nothing connects yet: an
+    /// unreachable database shows in the first statement, or in [`migrate`](Self::migrate).
     pub fn connect(url: &str) -> Result<Self, ConfigError> {
         Ok(Self::new(pool_for_url(url, 16)?).with_notifications(parse_url(url)?))
     }
@@ -120,6 +125,10 @@ impl PostgresStore {
     /// requests) too, as [`with_tls`](Self::with_tls) sets. Ask for TLS in the URL
     /// (`sslmode=require`), or the driver falls back to plain TCP where the server
     /// offers no TLS.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect): a [`ConfigError`] for a URL that does not parse.
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
@@ -231,6 +240,11 @@ impl PostgresStore {
     }
 
     /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] unless `name` is 1 to 50 characters of `a-z`, `0-9` and `_`, not
+    /// starting with a digit.
     pub fn with_schema_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("schema", name)?;
         let options = Options {
@@ -241,6 +255,11 @@ impl PostgresStore {
     }
 
     /// Uses the table `name`.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] unless `name` is 1 to 50 characters of `a-z`, `0-9` and `_`, not
+    /// starting with a digit.
     pub fn with_table_name(self, name: &str) -> Result<Self, ConfigError> {
         validate_identifier("table", name)?;
         let options = Options {

@@ -183,7 +183,7 @@ impl Rotator {
             }
             // Rolled back, the connection clean again, or closed if that fails too.
             Err(e) => {
-                super::roll_back_or_close(conn, Duration::from_secs(5)).await;
+                super::tx::roll_back_or_close(conn, Duration::from_secs(5)).await;
                 return Err(describe(&e));
             }
         };

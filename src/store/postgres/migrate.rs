@@ -54,6 +54,14 @@ impl PostgresStore {
     /// that says so, and applies nothing. Waiting on behind a long transaction on the
     /// table, it would hold up every claim queued behind its lock request. Run it again
     /// when the table is quiet.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] of kind [`Timeout`](crate::store::StoreErrorKind::Timeout) when the
+    /// table stayed busy through every attempt, [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured)
+    /// when the role may not create what is missing, and [`Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// when the database cannot be reached. Nothing is half applied: each migration is
+    /// one transaction.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut attempt = 1;
         loop {

@@ -30,12 +30,10 @@ use deadpool_postgres::Pool;
 use sha2::{Digest, Sha256};
 use tokio_postgres::types::ToSql;
 
-pub(crate) use checkout::Checkout;
+use checkout::Checkout;
 use claim::ms;
 pub use config::ConfigError;
-pub(crate) use errors::{
-    again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction, statement_cancelled,
-};
+use errors::again_if_it_lost_a_race;
 pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
@@ -43,15 +41,30 @@ use purge::BackgroundPurge;
 use shared::Shared;
 use sql::Sql;
 use tls::Connector;
-pub(crate) use tx::{
-    Backend, Ending, Resolution, begin, commit_on, roll_back_keeping, roll_back_or_close,
-};
 pub use url::{pool_for_url, pool_for_url_with_tls};
 
 use super::{
     BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError, StoreErrorKind,
 };
 use crate::{Scope, StoredResponse};
+
+/// What transactional mode runs on: a claim taken in the transaction the handler
+/// writes in, that transaction committed or rolled back, and what a failure of it
+/// means. The statements themselves stay here; the engine (`run::transactional`)
+/// holds a [`Checkout`] in a transaction and calls these.
+pub(crate) mod transaction {
+    pub(crate) use super::{
+        checkout::Checkout,
+        errors::{
+            again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+            statement_cancelled,
+        },
+        tx::{
+            Backend, Ending, Resolution, begin, commit_on, kept_if_rolled_back, roll_back_keeping,
+            roll_back_or_close,
+        },
+    };
+}
 
 /// A [`Store`] in PostgreSQL, shared by every replica of the app.
 ///
@@ -168,6 +181,12 @@ impl PostgresStore {
     /// the first waiters are woken by notifications rather than by the fallback timer.
     /// Call it at start-up when waiting for running requests is on; without it, the
     /// listener starts with the first waiter.
+    ///
+    /// # Errors
+    ///
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) when the store has no
+    /// notification connection to listen on; [`Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// when it did not come up within 5 s (it keeps trying in the background).
     pub async fn listen(&self) -> Result<(), StoreError> {
         if self.listener.listening(Duration::from_secs(5)).await {
             Ok(())
@@ -229,6 +248,11 @@ impl PostgresStore {
     /// it is still expired then. Runs again after a serialization failure. A `batch`
     /// below 1 is taken as 1 (a loop over it then runs until it returns 0), where it
     /// deleted nothing (0) or failed (a negative batch).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] when no connection could be had or the statement failed; nothing
+    /// is deleted then (the batch is one statement).
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let batch = batch.max(1);
         // Under repeatable read or serializable, locking a row changed since the

@@ -208,9 +208,19 @@ pub(crate) async fn roll_back_or_close(conn: Checkout, bound: Duration) {
 /// server does not answer within `bound`, or fails (the connection is then closed,
 /// which rolls back).
 pub(crate) async fn roll_back_keeping(conn: Checkout, bound: Duration) -> Option<Checkout> {
-    match tokio::time::timeout(bound, conn.batch_execute("ROLLBACK")).await {
+    let rolled_back = tokio::time::timeout(bound, conn.batch_execute("ROLLBACK")).await;
+    kept_if_rolled_back(conn, rolled_back)
+}
+
+/// `conn` after its `ROLLBACK` answered `rolled_back` within its bound: kept, outside
+/// any transaction, if the server rolled back; else `None`, dropped, which closes it
+/// (and so rolls back).
+pub(crate) fn kept_if_rolled_back<E: std::fmt::Display>(
+    conn: Checkout,
+    rolled_back: Result<Result<(), E>, tokio::time::error::Elapsed>,
+) -> Option<Checkout> {
+    match rolled_back {
         Ok(Ok(())) => Some(conn),
-        // Dropping the Checkout closes the connection, which rolls back.
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "rollback failed; closing the connection");
             None

@@ -25,6 +25,11 @@ use super::{config::ConfigError, hosts};
 /// pool from the promoted standby. (tokio-postgres alone tries the hosts in order, each
 /// until it answers.)
 ///
+/// # Errors
+///
+/// A [`ConfigError`] for a URL that does not parse, or a pool that cannot be built from
+/// it. Nothing connects yet.
+///
 /// ```
 /// let pool = tower_idempotency::store::pool_for_url("postgres://postgres@127.0.0.1/postgres", 8)?;
 /// assert_eq!(pool.status().max_size, 8);
@@ -38,6 +43,10 @@ pub fn pool_for_url(url: &str, max_size: usize) -> Result<Pool, ConfigError> {
 /// `sslmode=require`). A store over it needs the connector too, for the connections
 /// it makes outside the pool: [`PostgresStore::with_tls`](super::PostgresStore::with_tls), or build both with
 /// [`PostgresStore::connect_with_tls`](super::PostgresStore::connect_with_tls).
+///
+/// # Errors
+///
+/// As [`pool_for_url`].
 pub fn pool_for_url_with_tls<T>(url: &str, max_size: usize, tls: T) -> Result<Pool, ConfigError>
 where
     T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
