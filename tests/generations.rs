@@ -493,3 +493,36 @@ async fn an_app_role_claims_and_the_owner_rotates() {
     assert_eq!(counter.runs(), 2);
     assert_eq!(generation_of(&schema, "k2").await, 2);
 }
+
+/// The key's lock is the table's own: a key held in one schema's table, by a transaction
+/// that stays open, holds up no claim of the same key in another schema's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_in_one_table_does_not_hold_up_another_tables() {
+    let (a, b) = (TestSchema::new(), TestSchema::new());
+    let (store_a, store_b) = (store(&a).await, store(&b).await);
+    let (router, counter) = common::app(IdempotencyLayer::transactional(store_a));
+    let held = common::in_flight(
+        &router,
+        common::req("POST")
+            .header("idempotency-key", "k")
+            .header("x-held", "1")
+            .body(axum::body::Body::from("{}"))
+            .unwrap(),
+        &counter,
+    )
+    .await;
+    let scope = Scope::anonymous();
+    let req = request(
+        &scope,
+        "k",
+        Duration::from_secs(60),
+        Duration::from_secs(60),
+    );
+    let claimed = tokio::time::timeout(Duration::from_secs(10), store_b.claim(&req)).await;
+    assert!(
+        matches!(claimed, Ok(Ok(Claim::Acquired(_)))),
+        "the other table's claim waited: {claimed:?}"
+    );
+    counter.let_go(1);
+    assert_eq!(held.await.unwrap().status, 201);
+}

@@ -8,7 +8,8 @@
 CREATE INDEX IF NOT EXISTS {{running_index}} ON {{table}} (locked_until) WHERE state = 'running';
 
 -- Serialises the writers that may insert a key: takes a transaction-scoped advisory
--- lock of the table's, the scope's and the key's, held until the transaction ends, then
+-- lock of the schema-qualified table's, the scope's and the key's (tables of other
+-- schemas never wait on each other), held until the transaction ends, then
 -- looks for the key in every generation; true when it has no row. The look is a
 -- statement of its own, with a snapshot taken after the lock: under read committed it
 -- sees every row committed by the transaction that held the lock before. Under
@@ -27,7 +28,7 @@ BEGIN
                   HINT = 'set default_transaction_isolation to read committed for the claims';
     END IF;
     PERFORM pg_advisory_xact_lock(hashtextextended(
-        {{table_literal}} || ' ' || length(p_scope) || ' ' || p_scope || p_key, 0));
+        {{schema_literal}} || '.' || {{table_literal}} || ' ' || length(p_scope) || ' ' || p_scope || p_key, 0));
     RETURN NOT EXISTS (SELECT 1 FROM {{table}} WHERE scope = p_scope AND key = p_key);
 END
 $$;
