@@ -284,7 +284,9 @@ async fn a_lapsed_lease_in_an_older_generation_is_taken_over_and_fenced() {
 async fn a_duplicate_across_a_boundary_waits_for_the_key_and_replays() {
     let schema = TestSchema::new();
     let store = store(&schema).await;
-    let (router, counter) = common::app(IdempotencyLayer::transactional(store.clone()));
+    let layer =
+        IdempotencyLayer::transactional(store.clone()).wait_for_running(Duration::from_secs(30));
+    let (router, counter) = common::app(layer);
     let held = common::in_flight(
         &router,
         common::req("POST")
@@ -312,6 +314,39 @@ async fn a_duplicate_across_a_boundary_waits_for_the_key_and_replays() {
     assert_eq!(counter.runs(), 1);
     assert_eq!(rows_of(&schema, "k").await, 1);
     assert_eq!(generation_of(&schema, "k").await, 1);
+}
+
+/// Not told to wait, the duplicate waits on the key's lock only as long as on a row (the
+/// claim's short `lock_timeout`), and gets the same `409` (PostgreSQL's `55P03` either
+/// way); once the first commits, a retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_not_told_to_wait_gets_409_from_the_key_s_lock() {
+    let schema = TestSchema::new();
+    let store = store(&schema).await;
+    let (router, counter) = common::app(IdempotencyLayer::transactional(store.clone()));
+    let held = common::in_flight(
+        &router,
+        common::req("POST")
+            .header("idempotency-key", "k")
+            .header("x-held", "1")
+            .body(axum::body::Body::from("{}"))
+            .unwrap(),
+        &counter,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(store.rotate_generations().await.unwrap().started, Some(2));
+    let duplicate = send(&router, common::post("k", "{}")).await;
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.problem(), "in-progress");
+    counter.let_go(1);
+    let first = held.await.unwrap();
+    assert_eq!(first.status, 201);
+    let retry = send(&router, common::post("k", "{}")).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(rows_of(&schema, "k").await, 1);
 }
 
 /// Keeps rotating the generations of `schema`'s table, a new one at every turn, until
