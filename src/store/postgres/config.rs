@@ -31,7 +31,7 @@ pub(super) struct Options {
     purge_every: Option<Duration>,
     transaction_pooling: bool,
     /// The period of the table's generations, if it has them.
-    pub(super) generations: Option<Duration>,
+    generations: Option<Duration>,
 }
 
 /// A rejected store setting.
