@@ -331,7 +331,22 @@ async fn reserve_connections_open_outside_a_pool_that_is_all_checked_out() {
         let store = store.clone();
         tokio::spawn(async move { store.renew(&lease, Duration::from_secs(30)).await })
     };
-    schema.wait_for_lock_waiters(1).await;
+    // Waiting on the lock, well past the 50 ms a `lock_timeout` of a shared claim
+    // connection would have allowed.
+    let waited = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+           AND query LIKE '%{}%' AND now() - query_start > interval '1 second'",
+        schema.name
+    );
+    let mut waiting = 0;
+    for _ in 0..500 {
+        waiting = schema.query(&waited).await[0].get::<_, i64>(0);
+        if waiting == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(waiting, 1, "the renewal did not wait on the lock");
     assert_eq!(store.metrics().reserve_statements, 1);
     let status = store.pool().status();
     assert_eq!((status.size, status.available), (status.max_size, 0));
