@@ -153,8 +153,7 @@ async fn an_attempt_given_up_on_before_any_host_answered_moves_on_to_the_next_ho
     let e = pool
         .timeout_get(&short)
         .await
-        .err()
-        .expect("the silent host answered");
+        .expect_err("the silent host answered");
     assert!(matches!(e, PoolError::Timeout(TimeoutType::Create)), "{e}");
     assert_eq!(
         silent.connections().await,
