@@ -11,6 +11,7 @@ mod migrate;
 mod purge;
 mod reserve;
 mod shared;
+mod slots;
 mod sql;
 mod tls;
 mod tx;
