@@ -256,92 +256,50 @@ fn one_host(all: &Config, i: usize) -> Config {
 mod tests {
     use super::*;
 
-    /// The test database's settings, with `first` (a port on this machine) named before
-    /// its own host, as a primary that is gone is named before its promoted standby.
-    fn behind(first: u16) -> Config {
-        let url = std::env::var("DATABASE_URL")
-            .ok()
-            .filter(|u| !u.is_empty())
-            .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into());
-        let db: Config = url.parse().expect("DATABASE_URL");
-        let mut config = Config::new();
-        config.host("127.0.0.1").port(first);
-        for (i, host) in db.get_hosts().iter().enumerate() {
-            match host {
-                Host::Tcp(host) => config.host(host),
-                #[cfg(unix)]
-                Host::Unix(path) => config.host_path(path),
-            };
-            config.port(db.get_ports().get(i).copied().unwrap_or(5432));
-        }
-        if let Some(user) = db.get_user() {
-            config.user(user);
-        }
-        if let Some(password) = db.get_password() {
-            config.password(password);
-        }
-        if let Some(dbname) = db.get_dbname() {
-            config.dbname(dbname);
-        }
-        config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
-        config
-    }
-
-    async fn serves(hosts: &Hosts) {
-        let (client, connection) = hosts
-            .connect(tokio_postgres::NoTls)
-            .await
-            .expect("a connection to the second host");
-        let connection = tokio::spawn(connection);
-        let one: i32 = client
-            .query_one("SELECT 1", &[])
-            .await
-            .expect("a statement")
-            .get(0);
-        assert_eq!(one, 1);
-        drop(client);
-        let _ = connection.await;
-    }
-
-    #[tokio::test]
-    async fn a_host_that_does_not_answer_is_raced_by_the_next_and_then_passed_over() {
-        // Accepts connections (the kernel does, into its backlog) and answers nothing,
-        // as a frozen primary does; its connections are never closed by it either.
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = silent.local_addr().expect("its address").port();
-        let hosts = Hosts::new(&behind(port));
-        assert_eq!(hosts.each.len(), 2);
-        serves(&hosts).await;
-        // The next connections start with the host that answered.
-        assert_eq!(hosts.preferred.load(Ordering::Relaxed), 1);
-        serves(&hosts).await;
-        assert_eq!(hosts.preferred.load(Ordering::Relaxed), 1);
+    /// A port on this machine that accepts connections (the kernel does, into its
+    /// backlog) and answers nothing, as a frozen primary does, for as long as the
+    /// listener lives.
+    fn silent() -> (std::net::TcpListener, u16) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("its address").port();
+        (listener, port)
     }
 
     #[tokio::test]
     async fn an_attempt_given_up_on_before_any_host_answered_moves_on_to_the_next_host() {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = silent.local_addr().expect("its address").port();
-        let hosts = Hosts::new(&behind(port));
+        let (_first, first) = silent();
+        let (_second, second) = silent();
+        let mut config = Config::new();
+        config.host("127.0.0.1").port(first);
+        config.host("127.0.0.1").port(second);
+        config.user("postgres");
+        let hosts = Hosts::new(&config);
         // Given up on before the next host has started (at `HEAD_START`).
         let attempt = tokio::time::timeout(HEAD_START / 5, hosts.connect(tokio_postgres::NoTls));
-        assert!(attempt.await.is_err(), "the silent host answered");
+        assert!(attempt.await.is_err(), "a silent host answered");
         assert_eq!(hosts.preferred.load(Ordering::Relaxed), 1);
-        serves(&hosts).await;
-        assert_eq!(hosts.preferred.load(Ordering::Relaxed), 1);
+        // And from there to the one after it, around the list.
+        let attempt = tokio::time::timeout(HEAD_START / 5, hosts.connect(tokio_postgres::NoTls));
+        assert!(attempt.await.is_err(), "a silent host answered");
+        assert_eq!(hosts.preferred.load(Ordering::Relaxed), 0);
     }
 
-    #[tokio::test]
-    async fn a_host_that_refuses_hands_over_to_the_next() {
-        // Bound and never listening: connections to it are refused.
-        let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
-        socket
-            .bind(([127, 0, 0, 1], 0).into())
-            .expect("bind 127.0.0.1:0");
-        let port = socket.local_addr().expect("its address").port();
-        let hosts = Hosts::new(&behind(port));
-        serves(&hosts).await;
-        assert_eq!(hosts.preferred.load(Ordering::Relaxed), 1);
+    #[test]
+    fn an_attempt_that_ended_or_was_overtaken_leaves_the_preferred_host_alone() {
+        let preferred = AtomicUsize::new(2);
+        let unanswered = |first, ended| Unanswered {
+            preferred: &preferred,
+            first,
+            next: first + 1,
+            ended,
+        };
+        drop(unanswered(2, true));
+        assert_eq!(preferred.load(Ordering::Relaxed), 2, "ended");
+        // Another attempt moved it meanwhile: this one, from host 1, leaves it.
+        drop(unanswered(1, false));
+        assert_eq!(preferred.load(Ordering::Relaxed), 2, "overtaken");
+        drop(unanswered(2, false));
+        assert_eq!(preferred.load(Ordering::Relaxed), 3, "given up on");
     }
 
     #[tokio::test]

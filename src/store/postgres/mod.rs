@@ -12,6 +12,7 @@ mod migrate;
 mod purge;
 mod reserve;
 mod shared;
+mod slots;
 mod sql;
 mod tls;
 mod tx;

@@ -12,7 +12,7 @@
 //! tokio-postgres pipelines, each its own autocommit statement. The reserve is dealt
 //! as shared claim connections are (`shared`): a connection that closes, or leaves a
 //! statement unanswered for `shared::STALLED`, is replaced on its next use, with at
-//! most `2 * RESERVE` open at once; past that, or with `shared::MAX_QUEUED` statements
+//! most `2 * RESERVE` open at once; past that, or with `slots::MAX_QUEUED` statements
 //! on each, the statement waits for the pool as before.
 //!
 //! Claims, a duplicate's registration to wait, purges, migrations and transactional
