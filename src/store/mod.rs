@@ -47,7 +47,10 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
-pub use postgres::{ConfigError, PostgresStore, StoreMetrics, pool_for_url, pool_for_url_with_tls};
+pub use postgres::{
+    ConfigError, GenerationRotation, PostgresStore, StoreMetrics, pool_for_url,
+    pool_for_url_with_tls,
+};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -37,6 +37,16 @@ pub fn database_url() -> String {
         .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// With `TI_GENERATIONS` set (to a period in seconds), the stores of
+/// [`TestSchema::store_at`] keep their table in generations of that period
+/// (`with_generations`): the suites run again over a partitioned table.
+pub fn generations() -> Option<Duration> {
+    std::env::var("TI_GENERATIONS")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
+}
+
 /// The transaction-pooling PgBouncer the suite runs through, if `TI_POOLER_URL` names
 /// one (see [`TestSchema::store_at`]).
 pub fn pooler_url() -> Option<String> {
@@ -302,11 +312,14 @@ impl TestSchema {
             Some(pooler) if url == database_url() => (pooler, true),
             _ => (url.to_owned(), false),
         };
-        let store = PostgresStore::new(pool_for_url(&pool_url, size).expect("pool"))
+        let mut store = PostgresStore::new(pool_for_url(&pool_url, size).expect("pool"))
             .with_transaction_pooling(pooling)
             .with_schema_name(&self.name)
             .expect("schema name")
             .with_notifications(url.parse().expect("url"));
+        if let Some(period) = generations() {
+            store = store.with_generations(period);
+        }
         store.migrate().await.expect("migrate");
         store
     }

@@ -30,6 +30,8 @@ pub(super) struct Options {
     shared: usize,
     purge_every: Option<Duration>,
     transaction_pooling: bool,
+    /// The period of the table's generations, if it has them.
+    generations: Option<Duration>,
 }
 
 /// A rejected store setting.
@@ -102,6 +104,7 @@ impl PostgresStore {
                 shared: 0,
                 purge_every: Some(purge::DEFAULT_EVERY),
                 transaction_pooling: false,
+                generations: None,
             },
         )
     }
@@ -166,6 +169,7 @@ impl PostgresStore {
             shared: self.shared.as_ref().map_or(0, |s| s.len()),
             purge_every: self.purge.every(),
             transaction_pooling: self.transaction_pooling,
+            generations: self.purge.generations(),
         }
     }
 
@@ -180,6 +184,7 @@ impl PostgresStore {
             shared,
             purge_every,
             transaction_pooling,
+            generations,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions.
@@ -195,7 +200,7 @@ impl PostgresStore {
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
             (pool.status().max_size / 2).max(1),
         ));
-        let sql = Sql::new(&schema, &table);
+        let sql = Sql::new(&schema, &table, generations.is_some());
         let location = Arc::from(format!(
             "{} {}",
             database(listen_config.as_ref(), &pool),
@@ -208,6 +213,9 @@ impl PostgresStore {
             sql.purge_in_turn.clone(),
             !transaction_pooling,
             purge::lock_id(&sql.qualified),
+            generations
+                .zip(sql.generations.clone())
+                .map(|(period, names)| super::generations::Rotator::new(period, names)),
         ));
         Self {
             location,
@@ -440,6 +448,53 @@ impl PostgresStore {
     pub fn with_transaction_pooling(self, pooling: bool) -> Self {
         let options = Options {
             transaction_pooling: pooling,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Keeps the table in generations of `period`, and lets its expired rows go a
+    /// generation at a time instead of row by row (default: off, one plain table
+    /// purged in batches, [`with_background_purge`](Self::with_background_purge)). For
+    /// tables of hundreds of millions of keys, where deleting them one by one costs
+    /// more WAL and vacuum than the claims themselves.
+    ///
+    /// The table is then partitioned by a `generation` column, one partition per
+    /// generation; new keys go to the newest. [`migrate`](Self::migrate) creates it so
+    /// when it does not exist yet, and refuses a plain table of that name (see
+    /// docs/postgres.md to move one). Every store over the table must be built with
+    /// generations.
+    ///
+    /// The background purge, at its period, rotates instead of deleting: it starts a
+    /// new generation once the newest is `period` old, and empties an older one
+    /// (`TRUNCATE`) once none of its rows is live, neither unexpired nor running under a
+    /// live lease; then it detaches and drops its partition. A row taken over or
+    /// renewed stays in its generation and holds it until it expires. Emptying waits at
+    /// most 50 ms for a lock of the partition, in which time claims queue behind it; a
+    /// generation that a transaction keeps busy throughout is tried again next round.
+    /// Choose `period` about the TTL: a generation goes about a TTL after it ends.
+    ///
+    /// A key stays unique across generations because the insert of a new key takes a
+    /// transaction-scoped advisory lock of the key first and looks for it in every
+    /// generation after (claims of existing keys, replays, completions are unchanged).
+    /// That look must see what was committed before it: claims run under read
+    /// committed (the default) or serializable; under repeatable read they fail as
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_generations(Duration::from_secs(24 * 60 * 60));
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_generations(self, period: Duration) -> Self {
+        let options = Options {
+            generations: Some(period.min(crate::settings::TEN_YEARS)),
             ..self.options()
         };
         Self::build(self.pool, options)

@@ -34,7 +34,9 @@ pub(super) fn classify(e: tokio_postgres::Error) -> StoreError {
             | SqlState::UNDEFINED_COLUMN
             | SqlState::UNDEFINED_FUNCTION
             | SqlState::INVALID_SCHEMA_NAME
-            | SqlState::INSUFFICIENT_PRIVILEGE => StoreErrorKind::Misconfigured,
+            | SqlState::INSUFFICIENT_PRIVILEGE
+            // A table in generations claimed under repeatable read or serializable.
+            | SqlState::FEATURE_NOT_SUPPORTED => StoreErrorKind::Misconfigured,
             _ => StoreErrorKind::Other,
         },
     };

@@ -111,7 +111,8 @@ impl PostgresStore {
             return Ok(false);
         }
         let applied = self.applied(client).await?;
-        Ok(MIGRATIONS.iter().all(|(v, _)| applied.contains(v)))
+        Ok(MIGRATIONS.iter().all(|(v, _)| applied.contains(v))
+            && (self.sql.generations.is_none() || applied.contains(&super::generations::VERSION)))
     }
 
     /// The versions `<table>_migrations` records.
@@ -196,6 +197,7 @@ impl PostgresStore {
         ))
         .await
         .map_err(classify)?;
+        self.create_generations_if_absent(&tx).await?;
         for (version, sql) in MIGRATIONS {
             if applied.contains(version) {
                 continue;
@@ -221,6 +223,7 @@ impl PostgresStore {
             .await
             .map_err(classify)?;
         }
+        self.migrate_generations(&tx, &applied).await?;
         Ok(tx.commit().await.map_err(classify)?)
     }
 }

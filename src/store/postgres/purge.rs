@@ -7,6 +7,9 @@
 //! own: while one replica purges, the others' batches delete nothing and wait for their
 //! next turn, so replicas never purge side by side. The purger ends with the last clone
 //! of its store.
+//!
+//! Over a table in generations (`PostgresStore::with_generations`) a round rotates
+//! them instead (`generations::Rotator`), in the same turns.
 
 use std::{
     sync::{
@@ -23,6 +26,7 @@ use tokio_postgres::types::ToSql;
 
 use super::{
     Checkout,
+    generations::{GenerationRotation, Rotator},
     sql::{self, Statement},
     tls::Connector,
 };
@@ -55,6 +59,8 @@ pub(super) struct BackgroundPurge {
     prepared: bool,
     /// The table's advisory lock id.
     lock: i64,
+    /// Rounds rotate the generations instead of deleting rows, if the table has them.
+    rotator: Option<Rotator>,
 }
 
 impl BackgroundPurge {
@@ -67,8 +73,10 @@ impl BackgroundPurge {
         statement: Statement,
         prepared: bool,
         lock: i64,
+        rotator: Option<Rotator>,
     ) -> Self {
         Self {
+            rotator,
             every: every.map(|e| e.clamp(SHORTEST, crate::settings::TEN_YEARS)),
             started: AtomicBool::new(false),
             pool,
@@ -108,6 +116,12 @@ impl BackgroundPurge {
     /// of deletes; each batch gets a connection of its own from the pool, and is given
     /// up on past `BATCH_BOUND`.
     async fn round(&self) -> Result<u64, String> {
+        if self.rotator.is_some() {
+            return self
+                .rotate()
+                .await
+                .map(|rotation| rotation.emptied.len() as u64);
+        }
         let mut purged = 0;
         loop {
             let started = tokio::time::Instant::now();
@@ -130,6 +144,36 @@ impl BackgroundPurge {
             }
             tokio::time::sleep(started.elapsed()).await;
         }
+    }
+
+    /// One rotation of the generations (nothing without them), in this replica's
+    /// turn: see `Rotator::round`.
+    pub(super) async fn rotate(&self) -> Result<GenerationRotation, String> {
+        let Some(rotator) = &self.rotator else {
+            return Ok(GenerationRotation::default());
+        };
+        // Bounded as a batch is: a detach waits for the transactions that may still
+        // read its partition, and one given up on is finished in a later round.
+        let rotated = tokio::time::timeout(
+            BATCH_BOUND,
+            rotator.round(&self.pool, self.connector.as_ref(), self.lock),
+        )
+        .await
+        .unwrap_or_else(|_| Err("a rotation took longer than 30 s; given up".to_owned()));
+        if rotated.is_err() {
+            crate::observe::store_failed("purge");
+        }
+        rotated
+    }
+
+    /// Whether the table is in generations.
+    pub(super) fn rotates(&self) -> bool {
+        self.rotator.is_some()
+    }
+
+    /// The period of the generations, if the table has them.
+    pub(super) fn generations(&self) -> Option<Duration> {
+        self.rotator.as_ref().map(|r| r.period)
     }
 
     /// One batch, on a pooled connection that goes back to the pool once answered (and
@@ -163,6 +207,9 @@ async fn run(purge: Weak<BackgroundPurge>, every: Duration) {
         };
         match purge.round().await {
             Ok(0) => {}
+            Ok(emptied) if purge.rotates() => {
+                tracing::debug!(emptied, "emptied generations of idempotency records");
+            }
             Ok(purged) => tracing::debug!(purged, "purged expired idempotency records"),
             Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
         }

@@ -170,10 +170,13 @@ pub(super) struct Sql {
     pub(super) expires_index: String,
     pub(super) migrations_table: String,
     pub(super) claim_function: String,
+    /// The names of a table in generations, if it is one (`with_generations`).
+    pub(super) generations: Option<super::generations::Names>,
 }
 
 impl Sql {
-    pub(super) fn new(schema: &str, table: &str) -> Self {
+    pub(super) fn new(schema: &str, table: &str, in_generations: bool) -> Self {
+        let names = in_generations.then(|| super::generations::Names::new(schema, table));
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_function = format!("\"{schema}\".\"{table}_claim\"");
         let ms = "$ms::bigint * interval '1 millisecond'";
@@ -232,6 +235,7 @@ impl Sql {
             tx: super::tx::Statements::new(
                 &t,
                 Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
+                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
             release: Statement::new(
                 format!(
@@ -272,8 +276,19 @@ impl Sql {
             // unique check waits on it); the read, in a snapshot taken after, sees how
             // that transaction ended. Not `FOR SHARE`: that would wait for a duplicate
             // that took the row since, through its whole handler.
+            // In generations, the insert waits only for a transaction that inserted the
+            // key (it holds the key's lock); one that took an existing row over is
+            // waited for by locking that row, after.
             in_doubt_wait: Statement::new(
-                format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)"),
+                if in_generations {
+                    format!(
+                        "SELECT {claim_function}($1, $2, $3, 1, 1, 0),
+                                (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE scope = $1 AND key = $2
+                                                       FOR NO KEY UPDATE) AS held)"
+                    )
+                } else {
+                    format!("SELECT {claim_function}($1, $2, $3, 1, 1, 0)")
+                },
                 params::KEY_AND_FINGERPRINT,
             ),
             in_doubt_read: Statement::new(
@@ -311,6 +326,7 @@ impl Sql {
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
+            generations: names,
             expires_index: format!("\"{table}_expires_at\""),
             qualified: t,
         }
@@ -323,7 +339,7 @@ mod tests {
 
     #[test]
     fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
-        let sql = Sql::new("s", "t").claim;
+        let sql = Sql::new("s", "t", false).claim;
         let select_list = &sql[..sql.find(" FROM ").expect("a FROM clause")];
         // Split at the commas outside parentheses (the insert's call has its own).
         let mut depth = 0;

@@ -62,9 +62,28 @@ pub(super) struct Statements {
 
 impl Statements {
     /// `t`: the qualified table; `complete`: the completion, restricted to the row
-    /// this transaction wrote.
-    pub(super) fn new(t: &str, complete: Statement) -> Self {
+    /// this transaction wrote; `insert_completed`: the function that inserts a
+    /// completed row into a table in generations (`generations.sql`), if it is one.
+    pub(super) fn new(t: &str, complete: Statement, insert_completed: Option<&str>) -> Self {
         let ttl = "$8::bigint * interval '1 millisecond'";
+        // No row at all: a completed one is inserted, unless another request inserted
+        // the key in the meantime. In generations, the key is unique across them only
+        // through the function, which serialises its inserts (see `generations`).
+        let fresh = match insert_completed {
+            None => format!(
+                "INSERT INTO {t} (scope, key, fingerprint, state, token, expires_at,
+                                 completed_at, status, headers, body)
+                SELECT $1, $2, $4, 'completed', $3, statement_timestamp() + {ttl},
+                       statement_timestamp(), $5, $6, $7
+                WHERE NOT EXISTS (SELECT 1 FROM ours)
+                ON CONFLICT (scope, key) DO NOTHING
+                RETURNING false AS waiters"
+            ),
+            Some(insert) => "SELECT false AS waiters
+                WHERE CASE WHEN EXISTS (SELECT 1 FROM ours) THEN false
+                           ELSE {insert}($1, $2, $4, $3, $8, $5, $6, $7) END"
+                .replace("{insert}", insert),
+        };
         Self {
             complete,
             ours: Statement::new(
@@ -119,14 +138,7 @@ impl Statements {
                             OR ((state = 'completed' OR locked_until <= now())
                                 AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))))
                         RETURNING waiters),
-                     fresh AS (
-                        INSERT INTO {t} (scope, key, fingerprint, state, token, expires_at,
-                                         completed_at, status, headers, body)
-                        SELECT $1, $2, $4, 'completed', $3, statement_timestamp() + {ttl},
-                               statement_timestamp(), $5, $6, $7
-                        WHERE NOT EXISTS (SELECT 1 FROM ours)
-                        ON CONFLICT (scope, key) DO NOTHING
-                        RETURNING false AS waiters)
+                     fresh AS ({fresh})
                      SELECT CASE WHEN waiters THEN pg_notify($10, $11) END FROM ours
                      UNION ALL SELECT NULL FROM fresh"
                 ),
