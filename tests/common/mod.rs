@@ -312,7 +312,26 @@ impl TestSchema {
             Some(pooler) if url == database_url() => (pooler, true),
             _ => (url.to_owned(), false),
         };
-        let mut store = PostgresStore::new(pool_for_url(&pool_url, size).expect("pool"))
+        self.store_with(url, &pool_url, pooling, size).await
+    }
+
+    /// A migrated store on `size` connections straight to the database, even with
+    /// `TI_POOLER_URL` set: for a test whose handler changes its session (`SET
+    /// track_activities = off`, say), which a transaction pooler would hand on to
+    /// other tests' transactions.
+    pub async fn store_direct(&self, size: usize) -> PostgresStore {
+        let url = database_url();
+        self.store_with(&url, &url, false, size).await
+    }
+
+    async fn store_with(
+        &self,
+        url: &str,
+        pool_url: &str,
+        pooling: bool,
+        size: usize,
+    ) -> PostgresStore {
+        let mut store = PostgresStore::new(pool_for_url(pool_url, size).expect("pool"))
             .with_transaction_pooling(pooling)
             .with_schema_name(&self.name)
             .expect("schema name")

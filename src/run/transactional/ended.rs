@@ -245,8 +245,9 @@ pub(crate) async fn finish_if_claim_committed(
 /// Settles a transaction whose work kept its client past the response
 /// ([`TransactionHandle::take`](super::TransactionHandle::take) gave up on it): one that
 /// had ended under the layer, its session living on, was ended by the handler
-/// ([`finish`]); one whose session is gone was rolled back with it, unless the handler
-/// had committed it before ([`finish_if_claim_committed`]).
+/// ([`finish`]); one whose session is gone was rolled back with it, and one whose
+/// session cannot be told apart rolls back once the work lets go, unless in either case
+/// the handler had committed it before ([`finish_if_claim_committed`]).
 pub(crate) async fn kept(
     store: &PostgresStore,
     kept: Kept,
@@ -260,7 +261,9 @@ pub(crate) async fn kept(
             finish(store, None, claimed, request, store_timeout).await;
             RolledBack::Ended
         }
-        Kept::SessionGone => {
+        // Gone, or not to be told apart: whether the handler had committed the claim
+        // says whether the key is finished or free.
+        Kept::SessionGone | Kept::Hidden => {
             finish_if_claim_committed(store, None, claimed, request, store_timeout).await
         }
     }

@@ -58,6 +58,12 @@ pub(crate) enum Kept {
     /// Its session had ended, and the transaction with it: rolled back, unless the
     /// handler had committed it before.
     SessionGone,
+    /// Its session could be neither told apart nor ended (it does not report its
+    /// transactions, or this role may not signal it; behind a pooler, the server
+    /// session may serve another client by now, one that hides its transactions): it
+    /// rolls back once the work lets go of its client, unless the handler had
+    /// committed it before.
+    Hidden,
 }
 
 /// Takes the transaction back from its handle's `slot` once the work is done; [`Kept`] if the work still
@@ -104,9 +110,9 @@ pub(crate) async fn take_back(
         }
         Ok(Ok(Ending::CannotEnd)) => {
             tracing::error!(
-                "{KEPT}, and the transaction could not be ended on the server (may this role see and signal its own sessions?); it rolls back once the work lets the connection go"
+                "{KEPT}, and the transaction could not be ended on the server (may this role see and signal its own sessions?); it rolls back once the work lets the connection go, unless the handler had committed it"
             );
-            Err(Kept::RolledBack)
+            Err(Kept::Hidden)
         }
         Ok(Err(e)) => {
             tracing::error!(
