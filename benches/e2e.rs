@@ -2,9 +2,13 @@
 //! concurrent workers, with and without the layer, side by side with the database floor
 //! (the layer's own statements issued directly with tokio-postgres).
 //!
+//! Beside them, the peer: `axum-idempotent` over `ruts`' PostgreSQL session store, on the
+//! same app, client and database; and the race: concurrent duplicates of one key, with the
+//! handler's runs counted, through each.
+//!
 //! `cargo bench --bench e2e`; the settings are environment variables, described in
-//! `docs/benchmarks.md`. The results are printed as a markdown table and written to
-//! `target/bench/e2e.csv`.
+//! `docs/benchmarks.md`. The results are printed as markdown tables and written to
+//! `target/bench/e2e.csv` and `target/bench/e2e-race.csv`.
 #![allow(missing_docs)]
 
 #[path = "support/delay.rs"]
@@ -33,18 +37,28 @@ use axum::{
     extract::State,
     http::{HeaderMap, HeaderValue, StatusCode, header::CONTENT_TYPE},
     response::{IntoResponse, Response},
-    routing::post,
+    routing::{MethodRouter, post},
     serve::ListenerExt,
 };
+use axum_idempotent::{IdempotentLayer, IdempotentOptions};
 use deadpool_postgres::Pool;
 use http_body_util::{BodyExt, Full};
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
+use ruts::{
+    CookieOptions, Session, SessionLayer,
+    store::{
+        Ttl,
+        postgres::{PostgresStore as SessionPgStore, PostgresStoreBuilder},
+    },
+};
 use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use tokio::sync::Barrier;
 use tokio_postgres::NoTls;
+use tower_cookies::CookieManagerLayer;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, StoredResponse,
     store::{MemoryStore, PostgresStore, pool_for_url},
@@ -109,6 +123,9 @@ struct Settings {
     /// `wire` (one connection per worker, see `support/wire.rs`) or `hyper` (the
     /// hyper-util pooled client).
     client: String,
+    /// Rounds of the race, and the duplicates of one key sent at once in each.
+    race_trials: usize,
+    race_duplicates: usize,
 }
 
 fn env_or<T: FromStr>(name: &str, default: T) -> T {
@@ -153,6 +170,8 @@ impl Settings {
                 c @ ("wire" | "hyper") => c.to_owned(),
                 other => panic!("BENCH_CLIENT={other:?}: wire or hyper"),
             },
+            race_trials: env_or("BENCH_RACE_TRIALS", 5usize),
+            race_duplicates: env_or("BENCH_RACE_DUPLICATES", 64usize).max(2),
         }
     }
 }
@@ -183,9 +202,11 @@ enum Kind {
     HttpFloorReplay,
     LeaseUnnamed,
     ReplayUnnamed,
+    Peer,
+    PeerReplay,
 }
 
-const KINDS: [Kind; 20] = [
+const KINDS: [Kind; 22] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -206,11 +227,13 @@ const KINDS: [Kind; 20] = [
     Kind::HttpFloorReplay,
     Kind::LeaseUnnamed,
     Kind::ReplayUnnamed,
+    Kind::Peer,
+    Kind::PeerReplay,
 ];
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 20] = [
+const RUN_ORDER: [Kind; 22] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
@@ -220,6 +243,7 @@ const RUN_ORDER: [Kind; 20] = [
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
+    Kind::Peer,
     Kind::Tx,
     Kind::FloorTx,
     Kind::HttpFloorTx,
@@ -228,6 +252,7 @@ const RUN_ORDER: [Kind; 20] = [
     Kind::ReplayUnnamed,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
+    Kind::PeerReplay,
     Kind::FloorSelect,
     Kind::FloorReplayShared,
     Kind::Dup,
@@ -256,6 +281,8 @@ impl Kind {
             Kind::HttpFloorReplay => "http_floor_replay",
             Kind::LeaseUnnamed => "lease_unnamed",
             Kind::ReplayUnnamed => "replay_unnamed",
+            Kind::Peer => "peer",
+            Kind::PeerReplay => "peer_replay",
         }
     }
 
@@ -283,6 +310,8 @@ impl Kind {
                 "(c‴) lease mode, new keys, unnamed statements (transaction pooling's mode)"
             }
             Kind::ReplayUnnamed => "(e‴) replays, unnamed statements (transaction pooling's mode)",
+            Kind::Peer => "(k) peer: axum-idempotent on ruts' PostgresStore, new keys",
+            Kind::PeerReplay => "(l) peer: axum-idempotent on ruts' PostgresStore, replays",
         }
     }
 
@@ -290,12 +319,16 @@ impl Kind {
     fn floor(self) -> Option<Kind> {
         match self {
             Kind::PassThrough => Some(Kind::Bare),
-            Kind::Lease | Kind::LeaseShared | Kind::LeaseUnnamed | Kind::HttpFloorLease => {
-                Some(Kind::FloorLease)
-            }
+            Kind::Lease
+            | Kind::LeaseShared
+            | Kind::LeaseUnnamed
+            | Kind::HttpFloorLease
+            | Kind::Peer => Some(Kind::FloorLease),
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
             // Replays are held to a plain read of the row by its primary key.
-            Kind::Replay | Kind::ReplayShared | Kind::ReplayUnnamed => Some(Kind::FloorSelect),
+            Kind::Replay | Kind::ReplayShared | Kind::ReplayUnnamed | Kind::PeerReplay => {
+                Some(Kind::FloorSelect)
+            }
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
         }
@@ -323,6 +356,12 @@ impl Kind {
     /// Rows whose store sends its statements unnamed, as behind a transaction pooler
     /// (`PostgresStore::with_transaction_pooling`), over the same direct connections:
     /// what that mode costs the database, alone.
+    /// The peer's rows: `axum-idempotent` behind `ruts`' session layer, each worker's
+    /// requests carrying the cookie of the session it logged in to.
+    fn peer(self) -> bool {
+        matches!(self, Kind::Peer | Kind::PeerReplay)
+    }
+
     fn unnamed(self) -> bool {
         matches!(self, Kind::LeaseUnnamed | Kind::ReplayUnnamed)
     }
@@ -364,6 +403,9 @@ impl Kind {
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
             // Parsed with every execution: nothing prepared.
             Kind::LeaseUnnamed | Kind::ReplayUnnamed => 0.0,
+            // sqlx prepares each statement on first use: the read alone outside a
+            // transaction (its own commit); the write inside the one it runs in.
+            Kind::Peer | Kind::PeerReplay => 1.0,
         }
     }
 }
@@ -847,6 +889,10 @@ async fn create_in_tx(
     tx: TransactionHandle,
     _body: Bytes,
 ) -> Response {
+    insert_payment(&sql, &key, &tx).await
+}
+
+async fn insert_payment(sql: &Sql, key: &IdempotencyKey, tx: &TransactionHandle) -> Response {
     let client = match tx.client().await {
         Ok(c) => c,
         Err(e) => return internal(e),
@@ -862,6 +908,28 @@ async fn create_in_tx(
         return internal(e);
     }
     created()
+}
+
+/// The handlers of the race: the app's own, counting their runs.
+#[derive(Clone)]
+struct Counted {
+    runs: Arc<AtomicU64>,
+    sql: Arc<Sql>,
+}
+
+async fn create_counted(State(counted): State<Counted>, _body: Bytes) -> Response {
+    counted.runs.fetch_add(1, Ordering::SeqCst);
+    created()
+}
+
+async fn create_in_tx_counted(
+    State(counted): State<Counted>,
+    key: IdempotencyKey,
+    tx: TransactionHandle,
+    _body: Bytes,
+) -> Response {
+    counted.runs.fetch_add(1, Ordering::SeqCst);
+    insert_payment(&counted.sql, &key, &tx).await
 }
 
 fn key_of(headers: &HeaderMap) -> Option<&str> {
@@ -965,10 +1033,18 @@ fn http_client() -> HttpClient {
 }
 
 /// One request; the status and whether it was a replay.
-async fn send(client: &HttpClient, uri: &str, key: Option<&str>) -> Result<String, String> {
+async fn send(
+    client: &HttpClient,
+    uri: &str,
+    key: Option<&str>,
+    cookie: Option<&str>,
+) -> Result<String, String> {
     let mut req = http::Request::post(uri).header(CONTENT_TYPE, "application/json");
     if let Some(key) = key {
         req = req.header("idempotency-key", key);
+    }
+    if let Some(cookie) = cookie {
+        req = req.header(http::header::COOKIE, cookie);
     }
     let req = req
         .body(Full::new(Bytes::from_static(REQUEST_BODY)))
@@ -1162,6 +1238,8 @@ struct Ctx {
     table: String,
     sql: Arc<Sql>,
     overhead: Overhead,
+    /// The peer's sessions, once logged in (if a row of the peer or the race runs).
+    peer: Option<Peer>,
 }
 
 impl Ctx {
@@ -1203,6 +1281,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
     let mut store: Option<PostgresStore> = None;
     let mut floor: Option<Arc<Floor>> = None;
     let mut server: Option<Server> = None;
+    let mut peer_db: Option<PgPool> = None;
 
     let router = match kind {
         Kind::Bare => Some(Router::new().route("/payments", post(create))),
@@ -1248,6 +1327,15 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                 .route("/payments", post(create))
                 .layer(IdempotencyLayer::new(MemoryStore::new())),
         ),
+        Kind::Peer | Kind::PeerReplay => {
+            let peer = ctx.peer.as_ref().expect("the peer's sessions");
+            let pool = peer_pool(&db.row_url, ctx.settings.pool_size);
+            peer_db = Some(pool.clone());
+            Some(peer_router(
+                peer_store(pool, &peer.schema, false).await,
+                post(create),
+            ))
+        }
         Kind::HttpFloorLease | Kind::HttpFloorTx | Kind::HttpFloorReplay => {
             let f = ctx.floor();
             floor = Some(f.clone());
@@ -1275,23 +1363,44 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         let addr = srv.addr;
         server = Some(srv);
         let client = http_client();
-        let wire = (ctx.settings.client == "wire").then(|| Arc::new(wire::Clients::new(addr, c)));
+        // The peer's workers each carry the cookie of the session they logged in to.
+        let cookies: Arc<[String]> = match &ctx.peer {
+            Some(peer) if kind.peer() => Arc::from(&peer.cookies[..c]),
+            _ => Arc::from(vec![String::new(); c]),
+        };
+        let wire = (ctx.settings.client == "wire").then(|| {
+            Arc::new(if kind.peer() {
+                wire::Clients::with_cookies(addr, cookies.to_vec())
+            } else {
+                wire::Clients::new(addr, c)
+            })
+        });
         let tag: Arc<str> = Arc::from(tag.as_str());
         Arc::new(move |w, seq| {
-            let (client, wire, uri, tag) = (client.clone(), wire.clone(), uri.clone(), tag.clone());
+            let (client, wire, uri, tag, cookies) = (
+                client.clone(),
+                wire.clone(),
+                uri.clone(),
+                tag.clone(),
+                cookies.clone(),
+            );
             Box::pin(async move {
                 let key = match kind {
                     Kind::Bare | Kind::PassThrough => None,
                     Kind::Replay
                     | Kind::ReplayShared
                     | Kind::ReplayUnnamed
-                    | Kind::HttpFloorReplay => Some(replay_key(w, seq, n_replay)),
+                    | Kind::HttpFloorReplay
+                    | Kind::PeerReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
                     _ => Some(format!("{tag}-w{w}-{seq}")),
                 };
                 match wire {
                     Some(wire) => outcome(wire.post(w, key.as_deref(), REQUEST_BODY).await?),
-                    None => send(&client, &uri, key.as_deref()).await,
+                    None => {
+                        let cookie = Some(cookies[w].as_str()).filter(|c| !c.is_empty());
+                        send(&client, &uri, key.as_deref(), cookie).await
+                    }
                 }
             })
         })
@@ -1339,10 +1448,20 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         .as_ref()
         .map(|s| s.pool().clone())
         .or_else(|| floor.as_ref().map(|f| f.pool.clone()));
-    let (commits, rollbacks) = if let Some(pool) = pool {
+    // The connections the row opened, once they are closed.
+    let connections = if let Some(pool) = pool {
         // Shared connections are taken out of the pool; they open and prepare too.
         let connections = (pool.status().size + ctx.shared_claim_connections(kind)) as f64;
         pool.close();
+        Some(connections)
+    } else if let Some(pool) = peer_db {
+        let connections = f64::from(pool.size());
+        pool.close().await;
+        Some(connections)
+    } else {
+        None
+    };
+    let (commits, rollbacks) = if let Some(connections) = connections {
         drop(store);
         drop(floor);
         db.wait_closed().await;
@@ -1426,22 +1545,36 @@ async fn precreate_replays(ctx: &Ctx) {
         .route("/payments", post(create))
         .layer(IdempotencyLayer::new(store.clone()));
     let srv = serve(app).await;
+    complete_replay_keys(&srv, ctx.settings.replay_keys, None).await;
+    srv.shutdown().await;
+    store.pool().close();
+}
+
+/// Sends `replay-0` … `replay-{n-1}` once each (with `cookie`, if any), 16 at a time.
+async fn complete_replay_keys(srv: &Server, n: usize, cookie: Option<&str>) {
     let uri: Arc<str> = Arc::from(format!("http://{}/payments", srv.addr));
+    let cookie: Option<Arc<str>> = cookie.map(Arc::from);
     let client = http_client();
     let next = Arc::new(AtomicU64::new(0));
-    let n = ctx.settings.replay_keys as u64;
+    let n = n as u64;
     let mut tasks = Vec::new();
     for _ in 0..16 {
-        let (client, uri, next) = (client.clone(), uri.clone(), next.clone());
+        let (client, uri, next, cookie) =
+            (client.clone(), uri.clone(), next.clone(), cookie.clone());
         tasks.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= n {
                     break;
                 }
-                let outcome = send(&client, &uri, Some(&format!("replay-{i}")))
-                    .await
-                    .expect("pre-create a key");
+                let outcome = send(
+                    &client,
+                    &uri,
+                    Some(&format!("replay-{i}")),
+                    cookie.as_deref(),
+                )
+                .await
+                .expect("pre-create a key");
                 assert_eq!(outcome, "201", "pre-create a key");
             }
         }));
@@ -1449,8 +1582,334 @@ async fn precreate_replays(ctx: &Ctx) {
     for t in tasks {
         t.await.expect("pre-create");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The peer: `axum-idempotent` over `ruts`' PostgreSQL session store.
+//
+// It keeps a key's response as a field of the session the request carries, and caches
+// nothing for a request without a session; so each worker logs in first (`POST /login`,
+// which writes a field of a new session and answers with its cookie), before any row
+// runs, and sends that cookie with every request, as a logged-in browser would.
+// ---------------------------------------------------------------------------------------
+
+/// The session cookie's name.
+const PEER_COOKIE: &str = "session";
+/// The session table, in a schema of its own (`<schema>_peer`).
+const PEER_TABLE: &str = "sessions";
+/// How long a session's fields, and so a cached response, live: as long as our keys.
+const PEER_TTL_SECS: i64 = TTL_MS / 1000;
+
+struct Peer {
+    schema: String,
+    /// `name=value` of a session cookie for each worker, and one more for the race.
+    cookies: Vec<String>,
+}
+
+/// A sqlx pool of `size` connections, opened on demand as the store's deadpool pool is,
+/// and like it handing out an idle connection without a round trip to test it (sqlx's
+/// default pings each one first: that round trip is left out, in the peer's favour).
+fn peer_pool(url: &str, size: usize) -> PgPool {
+    let options: PgConnectOptions = url.parse().expect("BENCH_DATABASE_URL, for sqlx");
+    PgPoolOptions::new()
+        .max_connections(u32::try_from(size).expect("pool size"))
+        .test_before_acquire(false)
+        .connect_lazy_with(options)
+}
+
+async fn peer_store(pool: PgPool, schema: &str, create_table: bool) -> Arc<SessionPgStore> {
+    let store = PostgresStoreBuilder::new(pool)
+        .schema_name(schema)
+        .expect("schema name")
+        .table_name(PEER_TABLE)
+        .expect("table name")
+        .create_table(create_table)
+        .build()
+        .await
+        .expect("the session store");
+    Arc::new(store)
+}
+
+/// The key from the `Idempotency-Key` header, as ours; a response kept as long as ours;
+/// a replay marked with our header, which the clients count replays by.
+fn peer_options() -> IdempotentOptions {
+    IdempotentOptions::default()
+        .use_idempotency_key_header(Some("idempotency-key"), false)
+        .expire_after(PEER_TTL_SECS)
+        .replay_header_name("idempotent-replayed")
+}
+
+/// The app with the peer's layers in the order its documentation gives (cookies, then
+/// sessions, then idempotency): `/payments`, and `/login`.
+fn peer_router(store: Arc<SessionPgStore>, payments: MethodRouter) -> Router {
+    Router::new()
+        .route("/payments", payments)
+        .route("/login", post(peer_login))
+        .layer(IdempotentLayer::<SessionPgStore>::new(peer_options()))
+        .layer(
+            SessionLayer::new(store)
+                .with_cookie_options(CookieOptions::build().name(PEER_COOKIE).path("/")),
+        )
+        .layer(CookieManagerLayer::new())
+}
+
+async fn peer_login(session: Session<SessionPgStore>) -> Response {
+    let ttl = match Ttl::new(PEER_TTL_SECS) {
+        Ok(ttl) => ttl,
+        Err(e) => return internal(e),
+    };
+    match session
+        .set("customer", &"cus_8e03978e40d5", ttl, None)
+        .await
+    {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => internal(e),
+    }
+}
+
+/// Logs in; the session cookie, `name=value`.
+async fn login(client: &HttpClient, addr: SocketAddr) -> String {
+    let req = http::Request::post(format!("http://{addr}/login"))
+        .body(Full::new(Bytes::new()))
+        .expect("the login request");
+    let res = client.request(req).await.expect("log in");
+    assert_eq!(res.status(), StatusCode::NO_CONTENT, "log in");
+    let cookie = res
+        .headers()
+        .get(http::header::SET_COOKIE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .expect("a session cookie")
+        .trim()
+        .to_owned();
+    assert!(
+        cookie.starts_with(&format!("{PEER_COOKIE}=")),
+        "the session cookie: {cookie}"
+    );
+    cookie
+}
+
+/// The peer's session table; a session logged in for each worker of the largest
+/// concurrency, and one for the race; the keys to replay completed through the peer in
+/// the first session, and their stored responses copied to every other session, as if
+/// each had completed them.
+async fn peer_setup(ctx: &Ctx) -> Peer {
+    let schema = format!("{}_peer", ctx.schema);
+    let pool = peer_pool(&ctx.db.row_url, 4);
+    let store = peer_store(pool.clone(), &schema, true).await;
+    let srv = serve(peer_router(store.clone(), post(create))).await;
+    let client = http_client();
+    let workers = ctx.settings.concurrency.iter().copied().max().unwrap_or(1);
+    let mut cookies = Vec::with_capacity(workers + 1);
+    for _ in 0..=workers {
+        cookies.push(login(&client, srv.addr).await);
+    }
+    complete_replay_keys(&srv, ctx.settings.replay_keys, Some(&cookies[0])).await;
+    let table = format!("\"{schema}\".\"{PEER_TABLE}\"");
+    let copied = sqlx::query(&format!(
+        "INSERT INTO {table} (session_id, field, value, hot_cache_ttl, expires_at)
+         SELECT other.session_id, done.field, done.value, done.hot_cache_ttl, done.expires_at
+           FROM {table} done
+           JOIN {table} other ON other.field = 'customer' AND other.session_id <> done.session_id
+          WHERE done.field LIKE 'idem:replay-%'"
+    ))
+    .execute(&pool)
+    .await
+    .expect("copy the stored responses to every session")
+    .rows_affected();
+    assert_eq!(
+        copied,
+        (workers * ctx.settings.replay_keys) as u64,
+        "stored responses copied"
+    );
+    sqlx::query(&format!("ANALYZE {table}"))
+        .execute(&pool)
+        .await
+        .expect("analyze the session table");
     srv.shutdown().await;
-    store.pool().close();
+    drop(store);
+    pool.close().await;
+    Peer { schema, cookies }
+}
+
+// ---------------------------------------------------------------------------------------
+// The race: duplicates of one key sent at once, each on a connection of its own opened
+// beforehand; how many times the handler ran. The handler is the rows' (it answers at
+// once, which leaves a check-then-write design the narrowest window).
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy)]
+enum Racer {
+    Lease,
+    Tx,
+    Peer,
+}
+
+const RACERS: [Racer; 3] = [Racer::Lease, Racer::Tx, Racer::Peer];
+
+impl Racer {
+    fn id(self) -> &'static str {
+        match self {
+            Racer::Lease => "lease",
+            Racer::Tx => "tx",
+            Racer::Peer => "peer",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Racer::Lease => "(c) lease mode",
+            Racer::Tx => "(d) transactional",
+            Racer::Peer => "(k) peer: axum-idempotent on ruts' PostgresStore",
+        }
+    }
+}
+
+struct RaceResult {
+    racer: Racer,
+    /// The handler's runs in each round.
+    runs: Vec<u64>,
+    outcomes: BTreeMap<String, u64>,
+    errors: u64,
+}
+
+async fn race(ctx: &Ctx, racer: Racer) -> RaceResult {
+    let n = ctx.settings.race_duplicates;
+    let counted = Counted {
+        runs: Arc::new(AtomicU64::new(0)),
+        sql: ctx.sql.clone(),
+    };
+    let mut store: Option<PostgresStore> = None;
+    let mut peer_db: Option<PgPool> = None;
+    let mut cookie = String::new();
+    let router = match racer {
+        Racer::Lease | Racer::Tx => {
+            let st = ctx.store();
+            store = Some(st.clone());
+            if let Racer::Lease = racer {
+                Router::new()
+                    .route("/payments", post(create_counted))
+                    .with_state(counted.clone())
+                    .layer(IdempotencyLayer::new(st))
+            } else {
+                Router::new()
+                    .route("/payments", post(create_in_tx_counted))
+                    .with_state(counted.clone())
+                    .layer(IdempotencyLayer::transactional(st))
+            }
+        }
+        Racer::Peer => {
+            let peer = ctx.peer.as_ref().expect("the peer's sessions");
+            cookie = peer.cookies.last().expect("the race's session").clone();
+            let pool = peer_pool(&ctx.db.row_url, ctx.settings.pool_size);
+            peer_db = Some(pool.clone());
+            peer_router(
+                peer_store(pool, &peer.schema, false).await,
+                post(create_counted).with_state(counted.clone()),
+            )
+        }
+    };
+    let srv = serve(router).await;
+    let wire = Arc::new(wire::Clients::with_cookies(srv.addr, vec![cookie; n]));
+    // Every connection opened first, by a request without a key.
+    let opened: Vec<_> = (0..n)
+        .map(|w| {
+            let wire = wire.clone();
+            tokio::spawn(async move {
+                let _ = wire.post(w, None, REQUEST_BODY).await;
+            })
+        })
+        .collect();
+    for t in opened {
+        t.await.expect("open a connection");
+    }
+    let mut result = RaceResult {
+        racer,
+        runs: Vec::new(),
+        outcomes: BTreeMap::new(),
+        errors: 0,
+    };
+    for round in 0..ctx.settings.race_trials {
+        counted.runs.store(0, Ordering::SeqCst);
+        let key: Arc<str> = Arc::from(format!("race-{}-{round}", racer.id()));
+        let barrier = Arc::new(Barrier::new(n));
+        let sent: Vec<_> = (0..n)
+            .map(|w| {
+                let (wire, key, barrier) = (wire.clone(), key.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    outcome(wire.post(w, Some(&key), REQUEST_BODY).await?)
+                })
+            })
+            .collect();
+        for t in sent {
+            match t.await.expect("a duplicate") {
+                Ok(o) => *result.outcomes.entry(o).or_default() += 1,
+                Err(e) => {
+                    if result.errors == 0 {
+                        eprintln!("  race {}: first error: {e}", racer.id());
+                    }
+                    result.errors += 1;
+                }
+            }
+        }
+        result.runs.push(counted.runs.load(Ordering::SeqCst));
+    }
+    srv.shutdown().await;
+    if let Some(st) = store {
+        st.pool().close();
+    }
+    if let Some(pool) = peer_db {
+        pool.close().await;
+    }
+    ctx.db.wait_closed().await;
+    result
+}
+
+fn print_race(results: &[RaceResult], n: usize) {
+    println!();
+    println!("The race: {n} duplicates of one key at once, the handler's runs in each round");
+    println!();
+    println!("| layer | handler runs per round | outcomes over the rounds |");
+    println!("|---|---|---|");
+    for r in results {
+        let total: u64 = r.outcomes.values().sum::<u64>() + r.errors;
+        let mut outcomes = r
+            .outcomes
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if r.errors > 0 {
+            outcomes.push_str(&format!(", errors: {}", r.errors));
+        }
+        println!(
+            "| {} | {} | {outcomes} (of {total}) |",
+            r.racer.label(),
+            r.runs
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+    }
+}
+
+fn write_race_csv(results: &[RaceResult], n: usize, path: &PathBuf) {
+    let mut out = String::from("layer,label,duplicates,round,handler_runs\n");
+    for r in results {
+        for (round, runs) in r.runs.iter().enumerate() {
+            out.push_str(&format!(
+                "{},\"{}\",{n},{round},{runs}\n",
+                r.racer.id(),
+                r.racer.label()
+            ));
+        }
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).expect("create the output directory");
+    }
+    std::fs::write(path, out).expect("write the race's CSV");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1492,6 +1951,35 @@ fn print_table(results: &[RowResult]) {
                 outcomes,
             );
         }
+    }
+}
+
+/// Our rows beside the peer's, at each concurrency: throughput over the peer's, paired
+/// by round, and the CPU each spends per request, the app's and PostgreSQL's.
+fn print_against_peer(results: &[RowResult], against: &[(Kind, usize, Kind, f64)]) {
+    if against.is_empty() {
+        return;
+    }
+    let find = |kind: Kind, c: usize| results.iter().find(|r| r.kind == kind && r.c == c);
+    println!();
+    println!(
+        "| row | c | × the peer's req/s | req/s | app CPU µs/req | PG CPU µs/req | the peer's req/s | its app CPU µs/req | its PG CPU µs/req |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for &(kind, c, peer, ratio) in against {
+        let (Some(ours), Some(theirs)) = (find(kind, c), find(peer, c)) else {
+            continue;
+        };
+        println!(
+            "| {} | {c} | {ratio:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            kind.label(),
+            ours.rps,
+            ours.app_cpu_us,
+            ours.pg_cpu_us,
+            theirs.rps,
+            theirs.app_cpu_us,
+            theirs.pg_cpu_us,
+        );
     }
 }
 
@@ -1707,13 +2195,14 @@ async fn run() {
     setup.pool().close();
     drop(setup);
 
-    let ctx = Ctx {
+    let mut ctx = Ctx {
         sql,
         settings,
         db,
         schema,
         table,
         overhead,
+        peer: None,
     };
     eprintln!(
         "schema {}, table {}; pre-creating {} keys to replay ...",
@@ -1721,11 +2210,25 @@ async fn run() {
     );
     precreate_replays(&ctx).await;
 
-    // All rows by default, except the experiment (j‴), which runs only when named.
-    let selected = |k: Kind| match ctx.settings.rows.as_ref() {
+    // All rows by default, except the experiment (j‴), which runs only when named; the
+    // race too, unless rows are named without it.
+    let named = ctx.settings.rows.clone();
+    let selected = |k: Kind| match named.as_ref() {
         Some(rows) => rows.iter().any(|r| r == k.id()),
         None => k != Kind::FloorReplayShared,
     };
+    let race_selected = ctx.settings.race_trials > 0
+        && named
+            .as_ref()
+            .is_none_or(|rows| rows.iter().any(|r| r == "race"));
+    if selected(Kind::Peer) || selected(Kind::PeerReplay) || race_selected {
+        eprintln!(
+            "the peer: schema {}_peer; logging in, completing {} keys to replay ...",
+            ctx.schema, ctx.settings.replay_keys
+        );
+        ctx.peer = Some(peer_setup(&ctx).await);
+    }
+    let ctx = ctx;
     let mut runs: Vec<Vec<RowResult>> = Vec::new();
     // Memory must not grow with the keys the layer has seen: resident memory before the
     // rows and after each.
@@ -1781,6 +2284,19 @@ async fn run() {
                 .collect(),
         )
     };
+    // Against the peer: our rows over the peer's of the same round, then the median.
+    let against_peer: Vec<(Kind, usize, Kind, f64)> = runs
+        .iter()
+        .filter_map(|rs| {
+            let kind = rs[0].kind;
+            let peer = match kind {
+                Kind::Lease | Kind::LeaseShared | Kind::Tx | Kind::HttpFloorLease => Kind::Peer,
+                Kind::Replay | Kind::ReplayShared | Kind::HttpFloorReplay => Kind::PeerReplay,
+                _ => return None,
+            };
+            paired(rs, peer).map(|ratio| (kind, rs[0].c, peer, ratio))
+        })
+        .collect();
     let ratios: Vec<(Option<f64>, Option<f64>)> = runs
         .iter()
         .map(|rs| {
@@ -1812,6 +2328,18 @@ async fn run() {
         .collect();
 
     print_table(&results);
+    print_against_peer(&results, &against_peer);
+    if race_selected {
+        let mut raced = Vec::new();
+        for racer in RACERS {
+            eprintln!("race: {}", racer.id());
+            raced.push(race(&ctx, racer).await);
+        }
+        print_race(&raced, ctx.settings.race_duplicates);
+        let csv = ctx.settings.out_dir.join("e2e-race.csv");
+        write_race_csv(&raced, ctx.settings.race_duplicates, &csv);
+        eprintln!("wrote {}", csv.display());
+    }
     println!(
         "\nmemory: resident {rss_before:.1} MiB before the rows, {:.1} MiB after them; {keys_seen} keyed requests measured through the layer",
         memory_kib("VmRSS") as f64 / 1024.0,
@@ -1832,9 +2360,12 @@ async fn run() {
         .expect("connect");
     let conn = tokio::spawn(conn);
     cleanup
-        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", ctx.schema))
+        .batch_execute(&format!(
+            "DROP SCHEMA \"{0}\" CASCADE; DROP SCHEMA IF EXISTS \"{0}_peer\" CASCADE",
+            ctx.schema
+        ))
         .await
-        .expect("drop the schema");
+        .expect("drop the schemas");
     drop(cleanup);
     let _ = conn.await;
     ctx.db.wait_closed().await;

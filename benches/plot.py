@@ -26,6 +26,7 @@ E2E_ROWS = [
     ("http_floor_lease", "floor (h)\nover HTTP"),
     ("floor_lease", "floor (h)"),
     ("floor_lease_nonotify", "floor (h)\nno pg_notify"),
+    ("peer", "peer (k)\nnew keys"),
     ("tx", "transactional\nnew keys"),
     ("http_floor_tx", "floor (i)\nover HTTP"),
     ("floor_tx", "floor (i)"),
@@ -33,6 +34,7 @@ E2E_ROWS = [
     ("replay_shared", "replays,\nshared claims"),
     ("http_floor_replay", "floor (j)\nover HTTP"),
     ("floor_replay", "floor (j)"),
+    ("peer_replay", "peer (l)\nreplays"),
     ("floor_select", "SELECT\nby PK"),
     ("dup", "duplicates"),
 ]

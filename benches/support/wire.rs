@@ -32,13 +32,31 @@ struct Conn {
 pub(crate) struct Clients {
     addr: SocketAddr,
     slots: Vec<Mutex<Option<Conn>>>,
+    /// Each worker's `Cookie` header line, if it has one (empty if not).
+    cookies: Vec<String>,
 }
 
 impl Clients {
     pub(crate) fn new(addr: SocketAddr, workers: usize) -> Self {
+        Self::with_cookies(addr, vec![String::new(); workers])
+    }
+
+    /// A client per worker whose requests carry that worker's cookie (`name=value`),
+    /// as a browser's would once logged in; an empty one sends none.
+    pub(crate) fn with_cookies(addr: SocketAddr, cookies: Vec<String>) -> Self {
         Self {
             addr,
-            slots: (0..workers).map(|_| Mutex::new(None)).collect(),
+            slots: (0..cookies.len()).map(|_| Mutex::new(None)).collect(),
+            cookies: cookies
+                .into_iter()
+                .map(|c| {
+                    if c.is_empty() {
+                        c
+                    } else {
+                        format!("cookie: {c}\r\n")
+                    }
+                })
+                .collect(),
         }
     }
 
@@ -65,7 +83,7 @@ impl Clients {
         let Some(conn) = slot.as_mut() else {
             unreachable!("opened above");
         };
-        let reply = conn.post(self.addr, key, body).await;
+        let reply = conn.post(self.addr, key, &self.cookies[w], body).await;
         if reply.is_err() {
             // Start afresh: the connection's state is unknown.
             *slot = None;
@@ -88,6 +106,7 @@ impl Conn {
         &mut self,
         host: SocketAddr,
         key: Option<&str>,
+        cookie: &str,
         body: &[u8],
     ) -> Result<Reply, String> {
         self.req.clear();
@@ -99,6 +118,7 @@ impl Conn {
         if let Some(key) = key {
             let _ = write!(self.req, "idempotency-key: {key}\r\n");
         }
+        self.req.extend_from_slice(cookie.as_bytes());
         self.req.extend_from_slice(b"\r\n");
         self.req.extend_from_slice(body);
         self.stream
