@@ -11,6 +11,7 @@ use tokio_postgres::{
 
 use super::{
     PostgresStore,
+    batch::Batcher,
     listener::Listener,
     purge::{self, BackgroundPurge},
     reserve,
@@ -30,6 +31,8 @@ pub(super) struct Options {
     shared: usize,
     purge_every: Option<Duration>,
     transaction_pooling: bool,
+    /// Batched claims: connections (0: off) and claims per statement.
+    batching: (usize, usize),
 }
 
 /// A rejected store setting.
@@ -102,6 +105,7 @@ impl PostgresStore {
                 shared: 0,
                 purge_every: Some(purge::DEFAULT_EVERY),
                 transaction_pooling: false,
+                batching: (0, 0),
             },
         )
     }
@@ -166,6 +170,10 @@ impl PostgresStore {
             shared: self.shared.as_ref().map_or(0, |s| s.len()),
             purge_every: self.purge.every(),
             transaction_pooling: self.transaction_pooling,
+            batching: self
+                .batcher
+                .as_ref()
+                .map_or((0, 0), |b| (b.connections(), b.max_claims())),
         }
     }
 
@@ -180,6 +188,7 @@ impl PostgresStore {
             shared,
             purge_every,
             transaction_pooling,
+            batching,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions.
@@ -227,6 +236,7 @@ impl PostgresStore {
             table,
             statements: Arc::default(),
             shared: (shared > 0).then(|| Arc::new(Shared::new(shared, Opened::ForClaims))),
+            batcher: (batching.0 > 0).then(|| Arc::new(Batcher::new(batching.0, batching.1))),
             reserve: Arc::new(Shared::new(reserve::RESERVE, Opened::Reserve)),
         }
     }
@@ -363,6 +373,44 @@ impl PostgresStore {
     pub fn with_shared_claim_connections(self, n: usize) -> Self {
         let options = Options {
             shared: n,
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Sends lease mode's claims (and so its replays, 409s and 422s) in batches: up to
+    /// `max_claims` claims in one statement, over `connections` batching connections
+    /// at once; `0` connections, the default, turns batching off.
+    ///
+    /// The batching is natural: a claim that finds a batching connection with nothing
+    /// in flight is sent at once, alone, with no timer and no added wait; the claims
+    /// that arrive while a batch is in flight queue up and go together as one statement
+    /// when it returns (up to `max_claims`, and 1 MiB of keys). One statement reads
+    /// every key of a batch and inserts the missing ones, in one commit: under load the
+    /// database does a fraction of the work per claim, and a busy app needs fewer
+    /// connections. Each claim gets the answer it would have had alone (two claims of
+    /// one key in one batch: the first runs, the second finds it running), and a failed
+    /// batch gives each claim the error it would have had alone, or runs each again
+    /// alone; docs/postgres.md, "Batched claims", says how, and docs/benchmarks.md
+    /// when it pays.
+    ///
+    /// Each batch is sent on a pooled connection, checked out for it, so this works
+    /// behind a transaction pooler too. Transactional mode's claims, completions,
+    /// releases and renewals are sent as before. With batching on, shared claim
+    /// connections ([`with_shared_claim_connections`](Self::with_shared_claim_connections))
+    /// are not used for claims.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_batched_claims(2, 64);
+    /// # Ok::<(), tower_idempotency::store::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub fn with_batched_claims(self, connections: usize, max_claims: usize) -> Self {
+        let options = Options {
+            batching: (connections, max_claims.max(1)),
             ..self.options()
         };
         Self::build(self.pool, options)

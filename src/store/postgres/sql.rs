@@ -54,6 +54,16 @@ pub(super) mod params {
         Type::INT8,
         Type::INT8,
     ];
+    /// A batch of claims, one array element per claim: scopes, keys, fingerprints,
+    /// lease ms, ttl ms, tokens.
+    pub(in super::super) const CLAIM_BATCH: &[Type] = &[
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::BYTEA_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT8_ARRAY,
+    ];
     /// scope, key, token seen, fingerprint, lease ms, ttl ms.
     pub(in super::super) const TAKEOVER: &[Type] = &[
         Type::TEXT,
@@ -151,10 +161,14 @@ pub(super) mod col {
     pub(in crate::store::postgres) const BODY: usize = 7;
     pub(in crate::store::postgres) const NOW: usize = 8;
     pub(in crate::store::postgres) const CLAIMED: usize = 9;
+    /// The batched claim's own: the claim's position in its batch, from 1.
+    pub(in crate::store::postgres) const N: usize = 10;
 }
 
 pub(super) struct Sql {
     pub(super) claim: Statement,
+    /// Claims in a batch (`batch`).
+    pub(super) claim_batch: Statement,
     pub(super) takeover: Statement,
     pub(super) complete: Statement,
     pub(super) release: Statement,
@@ -210,6 +224,33 @@ impl Sql {
                      FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
                 ),
                 params::CLAIM,
+            ),
+            // The claim of many keys at once (`batch`): the same columns per key, and its
+            // position in the batch. Each key is read as the claim reads it, and the
+            // missing ones are inserted by the same function, one after another in the
+            // order of the arrays (sorted by the sender), so that concurrent batches
+            // take their keys in one order and cannot deadlock: the keys are read by a
+            // lateral subquery that is not flattened (`OFFSET 0`), so that the plan is a
+            // nested loop over the arrays, in their order. Two claims of one key in a
+            // batch both find no row; the second's insert then meets the first's row
+            // and returns NULL, and it reads again, as it would after a statement of its
+            // own.
+            claim_batch: Statement::new(
+                format!(
+                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                            f.status, f.headers, f.body, now() AS now,
+                            CASE WHEN f.token IS NULL THEN {claim_function}(
+                                r.scope, r.key, r.fingerprint, r.lease_ms, r.ttl_ms, r.token) END AS claimed,
+                            r.n
+                     FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bigint[], $5::bigint[], $6::bigint[])
+                          WITH ORDINALITY AS r(scope, key, fingerprint, lease_ms, ttl_ms, token, n)
+                     LEFT JOIN LATERAL (
+                         SELECT k.token, k.fingerprint, k.state, k.locked_until, k.expires_at,
+                                k.status, k.headers, k.body
+                         FROM {t} AS k WHERE k.scope = r.scope AND k.key = r.key OFFSET 0) AS f ON true
+                     ORDER BY r.n"
+                ),
+                params::CLAIM_BATCH,
             ),
             // A record taken over after it completed starts with nobody waiting on it
             // (the old value of `state` is read): a lapsed running one keeps its waiters.
