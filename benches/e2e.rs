@@ -99,6 +99,9 @@ struct Settings {
     pool_size: usize,
     /// `with_shared_claim_connections` of rows (c′) and (e′).
     shared_claim_connections: usize,
+    /// `with_batched_claims` of rows (c-b) and (e-b): connections, claims per batch.
+    batch_connections: usize,
+    batch_max: usize,
     rows: Option<Vec<String>>,
     replay_keys: usize,
     url: String,
@@ -141,6 +144,8 @@ impl Settings {
             }),
             pool_size: env_or("BENCH_POOL_SIZE", 16),
             shared_claim_connections: env_or("BENCH_SHARED_CLAIM_CONNECTIONS", 4),
+            batch_connections: env_or("BENCH_BATCH_CONNECTIONS", 2),
+            batch_max: env_or("BENCH_BATCH_MAX", 64),
             rows: env_list("BENCH_ROWS"),
             replay_keys: env_or("BENCH_REPLAY_KEYS", 2000),
             url: env_or(
@@ -183,9 +188,11 @@ enum Kind {
     HttpFloorReplay,
     LeaseUnnamed,
     ReplayUnnamed,
+    LeaseBatched,
+    ReplayBatched,
 }
 
-const KINDS: [Kind; 20] = [
+const KINDS: [Kind; 22] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -206,17 +213,20 @@ const KINDS: [Kind; 20] = [
     Kind::HttpFloorReplay,
     Kind::LeaseUnnamed,
     Kind::ReplayUnnamed,
+    Kind::LeaseBatched,
+    Kind::ReplayBatched,
 ];
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 20] = [
+const RUN_ORDER: [Kind; 22] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
     Kind::Lease,
     Kind::LeaseShared,
     Kind::LeaseUnnamed,
+    Kind::LeaseBatched,
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
@@ -226,6 +236,7 @@ const RUN_ORDER: [Kind; 20] = [
     Kind::Replay,
     Kind::ReplayShared,
     Kind::ReplayUnnamed,
+    Kind::ReplayBatched,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::FloorSelect,
@@ -256,6 +267,8 @@ impl Kind {
             Kind::HttpFloorReplay => "http_floor_replay",
             Kind::LeaseUnnamed => "lease_unnamed",
             Kind::ReplayUnnamed => "replay_unnamed",
+            Kind::LeaseBatched => "lease_batched",
+            Kind::ReplayBatched => "replay_batched",
         }
     }
 
@@ -283,6 +296,8 @@ impl Kind {
                 "(c‴) lease mode, new keys, unnamed statements (transaction pooling's mode)"
             }
             Kind::ReplayUnnamed => "(e‴) replays, unnamed statements (transaction pooling's mode)",
+            Kind::LeaseBatched => "(c-b) lease mode, new keys, batched claims",
+            Kind::ReplayBatched => "(e-b) replays, batched claims",
         }
     }
 
@@ -290,12 +305,16 @@ impl Kind {
     fn floor(self) -> Option<Kind> {
         match self {
             Kind::PassThrough => Some(Kind::Bare),
-            Kind::Lease | Kind::LeaseShared | Kind::LeaseUnnamed | Kind::HttpFloorLease => {
-                Some(Kind::FloorLease)
-            }
+            Kind::Lease
+            | Kind::LeaseShared
+            | Kind::LeaseUnnamed
+            | Kind::LeaseBatched
+            | Kind::HttpFloorLease => Some(Kind::FloorLease),
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
             // Replays are held to a plain read of the row by its primary key.
-            Kind::Replay | Kind::ReplayShared | Kind::ReplayUnnamed => Some(Kind::FloorSelect),
+            Kind::Replay | Kind::ReplayShared | Kind::ReplayUnnamed | Kind::ReplayBatched => {
+                Some(Kind::FloorSelect)
+            }
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
         }
@@ -316,6 +335,8 @@ impl Kind {
                 | Kind::Replay
                 | Kind::ReplayShared
                 | Kind::ReplayUnnamed
+                | Kind::LeaseBatched
+                | Kind::ReplayBatched
                 | Kind::Dup
         )
     }
@@ -331,6 +352,12 @@ impl Kind {
     /// (`PostgresStore::with_shared_claim_connections`, `BENCH_SHARED_CLAIM_CONNECTIONS`).
     fn shared(self) -> bool {
         matches!(self, Kind::LeaseShared | Kind::ReplayShared)
+    }
+
+    /// Rows whose store batches its claims (`PostgresStore::with_batched_claims`,
+    /// `BENCH_BATCH_CONNECTIONS`, `BENCH_BATCH_MAX`).
+    fn batched(self) -> bool {
+        matches!(self, Kind::LeaseBatched | Kind::ReplayBatched)
     }
 
     fn over_http(self) -> bool {
@@ -351,6 +378,7 @@ impl Kind {
             Kind::Lease
             | Kind::LeaseShared
             | Kind::Dup
+            | Kind::LeaseBatched
             | Kind::FloorLease
             | Kind::FloorLeaseNoNotify => 2.0,
             Kind::HttpFloorLease => 2.0,
@@ -360,6 +388,7 @@ impl Kind {
             | Kind::FloorReplay
             | Kind::FloorSelect
             | Kind::FloorReplayShared
+            | Kind::ReplayBatched
             | Kind::HttpFloorReplay => 1.0,
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
             // Parsed with every execution: nothing prepared.
@@ -1221,11 +1250,18 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         | Kind::Replay
         | Kind::ReplayShared
         | Kind::ReplayUnnamed
+        | Kind::LeaseBatched
+        | Kind::ReplayBatched
         | Kind::Dup => {
             let st = ctx
                 .store()
                 .with_shared_claim_connections(ctx.shared_claim_connections(kind))
                 .with_transaction_pooling(kind.unnamed());
+            let st = if kind.batched() {
+                st.with_batched_claims(ctx.settings.batch_connections, ctx.settings.batch_max)
+            } else {
+                st
+            };
             store = Some(st.clone());
             Some(
                 Router::new()
@@ -1285,6 +1321,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     Kind::Replay
                     | Kind::ReplayShared
                     | Kind::ReplayUnnamed
+                    | Kind::ReplayBatched
                     | Kind::HttpFloorReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
                     _ => Some(format!("{tag}-w{w}-{seq}")),
