@@ -4,7 +4,7 @@
 //!
 //! A batch is filled deterministically by holding the only connection of the store's
 //! pool: the claims queue while the batching connection waits for it, and go together
-//! when the test lets it go (`claims_waiting_for_a_batch` says when they all wait).
+//! when the test lets it go (`waiting_for_a_batch` says when they all wait).
 
 mod common;
 
@@ -116,7 +116,7 @@ async fn in_one_batch(
             })
         })
         .collect();
-    eventually(|| store.claims_waiting_for_a_batch() == claims.len()).await;
+    eventually(|| store.waiting_for_a_batch() == claims.len()).await;
     drop(held);
     let mut answers = Vec::new();
     for task in tasks {
@@ -273,12 +273,10 @@ async fn a_batch_whose_connection_is_cut_releases_each_claim_in_doubt() {
             .unwrap()
             .is_kept()
     );
-    let scope = Scope::anonymous();
-    let replay = store
-        .claim(&request(&scope, "done", A, MINUTE, MINUTE))
-        .await
-        .unwrap();
-    assert!(matches!(replay, Claim::Completed { .. }));
+    // Two replays in one batch: the batch statement is prepared too.
+    for replay in in_one_batch(&store, &[("done", A), ("done", A)]).await {
+        assert!(matches!(replay, Ok(Claim::Completed { .. })), "{replay:?}");
+    }
 
     let keys = ["cut-1", "cut-2", "cut-3", "cut-4", "cut-5"];
     let mut claims: Vec<(&'static str, Fingerprint)> = keys.iter().map(|&k| (k, A)).collect();
@@ -298,7 +296,7 @@ async fn a_batch_whose_connection_is_cut_releases_each_claim_in_doubt() {
             })
         })
         .collect();
-    eventually(|| store.claims_waiting_for_a_batch() == claims.len()).await;
+    eventually(|| store.waiting_for_a_batch() == claims.len()).await;
     drop(held);
     // Each claim fails as it would alone: its connection was lost.
     for task in tasks {
@@ -343,7 +341,7 @@ async fn claims_given_up_on_leave_no_key_held() {
                 .await
         })
     };
-    eventually(|| store.claims_waiting_for_a_batch() == 1).await;
+    eventually(|| store.waiting_for_a_batch() == 1).await;
     given_up.abort();
     assert!(given_up.await.unwrap_err().is_cancelled());
     drop(held);
@@ -352,6 +350,77 @@ async fn claims_given_up_on_leave_no_key_held() {
     let lease = acquire(&store, "given-up", A, MINUTE, MINUTE).await;
     assert_eq!(store.metrics().batched_claims - before.batched_claims, 1);
     assert!(store.release(&lease).await.unwrap().is_kept());
+}
+
+/// A stale token among the completions of one batch: that completion only is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_token_in_a_batch_of_completions_refuses_that_completion_only() {
+    let schema = TestSchema::new();
+    let store = batched_store(&schema, &database_url()).await;
+    let keys = ["c-0", "c-1", "c-2", "c-3", "c-4"];
+    let mut leases = Vec::new();
+    for key in keys {
+        leases.push(acquire(&store, key, A, MINUTE, MINUTE).await);
+    }
+    // A holder whose lapsed lease was taken over since: its token is stale.
+    let stale = acquire(&store, "stale", A, MS, MINUTE).await;
+    until(
+        &schema,
+        "SELECT bool_and(locked_until <= now()) FROM {t} WHERE key = 'stale'",
+    )
+    .await;
+    let holder = acquire(&store, "stale", A, MINUTE, MINUTE).await;
+    assert_eq!(holder.token, stale.token.next());
+
+    // A completion held by a row lock is in flight; the others queue behind it.
+    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM \"{}\".idempotency_keys WHERE key = 'c-0' FOR UPDATE",
+            schema.name
+        ))
+        .await
+        .expect("lock c-0");
+    let complete = |lease: Lease| {
+        let store = store.clone();
+        tokio::spawn(async move { store.complete(&lease, &response("stored"), MINUTE).await })
+    };
+    let held = complete(leases[0].clone());
+    schema.wait_for_lock_waiters(1).await;
+    let mut queued: Vec<_> = leases[1..].iter().cloned().map(&complete).collect();
+    queued.insert(2, complete(stale.clone()));
+    eventually(|| store.waiting_for_a_batch() == 5).await;
+    locker.batch_execute("COMMIT").await.expect("let c-0 go");
+    assert!(held.await.unwrap().unwrap().is_kept());
+    let answers: Vec<bool> = futures_util::future::join_all(queued)
+        .await
+        .into_iter()
+        .map(|done| done.unwrap().unwrap().is_kept())
+        .collect();
+    assert_eq!(answers, [true, true, false, true, true]);
+    let rows = schema
+        .query(&format!(
+            "SELECT key, state, token FROM \"{}\".idempotency_keys ORDER BY key",
+            schema.name
+        ))
+        .await;
+    let rows: Vec<(String, String, i64)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    for (key, lease) in keys.iter().zip(&leases) {
+        assert!(
+            rows.contains(&((*key).to_owned(), "completed".to_owned(), lease.token.get())),
+            "{key}: {rows:?}"
+        );
+    }
+    assert!(
+        rows.contains(&("stale".to_owned(), "running".to_owned(), holder.token.get())),
+        "{rows:?}"
+    );
 }
 
 /// The child of `duplicates_across_two_processes_run_once`: a hundred requests with one

@@ -43,6 +43,7 @@ use tokio_postgres::{Row, types::ToSql};
 
 use super::{
     Checkout, PostgresStore,
+    batch_complete::Completions,
     claim::{CLAIM_ATTEMPTS, Found, found, ms},
     errors::{again_if_it_lost_a_race, corrupt, lost_its_connection},
     shared::STALLED,
@@ -66,6 +67,8 @@ pub(super) struct Batcher {
     slots: Box<[Slot]>,
     /// Claims in one statement at most.
     max_claims: usize,
+    /// Completions, batched the same way.
+    completions: Arc<Completions>,
     /// Batch statements sent, and the claims sent in them.
     batches: AtomicU64,
     batched: AtomicU64,
@@ -164,6 +167,7 @@ impl Batcher {
         Self {
             slots: (0..connections.max(1)).map(|_| Slot::default()).collect(),
             max_claims: max_claims.max(1),
+            completions: Arc::new(Completions::new(connections, max_claims)),
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
         }
@@ -175,6 +179,11 @@ impl Batcher {
 
     pub(super) fn max_claims(&self) -> usize {
         self.max_claims
+    }
+
+    /// The batching of completions.
+    pub(super) fn completions(&self) -> &Arc<Completions> {
+        &self.completions
     }
 
     /// Batch statements sent so far.

@@ -1,6 +1,7 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
 mod batch;
+mod batch_complete;
 mod checkout;
 mod claim;
 mod config;
@@ -185,12 +186,14 @@ impl PostgresStore {
         }
     }
 
-    /// Claims queued behind a batch in flight and not sent yet
+    /// Claims and completions queued behind a batch in flight and not sent yet
     /// ([`with_batched_claims`](Self::with_batched_claims)), for tests that hold a batch
     /// to fill the next one. Not part of the stable API.
     #[doc(hidden)]
-    pub fn claims_waiting_for_a_batch(&self) -> usize {
-        self.batcher.as_ref().map_or(0, |b| b.waiting())
+    pub fn waiting_for_a_batch(&self) -> usize {
+        self.batcher
+            .as_ref()
+            .map_or(0, |b| b.waiting() + b.completions().waiting())
     }
 
     /// Starts the `LISTEN` connection and waits (up to 5 s) until it listens, so that
@@ -304,12 +307,13 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
-            let client = self.running_client().await?;
-            let completing =
-                again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl));
-            let completed = client.answer(completing).await;
-            client.done(&completed);
-            completed
+            match &self.batcher {
+                Some(batcher) => {
+                    self.complete_batched(batcher.completions(), lease, response, ttl)
+                        .await
+                }
+                None => self.complete_alone(lease, response, ttl).await,
+            }
         })
     }
 

@@ -85,6 +85,19 @@ pub(super) mod params {
         Type::TEXT,
         Type::TEXT,
     ];
+    /// A batch of completions, one array element per completion: scopes, keys, tokens,
+    /// statuses, headers, bodies, ttl ms, key ids; and the channel.
+    pub(in super::super) const COMPLETE_BATCH: &[Type] = &[
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT2_ARRAY,
+        Type::BYTEA_ARRAY,
+        Type::BYTEA_ARRAY,
+        Type::INT8_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::TEXT,
+    ];
     /// scope, key, token, channel, key id.
     pub(in super::super) const RELEASE: &[Type] =
         &[Type::TEXT, Type::TEXT, Type::INT8, Type::TEXT, Type::TEXT];
@@ -171,6 +184,8 @@ pub(super) struct Sql {
     pub(super) claim_batch: Statement,
     pub(super) takeover: Statement,
     pub(super) complete: Statement,
+    /// Completions in a batch (`batch_complete`).
+    pub(super) complete_batch: Statement,
     pub(super) release: Statement,
     pub(super) renew: Statement,
     pub(super) wait: Statement,
@@ -270,6 +285,26 @@ impl Sql {
                 params::TAKEOVER,
             ),
             complete: Statement::new(complete(""), params::COMPLETE),
+            // The completion of many keys at once (`batch_complete`): each row matched by
+            // its own token, as the completion of one, and one row back per completion
+            // that landed (its position in the batch), with its waiters notified.
+            complete_batch: Statement::new(
+                format!(
+                    "WITH r AS MATERIALIZED (
+                        SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::smallint[],
+                                             $5::bytea[], $6::bytea[], $7::bigint[], $8::text[])
+                        WITH ORDINALITY AS r(scope, key, token, status, headers, body, ttl_ms, key_id, n)),
+                     done AS (
+                        UPDATE {t} AS k SET state = 'completed', locked_until = NULL, status = r.status,
+                               headers = r.headers, body = r.body, completed_at = statement_timestamp(),
+                               expires_at = statement_timestamp() + r.ttl_ms * interval '1 millisecond'
+                        FROM r
+                        WHERE k.scope = r.scope AND k.key = r.key AND k.token = r.token AND k.state = 'running'
+                        RETURNING r.n, k.waiters, r.key_id)
+                     SELECT n, CASE WHEN waiters THEN pg_notify($9, key_id) END FROM done"
+                ),
+                params::COMPLETE_BATCH,
+            ),
             tx: super::tx::Statements::new(
                 &t,
                 Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
