@@ -394,11 +394,21 @@ impl PostgresStore {
     /// alone; docs/postgres.md, "Batched claims", says how, and docs/benchmarks.md
     /// when it pays.
     ///
-    /// Each batch is sent on a pooled connection, checked out for it, so this works
-    /// behind a transaction pooler too. Transactional mode's claims, completions,
+    /// Lease mode's completions are batched the same way (one `UPDATE … FROM unnest(…)`,
+    /// each row checked by its own fencing token), on the connections a completion
+    /// takes alone. Each batch of claims is sent on a pooled connection, checked out
+    /// for it, so this works behind a transaction pooler too. Transactional mode,
     /// releases and renewals are sent as before. With batching on, shared claim
     /// connections ([`with_shared_claim_connections`](Self::with_shared_claim_connections))
     /// are not used for claims.
+    ///
+    /// When it pays: in the latest measurements (two shared cores), at 64 concurrent
+    /// requests new keys ran 2.2× as fast as the hand-written statements at about a
+    /// third of their PostgreSQL CPU per key, and replays at a third of the database's
+    /// CPU each; at 1 the same as unbatched; at 16, new keys ran a quarter slower (small
+    /// batches waiting for their commits in turn on two connections, where the pool's
+    /// sixteen overlap them). Hence off by default: turn it on for a high load per
+    /// replica, or mostly replays, and measure.
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;

@@ -290,7 +290,7 @@ impl Sql {
             // that landed (its position in the batch), with its waiters notified.
             complete_batch: Statement::new(
                 format!(
-                    "WITH r AS MATERIALIZED (
+                    "WITH r AS (
                         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::smallint[],
                                              $5::bytea[], $6::bytea[], $7::bigint[], $8::text[])
                         WITH ORDINALITY AS r(scope, key, token, status, headers, body, ttl_ms, key_id, n)),
