@@ -352,6 +352,67 @@ async fn claims_given_up_on_leave_no_key_held() {
     assert!(store.release(&lease).await.unwrap().is_kept());
 }
 
+/// A batch in flight whose callers all give up (the layer drops a claim it gave up on
+/// at the store timeout, plus a few seconds) is abandoned: its statement cancelled, its
+/// connection closed, and each of its claims released in doubt, so that no key is left
+/// held for a lease by a claim nobody waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_whose_callers_all_gave_up_leaves_no_key_held() {
+    let schema = TestSchema::new();
+    let store = batched_store(&schema, &database_url()).await;
+    // Warm: the pool's connection open, the statements prepared.
+    for answer in in_one_batch(&store, &[("warm-1", A), ("warm-2", A)]).await {
+        assert!(matches!(answer, Ok(Claim::Acquired(_))), "{answer:?}");
+    }
+    // Another transaction inserts `b-held` and holds it: a batch that inserts `a-free`
+    // first, then `b-held`, waits there, `a-free` inserted and not committed.
+    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO \"{}\".idempotency_keys (scope, key, fingerprint, state, token, locked_until, expires_at)
+             VALUES ('', 'b-held', '\\x00', 'running', 1, now() + interval '1 minute', now() + interval '1 minute')",
+            schema.name
+        ))
+        .await
+        .expect("hold b-held");
+    let held = store.pool().get().await.expect("the pool's connection");
+    let claims: Vec<_> = ["a-free", "b-held"]
+        .into_iter()
+        .map(|key| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let scope = Scope::anonymous();
+                store.claim(&request(&scope, key, A, MINUTE, MINUTE)).await
+            })
+        })
+        .collect();
+    eventually(|| store.waiting_for_a_batch() == 2).await;
+    drop(held);
+    schema.wait_for_lock_waiters(1).await;
+    // Both callers give up.
+    for claim in claims {
+        claim.abort();
+        assert!(claim.await.unwrap_err().is_cancelled());
+    }
+    // The batch is cancelled on the server, and nothing it did is left.
+    until(&schema, "SELECT count(*) = 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+    locker
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("let b-held go");
+    until(
+        &schema,
+        "SELECT count(*) = 0 FROM {t} WHERE key IN ('a-free', 'b-held')",
+    )
+    .await;
+    for key in ["a-free", "b-held"] {
+        acquire(&store, key, A, MINUTE, MINUTE).await;
+    }
+}
+
 /// A stale token among the completions of one batch: that completion only is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stale_token_in_a_batch_of_completions_refuses_that_completion_only() {
