@@ -397,8 +397,17 @@ async fn a_batch_whose_callers_all_gave_up_leaves_no_key_held() {
         claim.abort();
         assert!(claim.await.unwrap_err().is_cancelled());
     }
-    // The batch is cancelled on the server, and nothing it did is left.
-    until(&schema, "SELECT count(*) = 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+    // The batch is cancelled on the server. (Behind a transaction pooler no cancel
+    // request is sent: the statement goes on until the lock frees, lands, and is
+    // released in doubt.)
+    if pooler_url().is_none() {
+        until(
+            &schema,
+            "SELECT count(*) = 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%'",
+        )
+        .await;
+    }
+    // Either way nothing it did is left.
     locker
         .batch_execute("ROLLBACK")
         .await
