@@ -249,7 +249,11 @@ impl Sql {
             // nested loop over the arrays, in their order. Two claims of one key in a
             // batch both find no row; the second's insert then meets the first's row
             // and returns NULL, and it reads again, as it would after a statement of its
-            // own.
+            // own. The `WHERE` on `r.n` always holds: it is there for the planner,
+            // which assumes `unnest` returns a hundred rows and, for a plan of its own
+            // with the arrays' real lengths, would plan the statement again at every
+            // execution; a range on `n` of unknown bounds is estimated at one row,
+            // and the plan kept for the connection is the same nested loop.
             claim_batch: Statement::new(
                 format!(
                     "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
@@ -263,6 +267,7 @@ impl Sql {
                          SELECT k.token, k.fingerprint, k.state, k.locked_until, k.expires_at,
                                 k.status, k.headers, k.body
                          FROM {t} AS k WHERE k.scope = r.scope AND k.key = r.key OFFSET 0) AS f ON true
+                     WHERE r.n >= 1 AND r.n <= array_length($2::text[], 1)
                      ORDER BY r.n"
                 ),
                 params::CLAIM_BATCH,
@@ -287,13 +292,15 @@ impl Sql {
             complete: Statement::new(complete(""), params::COMPLETE),
             // The completion of many keys at once (`batch_complete`): each row matched by
             // its own token, as the completion of one, and one row back per completion
-            // that landed (its position in the batch), with its waiters notified.
+            // that landed (its position in the batch), with its waiters notified. The
+            // `WHERE` on `n` always holds, for the planner (see `claim_batch`).
             complete_batch: Statement::new(
                 format!(
                     "WITH r AS (
                         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::smallint[],
                                              $5::bytea[], $6::bytea[], $7::bigint[], $8::text[])
-                        WITH ORDINALITY AS r(scope, key, token, status, headers, body, ttl_ms, key_id, n)),
+                        WITH ORDINALITY AS r(scope, key, token, status, headers, body, ttl_ms, key_id, n)
+                        WHERE n >= 1 AND n <= array_length($2::text[], 1)),
                      done AS (
                         UPDATE {t} AS k SET state = 'completed', locked_until = NULL, status = r.status,
                                headers = r.headers, body = r.body, completed_at = statement_timestamp(),
