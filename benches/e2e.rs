@@ -113,6 +113,9 @@ struct Settings {
     pool_size: usize,
     /// `with_shared_claim_connections` of rows (c′) and (e′).
     shared_claim_connections: usize,
+    /// `with_batched_claims` of rows (c-b) and (e-b): connections, claims per batch.
+    batch_connections: usize,
+    batch_max: usize,
     rows: Option<Vec<String>>,
     replay_keys: usize,
     url: String,
@@ -158,6 +161,8 @@ impl Settings {
             }),
             pool_size: env_or("BENCH_POOL_SIZE", 16),
             shared_claim_connections: env_or("BENCH_SHARED_CLAIM_CONNECTIONS", 4),
+            batch_connections: env_or("BENCH_BATCH_CONNECTIONS", 2),
+            batch_max: env_or("BENCH_BATCH_MAX", 64),
             rows: env_list("BENCH_ROWS"),
             replay_keys: env_or("BENCH_REPLAY_KEYS", 2000),
             url: env_or(
@@ -204,9 +209,11 @@ enum Kind {
     ReplayUnnamed,
     Peer,
     PeerReplay,
+    LeaseBatched,
+    ReplayBatched,
 }
 
-const KINDS: [Kind; 22] = [
+const KINDS: [Kind; 24] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -229,17 +236,20 @@ const KINDS: [Kind; 22] = [
     Kind::ReplayUnnamed,
     Kind::Peer,
     Kind::PeerReplay,
+    Kind::LeaseBatched,
+    Kind::ReplayBatched,
 ];
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 22] = [
+const RUN_ORDER: [Kind; 24] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
     Kind::Lease,
     Kind::LeaseShared,
     Kind::LeaseUnnamed,
+    Kind::LeaseBatched,
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
@@ -250,6 +260,7 @@ const RUN_ORDER: [Kind; 22] = [
     Kind::Replay,
     Kind::ReplayShared,
     Kind::ReplayUnnamed,
+    Kind::ReplayBatched,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::PeerReplay,
@@ -283,6 +294,8 @@ impl Kind {
             Kind::ReplayUnnamed => "replay_unnamed",
             Kind::Peer => "peer",
             Kind::PeerReplay => "peer_replay",
+            Kind::LeaseBatched => "lease_batched",
+            Kind::ReplayBatched => "replay_batched",
         }
     }
 
@@ -312,6 +325,8 @@ impl Kind {
             Kind::ReplayUnnamed => "(e‴) replays, unnamed statements (transaction pooling's mode)",
             Kind::Peer => "(k) peer: axum-idempotent on ruts' PostgresStore, new keys",
             Kind::PeerReplay => "(l) peer: axum-idempotent on ruts' PostgresStore, replays",
+            Kind::LeaseBatched => "(c-b) lease mode, new keys, batched claims",
+            Kind::ReplayBatched => "(e-b) replays, batched claims",
         }
     }
 
@@ -322,13 +337,16 @@ impl Kind {
             Kind::Lease
             | Kind::LeaseShared
             | Kind::LeaseUnnamed
+            | Kind::LeaseBatched
             | Kind::HttpFloorLease
             | Kind::Peer => Some(Kind::FloorLease),
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
             // Replays are held to a plain read of the row by its primary key.
-            Kind::Replay | Kind::ReplayShared | Kind::ReplayUnnamed | Kind::PeerReplay => {
-                Some(Kind::FloorSelect)
-            }
+            Kind::Replay
+            | Kind::ReplayShared
+            | Kind::ReplayUnnamed
+            | Kind::ReplayBatched
+            | Kind::PeerReplay => Some(Kind::FloorSelect),
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
         }
@@ -349,6 +367,8 @@ impl Kind {
                 | Kind::Replay
                 | Kind::ReplayShared
                 | Kind::ReplayUnnamed
+                | Kind::LeaseBatched
+                | Kind::ReplayBatched
                 | Kind::Dup
         )
     }
@@ -372,6 +392,12 @@ impl Kind {
         matches!(self, Kind::LeaseShared | Kind::ReplayShared)
     }
 
+    /// Rows whose store batches its claims (`PostgresStore::with_batched_claims`,
+    /// `BENCH_BATCH_CONNECTIONS`, `BENCH_BATCH_MAX`).
+    fn batched(self) -> bool {
+        matches!(self, Kind::LeaseBatched | Kind::ReplayBatched)
+    }
+
     fn over_http(self) -> bool {
         !matches!(
             self,
@@ -390,6 +416,7 @@ impl Kind {
             Kind::Lease
             | Kind::LeaseShared
             | Kind::Dup
+            | Kind::LeaseBatched
             | Kind::FloorLease
             | Kind::FloorLeaseNoNotify => 2.0,
             Kind::HttpFloorLease => 2.0,
@@ -399,6 +426,7 @@ impl Kind {
             | Kind::FloorReplay
             | Kind::FloorSelect
             | Kind::FloorReplayShared
+            | Kind::ReplayBatched
             | Kind::HttpFloorReplay => 1.0,
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
             // Parsed with every execution: nothing prepared.
@@ -1300,11 +1328,18 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         | Kind::Replay
         | Kind::ReplayShared
         | Kind::ReplayUnnamed
+        | Kind::LeaseBatched
+        | Kind::ReplayBatched
         | Kind::Dup => {
             let st = ctx
                 .store()
                 .with_shared_claim_connections(ctx.shared_claim_connections(kind))
                 .with_transaction_pooling(kind.unnamed());
+            let st = if kind.batched() {
+                st.with_batched_claims(ctx.settings.batch_connections, ctx.settings.batch_max)
+            } else {
+                st
+            };
             store = Some(st.clone());
             Some(
                 Router::new()
@@ -1390,6 +1425,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     Kind::Replay
                     | Kind::ReplayShared
                     | Kind::ReplayUnnamed
+                    | Kind::ReplayBatched
                     | Kind::HttpFloorReplay
                     | Kind::PeerReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),

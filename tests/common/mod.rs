@@ -283,6 +283,14 @@ fn run_from_drop(sql: String) -> Result<(), String> {
     }
 }
 
+/// `TI_BATCHED_CLAIMS=connections,max`: stores of `TestSchema::store_at` batch their
+/// claims so.
+pub fn batched_claims() -> Option<(usize, usize)> {
+    let value = std::env::var("TI_BATCHED_CLAIMS").ok()?;
+    let (connections, max) = value.split_once(',')?;
+    Some((connections.trim().parse().ok()?, max.trim().parse().ok()?))
+}
+
 /// A schema of its own for one test, dropped (with everything in it) when the test
 /// ends, whether it passed or panicked.
 pub struct TestSchema {
@@ -340,7 +348,12 @@ impl TestSchema {
             store = store.with_generations(period);
         }
         store.migrate().await.expect("migrate");
-        store
+        // With `TI_BATCHED_CLAIMS=connections,max` the suite runs again with lease
+        // mode's claims batched (`with_batched_claims`).
+        match batched_claims() {
+            Some((connections, max)) => store.with_batched_claims(connections, max),
+            None => store,
+        }
     }
 
     /// A migrated store whose every connection uses TLS (`connect_with_tls`), named

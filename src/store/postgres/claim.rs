@@ -78,6 +78,19 @@ impl PostgresStore {
                 claimed => return claimed,
             }
         }
+        if let Some(batcher) = &self.batcher {
+            return self.claim_batched(batcher, request, token).await;
+        }
+        self.claim_pooled(request, token).await
+    }
+
+    /// Claims on a pooled connection of its own; a claim whose connection is lost once
+    /// its statement was sent is released in doubt.
+    pub(super) async fn claim_pooled(
+        &self,
+        request: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
         let claiming = InDoubt::new(self, request, token, self.client().await?);
         let claimed =
             again_if_it_lost_a_race(|| self.claim_on(claiming.client(), request, token)).await;
@@ -192,82 +205,118 @@ impl PostgresStore {
         let row = rows
             .first()
             .ok_or_else(|| corrupt("the claim returned no row"))?;
-        let lease = |token| Lease {
-            scope: req.scope.clone(),
-            key: Arc::from(req.key),
-            token,
-        };
-        let now: SystemTime = row.get(col::NOW);
-        let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
-            // No row for the key. A token: ours, inserted. None: a concurrent request
-            // inserted it after this statement's snapshot (or it was released in
-            // between); either way, look again.
-            let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
-            return Ok((
-                claimed.map(|token| Claim::Acquired(lease(FencingToken::new(token)))),
-                now,
-            ));
-        };
-        let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
-            .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-        let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
-        let expires_at: SystemTime = row.get(col::EXPIRES_AT);
-        let state: &str = row.get(col::STATE);
-        let lapsed = locked_until.is_some_and(|until| until <= now);
-        let expired = expires_at <= now && (state == "completed" || lapsed);
-        let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
-        if take_over {
-            let rows = self
-                .query_on(
-                    client,
-                    &self.sql.takeover,
-                    &[
-                        &req.scope.as_str(),
-                        &req.key,
-                        &token,
-                        &fp,
-                        &lease_ms,
-                        &ttl_ms,
-                    ],
-                )
-                .await?;
-            let taken = rows
-                .first()
-                .map(|r| Claim::Acquired(lease(FencingToken::new(r.get("token")))));
-            return Ok((taken, now));
+        match found(row, req)? {
+            (Found::Claim(claim), now) => Ok((claim, now)),
+            (Found::TakeOver(seen), now) => Ok((self.take_over(client, req, seen).await?, now)),
         }
-        let found = match state {
-            "running" => Claim::Running {
-                fingerprint,
-                retry_after: lease_left(locked_until, now),
-            },
-            "completed" => {
-                let status: i16 = row
-                    .try_get(col::STATUS)
-                    .map_err(|_| corrupt("completed record without status"))?;
-                let status = u16::try_from(status)
-                    .ok()
-                    .and_then(|s| StatusCode::from_u16(s).ok())
-                    .ok_or_else(|| corrupt("stored status out of range"))?;
-                let headers = row
-                    .try_get::<_, &[u8]>(col::HEADERS)
-                    .ok()
-                    .and_then(StoredResponse::decode_headers)
-                    .ok_or_else(|| corrupt("stored headers undecodable"))?;
-                let body: &[u8] = row
-                    .try_get(col::BODY)
-                    .map_err(|_| corrupt("completed record without body"))?;
-                Claim::Completed {
-                    fingerprint,
-                    response: StoredResponse {
-                        status,
-                        headers,
-                        body: Bytes::copy_from_slice(body),
-                    },
-                }
-            }
-            other => return Err(corrupt(&format!("unknown state {other:?}"))),
-        };
-        Ok((Some(found), now))
     }
+
+    /// Takes over the lapsed lease (or the expired record) of `req`'s key, whose token
+    /// the claim read as `seen`; `None` when another request changed it first.
+    pub(super) async fn take_over(
+        &self,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        seen: i64,
+    ) -> Result<Option<Claim>, StoreError> {
+        let fp: &[u8] = req.fingerprint.as_bytes();
+        let rows = self
+            .query_on(
+                client,
+                &self.sql.takeover,
+                &[
+                    &req.scope.as_str(),
+                    &req.key,
+                    &seen,
+                    &fp,
+                    &ms(req.lease),
+                    &ms(req.ttl),
+                ],
+            )
+            .await?;
+        Ok(rows.first().map(|r| {
+            Claim::Acquired(Lease {
+                scope: req.scope.clone(),
+                key: Arc::from(req.key),
+                token: FencingToken::new(r.get("token")),
+            })
+        }))
+    }
+}
+
+/// What a claim statement's row says of the key.
+pub(super) enum Found {
+    /// The claim's answer; `None`: look again (a concurrent request inserted the key
+    /// after the statement's snapshot, or released it in between).
+    Claim(Option<Claim>),
+    /// A lapsed lease, or an expired record, to take over: the token read.
+    TakeOver(i64),
+}
+
+/// Reads a claim statement's `row` (the columns of `col`) for `req`, with the
+/// database's `now()` as the statement read it.
+pub(super) fn found(
+    row: &tokio_postgres::Row,
+    req: &ClaimRequest<'_>,
+) -> Result<(Found, SystemTime), StoreError> {
+    let lease = |token| Lease {
+        scope: req.scope.clone(),
+        key: Arc::from(req.key),
+        token,
+    };
+    let now: SystemTime = row.get(col::NOW);
+    let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
+        // No row for the key. A token: ours, inserted. None: a concurrent request
+        // inserted it after this statement's snapshot (or it was released in
+        // between); either way, look again.
+        let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
+        return Ok((
+            Found::Claim(claimed.map(|token| Claim::Acquired(lease(FencingToken::new(token))))),
+            now,
+        ));
+    };
+    let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
+    let expires_at: SystemTime = row.get(col::EXPIRES_AT);
+    let state: &str = row.get(col::STATE);
+    let lapsed = locked_until.is_some_and(|until| until <= now);
+    let expired = expires_at <= now && (state == "completed" || lapsed);
+    let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
+    if take_over {
+        return Ok((Found::TakeOver(token), now));
+    }
+    let found = match state {
+        "running" => Claim::Running {
+            fingerprint,
+            retry_after: lease_left(locked_until, now),
+        },
+        "completed" => {
+            let status: i16 = row
+                .try_get(col::STATUS)
+                .map_err(|_| corrupt("completed record without status"))?;
+            let status = u16::try_from(status)
+                .ok()
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .ok_or_else(|| corrupt("stored status out of range"))?;
+            let headers = row
+                .try_get::<_, &[u8]>(col::HEADERS)
+                .ok()
+                .and_then(StoredResponse::decode_headers)
+                .ok_or_else(|| corrupt("stored headers undecodable"))?;
+            let body: &[u8] = row
+                .try_get(col::BODY)
+                .map_err(|_| corrupt("completed record without body"))?;
+            Claim::Completed {
+                fingerprint,
+                response: StoredResponse {
+                    status,
+                    headers,
+                    body: Bytes::copy_from_slice(body),
+                },
+            }
+        }
+        other => return Err(corrupt(&format!("unknown state {other:?}"))),
+    };
+    Ok((Found::Claim(Some(found)), now))
 }

@@ -1,5 +1,7 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
+mod batch;
+mod batch_complete;
 mod checkout;
 mod claim;
 mod config;
@@ -116,6 +118,8 @@ pub struct PostgresStore {
     tx_claims: Arc<tokio::sync::Semaphore>,
     /// Connections shared by claims, if any (`with_shared_claim_connections`).
     shared: Option<Arc<Shared>>,
+    /// Claims sent in batches, if on (`with_batched_claims`).
+    batcher: Option<Arc<batch::Batcher>>,
     /// The pool and the table: stores over one pool and one table claim the same keys
     /// (`Store::records_location`).
     location: Arc<str>,
@@ -154,6 +158,11 @@ pub struct StoreMetrics {
     /// reserve connections because the pool had no idle connection for them (see
     /// [`PostgresStore`]); those that then failed or were given up on included.
     pub reserve_statements: u64,
+    /// Batch statements of claims sent
+    /// ([`with_batched_claims`](PostgresStore::with_batched_claims)).
+    pub claim_batches: u64,
+    /// Claims sent in them (a claim read again after a concurrent insert counts again).
+    pub batched_claims: u64,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -175,7 +184,19 @@ impl PostgresStore {
             shared_claims: self.shared.as_ref().map_or(0, |s| s.dealt_count()),
             reserve_statements: self.reserve.dealt_count(),
             shared_claims_moved: self.shared.as_ref().map_or(0, |s| s.moved()),
+            claim_batches: self.batcher.as_ref().map_or(0, |b| b.batches()),
+            batched_claims: self.batcher.as_ref().map_or(0, |b| b.batched()),
         }
+    }
+
+    /// Claims and completions queued behind a batch in flight and not sent yet
+    /// ([`with_batched_claims`](Self::with_batched_claims)), for tests that hold a batch
+    /// to fill the next one. Not part of the stable API.
+    #[doc(hidden)]
+    pub fn waiting_for_a_batch(&self) -> usize {
+        self.batcher
+            .as_ref()
+            .map_or(0, |b| b.waiting() + b.completions().waiting())
     }
 
     /// Starts the `LISTEN` connection and waits (up to 5 s) until it listens, so that
@@ -289,12 +310,13 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
-            let client = self.running_client().await?;
-            let completing =
-                again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl));
-            let completed = client.answer(completing).await;
-            client.done(&completed);
-            completed
+            match &self.batcher {
+                Some(batcher) => {
+                    self.complete_batched(batcher.completions(), lease, response, ttl)
+                        .await
+                }
+                None => self.complete_alone(lease, response, ttl).await,
+            }
         })
     }
 
@@ -347,7 +369,8 @@ impl Store for PostgresStore {
         // A claim on a shared connection is not closed with it when dropped (the
         // connection carries others'), and may land later than a release in doubt
         // would look: it is waited for, as before, for a lease.
-        if self.shared.is_some() {
+        // A batched claim dropped unanswered is released by its batch (`batch`).
+        if self.shared.is_some() && self.batcher.is_none() {
             lease
         } else {
             lease.min(ABANDONED_CLAIM_WAIT)

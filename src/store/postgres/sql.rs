@@ -54,6 +54,16 @@ pub(super) mod params {
         Type::INT8,
         Type::INT8,
     ];
+    /// A batch of claims, one array element per claim: scopes, keys, fingerprints,
+    /// lease ms, ttl ms, tokens.
+    pub(in super::super) const CLAIM_BATCH: &[Type] = &[
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::BYTEA_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT8_ARRAY,
+    ];
     /// scope, key, token seen, fingerprint, lease ms, ttl ms.
     pub(in super::super) const TAKEOVER: &[Type] = &[
         Type::TEXT,
@@ -73,6 +83,19 @@ pub(super) mod params {
         Type::BYTEA,
         Type::INT8,
         Type::TEXT,
+        Type::TEXT,
+    ];
+    /// A batch of completions, one array element per completion: scopes, keys, tokens,
+    /// statuses, headers, bodies, ttl ms, key ids; and the channel.
+    pub(in super::super) const COMPLETE_BATCH: &[Type] = &[
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT2_ARRAY,
+        Type::BYTEA_ARRAY,
+        Type::BYTEA_ARRAY,
+        Type::INT8_ARRAY,
+        Type::TEXT_ARRAY,
         Type::TEXT,
     ];
     /// scope, key, token, channel, key id.
@@ -151,12 +174,18 @@ pub(super) mod col {
     pub(in crate::store::postgres) const BODY: usize = 7;
     pub(in crate::store::postgres) const NOW: usize = 8;
     pub(in crate::store::postgres) const CLAIMED: usize = 9;
+    /// The batched claim's own: the claim's position in its batch, from 1.
+    pub(in crate::store::postgres) const N: usize = 10;
 }
 
 pub(super) struct Sql {
     pub(super) claim: Statement,
+    /// Claims in a batch (`batch`).
+    pub(super) claim_batch: Statement,
     pub(super) takeover: Statement,
     pub(super) complete: Statement,
+    /// Completions in a batch (`batch_complete`).
+    pub(super) complete_batch: Statement,
     pub(super) release: Statement,
     pub(super) renew: Statement,
     pub(super) wait: Statement,
@@ -214,6 +243,38 @@ impl Sql {
                 ),
                 params::CLAIM,
             ),
+            // The claim of many keys at once (`batch`): the same columns per key, and its
+            // position in the batch. Each key is read as the claim reads it, and the
+            // missing ones are inserted by the same function, one after another in the
+            // order of the arrays (sorted by the sender), so that concurrent batches
+            // take their keys in one order and cannot deadlock: the keys are read by a
+            // lateral subquery that is not flattened (`OFFSET 0`), so that the plan is a
+            // nested loop over the arrays, in their order. Two claims of one key in a
+            // batch both find no row; the second's insert then meets the first's row
+            // and returns NULL, and it reads again, as it would after a statement of its
+            // own. The `WHERE` on `r.n` always holds: it is there for the planner,
+            // which assumes `unnest` returns a hundred rows and, for a plan of its own
+            // with the arrays' real lengths, would plan the statement again at every
+            // execution; a range on `n` of unknown bounds is estimated at one row,
+            // and the plan kept for the connection is the same nested loop.
+            claim_batch: Statement::new(
+                format!(
+                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                            f.status, f.headers, f.body, now() AS now,
+                            CASE WHEN f.token IS NULL THEN {claim_function}(
+                                r.scope, r.key, r.fingerprint, r.lease_ms, r.ttl_ms, r.token) END AS claimed,
+                            r.n
+                     FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bigint[], $5::bigint[], $6::bigint[])
+                          WITH ORDINALITY AS r(scope, key, fingerprint, lease_ms, ttl_ms, token, n)
+                     LEFT JOIN LATERAL (
+                         SELECT k.token, k.fingerprint, k.state, k.locked_until, k.expires_at,
+                                k.status, k.headers, k.body
+                         FROM {t} AS k WHERE k.scope = r.scope AND k.key = r.key OFFSET 0) AS f ON true
+                     WHERE r.n >= 1 AND r.n <= array_length($2::text[], 1)
+                     ORDER BY r.n"
+                ),
+                params::CLAIM_BATCH,
+            ),
             // A record taken over after it completed starts with nobody waiting on it
             // (the old value of `state` is read): a lapsed running one keeps its waiters.
             takeover: Statement::new(
@@ -232,6 +293,28 @@ impl Sql {
                 params::TAKEOVER,
             ),
             complete: Statement::new(complete(""), params::COMPLETE),
+            // The completion of many keys at once (`batch_complete`): each row matched by
+            // its own token, as the completion of one, and one row back per completion
+            // that landed (its position in the batch), with its waiters notified. The
+            // `WHERE` on `n` always holds, for the planner (see `claim_batch`).
+            complete_batch: Statement::new(
+                format!(
+                    "WITH r AS (
+                        SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::smallint[],
+                                             $5::bytea[], $6::bytea[], $7::bigint[], $8::text[])
+                        WITH ORDINALITY AS r(scope, key, token, status, headers, body, ttl_ms, key_id, n)
+                        WHERE n >= 1 AND n <= array_length($2::text[], 1)),
+                     done AS (
+                        UPDATE {t} AS k SET state = 'completed', locked_until = NULL, status = r.status,
+                               headers = r.headers, body = r.body, completed_at = statement_timestamp(),
+                               expires_at = statement_timestamp() + r.ttl_ms * interval '1 millisecond'
+                        FROM r
+                        WHERE k.scope = r.scope AND k.key = r.key AND k.token = r.token AND k.state = 'running'
+                        RETURNING r.n, k.waiters, r.key_id)
+                     SELECT n, CASE WHEN waiters THEN pg_notify($9, key_id) END FROM done"
+                ),
+                params::COMPLETE_BATCH,
+            ),
             tx: super::tx::Statements::new(
                 &t,
                 Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),

@@ -1,0 +1,530 @@
+//! Natural batching of lease mode's claims (`PostgresStore::with_batched_claims`).
+//!
+//! A claim goes to a batching connection ([`Slot`]). If no batch is in flight there,
+//! it is sent at once, alone: no timer, no wait at low load. While one is in flight,
+//! the claims that arrive queue up, and when it returns they go together as one
+//! statement (`Sql::claim_batch`), up to a cap by count and by bytes: one round trip,
+//! one plan, one commit for them all. Each claim gets its own row back, with the
+//! columns of a single claim, and reads it as `claim_once` reads its own (`found`):
+//! a replay, a 409, a 422, its insert, a re-read (in the next batch) when a concurrent
+//! request inserted the key first, or a takeover, sent alone on a pooled connection.
+//!
+//! A batch is sent on a pooled connection, checked out for it (so it works behind a
+//! transaction pooler: nothing outlives the statement), by a task of the slot's
+//! (`drive`), so that a claim whose caller gives up does not cancel the others'.
+//! What a batch's failure means for each claim in it is what it would have meant alone:
+//!
+//! - the connection lost: each claim's insert may have committed, and each is released
+//!   in doubt by its own token (`release_in_doubt`), and fails as it would alone;
+//! - no connection from the pool: each fails with that error;
+//! - any other error: the statement rolled back, nothing landed; each claim runs again
+//!   alone on a pooled connection (`claim_pooled`), which gives it its own answer and
+//!   its own error (a bad key fails alone, not its batch);
+//! - a caller that gave up: a claim still queued is never sent; one whose batch returns
+//!   after its caller stopped waiting, having inserted, is released by its token; a
+//!   batch whose callers have all stopped waiting is abandoned (its connection closed,
+//!   the statement cancelled) and every claim in it released in doubt.
+//!
+//! A batch left unanswered for `shared::STALLED` (waiting on a row lock, or on a
+//! connection that died without a word) goes on in a task of its own, and the slot
+//! sends the next batch on another connection.
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::sync::oneshot;
+use tokio_postgres::{Row, types::ToSql};
+
+use super::{
+    Checkout, PostgresStore,
+    batch_complete::Completions,
+    claim::{CLAIM_ATTEMPTS, Found, found, ms},
+    errors::{again_if_it_lost_a_race, corrupt, lost_its_connection},
+    shared::STALLED,
+    sql::col,
+};
+use crate::{
+    Fingerprint, Scope,
+    store::{Claim, ClaimRequest, FencingToken, StoreError, StoreErrorKind},
+};
+
+/// The bytes of keys, scopes and fingerprints one batch may carry: far more than a
+/// batch of the usual keys needs, and a bound on a statement built from long ones.
+const MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// A claim's share of a batch's bytes, besides its scope and key: its fingerprint and
+/// three numbers.
+const MEMBER_BYTES: usize = 32 + 3 * 8;
+
+/// Batching connections and what is queued for them.
+pub(super) struct Batcher {
+    slots: Box<[Slot]>,
+    /// Claims in one statement at most.
+    max_claims: usize,
+    /// Completions, batched the same way.
+    completions: Arc<Completions>,
+    /// Batch statements sent, and the claims sent in them.
+    batches: AtomicU64,
+    batched: AtomicU64,
+}
+
+/// A batching connection: at most one batch in flight, and the claims queued behind it.
+#[derive(Default)]
+struct Slot {
+    state: Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    queue: VecDeque<Member>,
+    /// A task is sending this slot's batches (`drive`).
+    sending: bool,
+}
+
+/// A claim waiting for its batch, and where its answer goes.
+struct Member {
+    claim: Owned,
+    reply: oneshot::Sender<Landed>,
+}
+
+/// A claim request, owned, with its token.
+struct Owned {
+    scope: Scope,
+    key: String,
+    fingerprint: Fingerprint,
+    lease: Duration,
+    ttl: Duration,
+    token: FencingToken,
+}
+
+impl Owned {
+    fn request(&self) -> ClaimRequest<'_> {
+        ClaimRequest {
+            scope: &self.scope,
+            key: &self.key,
+            fingerprint: self.fingerprint,
+            lease: self.lease,
+            ttl: self.ttl,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.scope.as_str().len() + self.key.len() + MEMBER_BYTES
+    }
+}
+
+/// What a batch answers one of its claims.
+enum Answer {
+    /// Its row, read as a claim's own.
+    Row(Row),
+    /// The batch failed and nothing of it landed: claim alone.
+    Alone,
+    /// The error it would have had alone.
+    Failed(StoreError),
+}
+
+/// An answer on its way to its claim. If it carries the claim's own insert and is
+/// dropped before the claim takes it (its caller gave up in between), the insert is
+/// released by its token: nobody would run the key, nor release it.
+struct Landed {
+    answer: Option<Answer>,
+    undo: Option<(PostgresStore, Owned)>,
+}
+
+impl Landed {
+    fn take(mut self) -> Answer {
+        self.undo = None;
+        self.answer
+            .take()
+            .unwrap_or_else(|| Answer::Failed(corrupt("a batch answer taken twice")))
+    }
+}
+
+impl Drop for Landed {
+    fn drop(&mut self) {
+        if let Some((store, claim)) = self.undo.take() {
+            tracing::debug!(token = %claim.token, "a batched claim landed after its caller gave up; releasing it");
+            store.release_in_doubt(&claim.request(), claim.token);
+        }
+    }
+}
+
+/// A copy of `e` for another claim of its batch (errors are not `Clone`): its kind
+/// and its message.
+fn copy(e: &StoreError) -> StoreError {
+    StoreError::new(e.kind(), e.to_string())
+}
+
+impl Batcher {
+    /// `connections` batching connections, `max_claims` (at least 1) per statement.
+    pub(super) fn new(connections: usize, max_claims: usize) -> Self {
+        Self {
+            slots: (0..connections.max(1)).map(|_| Slot::default()).collect(),
+            max_claims: max_claims.max(1),
+            completions: Arc::new(Completions::new(connections, max_claims)),
+            batches: AtomicU64::new(0),
+            batched: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn connections(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub(super) fn max_claims(&self) -> usize {
+        self.max_claims
+    }
+
+    /// The batching of completions.
+    pub(super) fn completions(&self) -> &Arc<Completions> {
+        &self.completions
+    }
+
+    /// Batch statements sent so far.
+    pub(super) fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
+    /// Claims sent in them.
+    pub(super) fn batched(&self) -> u64 {
+        self.batched.load(Ordering::Relaxed)
+    }
+
+    /// Claims queued behind a batch in flight, not sent yet.
+    pub(super) fn waiting(&self) -> usize {
+        self.slots.iter().map(|s| s.lock().queue.len()).sum()
+    }
+
+    /// The slot for the next claim: the first with nothing in flight (light load
+    /// stays on one connection, its caches warm), else the one with the fewest queued.
+    fn pick(&self) -> usize {
+        let mut best = (usize::MAX, 0);
+        for (i, slot) in self.slots.iter().enumerate() {
+            let state = slot.lock();
+            if !state.sending {
+                return i;
+            }
+            if state.queue.len() < best.0 {
+                best = (state.queue.len(), i);
+            }
+        }
+        best.1
+    }
+
+    /// The claims of the next batch of slot `i`, up to the caps, those whose caller
+    /// gave up left out.
+    fn next_batch(&self, i: usize) -> Vec<Member> {
+        let mut state = self.slots[i].lock();
+        let mut batch = Vec::new();
+        let mut bytes = 0;
+        while batch.len() < self.max_claims {
+            let Some(member) = state.queue.pop_front() else {
+                break;
+            };
+            if member.reply.is_closed() {
+                continue;
+            }
+            let size = member.claim.bytes();
+            if !batch.is_empty() && bytes + size > MAX_BATCH_BYTES {
+                state.queue.push_front(member);
+                break;
+            }
+            bytes += size;
+            batch.push(member);
+        }
+        batch
+    }
+
+    /// Whether slot `i` has no claim waiting; if so, it is no longer sending (the
+    /// next claim starts it again).
+    fn idle(&self, i: usize) -> bool {
+        let mut state = self.slots[i].lock();
+        state.queue.retain(|m| !m.reply.is_closed());
+        if state.queue.is_empty() {
+            state.sending = false;
+        }
+        !state.sending
+    }
+}
+
+impl Slot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The task sending slot `i`'s batches while claims wait for it. Should it end
+/// otherwise than with an empty queue (its runtime shutting down), the claims queued
+/// are answered with an error, and the next claim starts another.
+struct Sending {
+    batcher: Arc<Batcher>,
+    slot: usize,
+    done: bool,
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut state = self.batcher.slots[self.slot].lock();
+            state.sending = false;
+            // Dropped unanswered: each claim's caller gets an error.
+            state.queue.clear();
+        }
+    }
+}
+
+async fn drive(store: PostgresStore, batcher: Arc<Batcher>, slot: usize) {
+    let mut sending = Sending {
+        batcher: batcher.clone(),
+        slot,
+        done: false,
+    };
+    loop {
+        // The connection first, the claims then: those that arrive while it is sought
+        // go in this batch too, and those whose caller gives up meanwhile are left out.
+        if batcher.idle(slot) {
+            sending.done = true;
+            return;
+        }
+        let client = store.client().await;
+        let members = batcher.next_batch(slot);
+        if members.is_empty() {
+            if let Ok(client) = client {
+                client.done();
+            }
+            continue;
+        }
+        batcher.batches.fetch_add(1, Ordering::Relaxed);
+        batcher
+            .batched
+            .fetch_add(members.len() as u64, Ordering::Relaxed);
+        let mut batch = Box::pin(send_batch(store.clone(), client, members));
+        if tokio::time::timeout(STALLED, batch.as_mut()).await.is_err() {
+            // The next batch goes on another connection; this one waits on.
+            tokio::spawn(batch);
+        }
+    }
+}
+
+/// Sends one batch and answers each of its claims.
+async fn send_batch(
+    store: PostgresStore,
+    client: Result<Checkout, StoreError>,
+    mut members: Vec<Member>,
+) {
+    // One order for every batch: concurrent batches insert their keys in it, and
+    // cannot deadlock. Stable: two claims of one key keep their order of arrival.
+    members.sort_by(|a, b| {
+        (a.claim.scope.as_str(), a.claim.key.as_str())
+            .cmp(&(b.claim.scope.as_str(), b.claim.key.as_str()))
+    });
+    let (claims, mut replies): (Vec<Owned>, Vec<_>) =
+        members.into_iter().map(|m| (m.claim, m.reply)).unzip();
+    let answer_all = |replies: Vec<oneshot::Sender<Landed>>, answer: &dyn Fn() -> Answer| {
+        for reply in replies {
+            let _ = reply.send(Landed {
+                answer: Some(answer()),
+                undo: None,
+            });
+        }
+    };
+    let client = match client {
+        Ok(client) => client,
+        Err(e) => {
+            answer_all(replies, &|| Answer::Failed(copy(&e)));
+            return;
+        }
+    };
+    let scopes: Vec<&str> = claims.iter().map(|c| c.scope.as_str()).collect();
+    let keys: Vec<&str> = claims.iter().map(|c| c.key.as_str()).collect();
+    let fingerprints: Vec<&[u8]> = claims
+        .iter()
+        .map(|c| &c.fingerprint.as_bytes()[..])
+        .collect();
+    let leases: Vec<i64> = claims.iter().map(|c| ms(c.lease)).collect();
+    let ttls: Vec<i64> = claims.iter().map(|c| ms(c.ttl)).collect();
+    let tokens: Vec<i64> = claims.iter().map(|c| c.token.get()).collect();
+    let params: [&(dyn ToSql + Sync); 6] = [&scopes, &keys, &fingerprints, &leases, &ttls, &tokens];
+    // A batch of one (light load) is sent as the claim of one key: the same row, and
+    // a statement PostgreSQL plans once per connection, where the batch's, with its
+    // arrays, is planned again for each execution.
+    let one = &claims[0];
+    let (scope, key, fingerprint) = (
+        one.scope.as_str(),
+        one.key.as_str(),
+        &one.fingerprint.as_bytes()[..],
+    );
+    let (lease, ttl) = (ms(one.lease), ms(one.ttl));
+    let alone: [&(dyn ToSql + Sync); 6] = [&scope, &key, &fingerprint, &lease, &ttl, &one.token];
+    let sent = {
+        let statement = if claims.len() == 1 {
+            store.query_on(&client, &store.sql.claim, &alone)
+        } else {
+            store.query_on(&client, &store.sql.claim_batch, &params)
+        };
+        let all_gave_up = futures_util::future::join_all(replies.iter_mut().map(|r| r.closed()));
+        tokio::select! {
+            rows = statement => Some(rows),
+            _ = all_gave_up => None,
+        }
+    };
+    let rows = match sent {
+        Some(Ok(rows)) => {
+            client.done();
+            rows
+        }
+        // Every caller gave up: the connection is closed (and the statement cancelled),
+        // and what may have landed is released.
+        None => {
+            drop(client);
+            for claim in &claims {
+                store.release_in_doubt(&claim.request(), claim.token);
+            }
+            return;
+        }
+        Some(Err(e)) if lost_its_connection(&e) => {
+            drop(client);
+            for claim in &claims {
+                store.release_in_doubt(&claim.request(), claim.token);
+            }
+            let mut first = Some(e);
+            for reply in replies {
+                let e = first.take().unwrap_or_else(|| {
+                    StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the claim's connection was lost",
+                    )
+                });
+                let _ = reply.send(Landed {
+                    answer: Some(Answer::Failed(e)),
+                    undo: None,
+                });
+            }
+            return;
+        }
+        Some(Err(e)) => {
+            // The statement rolled back: nothing of it landed.
+            tracing::debug!(error = %e, claims = claims.len(), "a batch of claims failed; each claims alone");
+            client.done();
+            answer_all(replies, &|| Answer::Alone);
+            return;
+        }
+    };
+    let mut by_position: Vec<Option<Row>> = (0..claims.len()).map(|_| None).collect();
+    let mut rows = rows.into_iter();
+    if claims.len() == 1 {
+        by_position[0] = rows.next();
+    }
+    for row in rows {
+        let at = row
+            .try_get::<_, i64>(col::N)
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| n.checked_sub(1));
+        if let Some(place) = at.and_then(|at| by_position.get_mut(at)) {
+            *place = Some(row);
+        }
+    }
+    for ((claim, reply), row) in claims.into_iter().zip(replies).zip(by_position) {
+        let landed = match row {
+            Some(row) => {
+                let ours = row.get::<_, Option<i64>>(col::CLAIMED) == Some(claim.token.get());
+                Landed {
+                    answer: Some(Answer::Row(row)),
+                    undo: ours.then(|| (store.clone(), claim)),
+                }
+            }
+            None => Landed {
+                answer: Some(Answer::Failed(corrupt("the batched claim returned no row"))),
+                undo: None,
+            },
+        };
+        // Sent back if the caller is gone: dropped, it releases an insert of its own.
+        drop(reply.send(landed));
+    }
+}
+
+impl PostgresStore {
+    /// Claims in a batch (`with_batched_claims`), then reads the row as a claim of its
+    /// own would.
+    pub(super) async fn claim_batched(
+        &self,
+        batcher: &Arc<Batcher>,
+        req: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        // A store in use purges what it expires (`with_background_purge`).
+        self.purge.start();
+        for _ in 0..CLAIM_ATTEMPTS {
+            let row = match self.in_a_batch(batcher, req, token).await {
+                Answer::Row(row) => row,
+                Answer::Alone => return self.claim_pooled(req, token).await,
+                Answer::Failed(e) => return Err(e),
+            };
+            match found(&row, req)?.0 {
+                Found::Claim(Some(claim)) => return Ok(claim),
+                Found::Claim(None) => {}
+                Found::TakeOver(seen) => {
+                    // Rare (a lapsed lease, an expired record): alone, as `claim_once`.
+                    // A takeover in doubt took a token unknown here; it lapses with
+                    // its lease, as one sent alone does.
+                    let client = self.client().await?;
+                    let taken =
+                        again_if_it_lost_a_race(|| self.take_over(&client, req, seen)).await;
+                    client.done();
+                    if let Some(claim) = taken? {
+                        return Ok(claim);
+                    }
+                }
+            }
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            "the key kept changing while it was being claimed",
+        ))
+    }
+
+    /// Queues the claim for a batch, starting the slot's sending if it is idle, and
+    /// waits for its answer.
+    async fn in_a_batch(
+        &self,
+        batcher: &Arc<Batcher>,
+        req: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Answer {
+        let (reply, answer) = oneshot::channel();
+        let member = Member {
+            claim: Owned {
+                scope: req.scope.clone(),
+                key: req.key.to_owned(),
+                fingerprint: req.fingerprint,
+                lease: req.lease,
+                ttl: req.ttl,
+                token,
+            },
+            reply,
+        };
+        let slot = batcher.pick();
+        let start = {
+            let mut state = batcher.slots[slot].lock();
+            state.queue.push_back(member);
+            !std::mem::replace(&mut state.sending, true)
+        };
+        if start {
+            tokio::spawn(drive(self.clone(), batcher.clone(), slot));
+        }
+        match answer.await {
+            Ok(landed) => landed.take(),
+            Err(_) => Answer::Failed(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the claim's batch ended without an answer",
+            )),
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Natural batching of lease mode's completions, with batched claims
+//! (`PostgresStore::with_batched_claims`): the completions that arrive while one is in
+//! flight go together as one `UPDATE … FROM unnest(…)` when it returns, each row still
+//! checked by its own fencing token, the result reported per completion, and the
+//! waiters of each completed row notified.
+//!
+//! A completion finding nothing in flight is sent at once, alone, with the statement
+//! of one key. A batch goes on the connection a completion alone would take (an idle
+//! pooled one, else the store's reserve: `running_client`). Its failure is each
+//! completion's: a lost connection or a connection that could not be had fails each
+//! as it would have failed alone (the layer retries a failed completion); any other
+//! error rolled the whole statement back, and each completion is sent again alone.
+//! Concurrent batches update their rows in the order of their keys, sorted; should
+//! their plans still meet in another order, PostgreSQL ends one with a deadlock error,
+//! and its completions are sent again alone.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use tokio::sync::oneshot;
+use tokio_postgres::types::ToSql;
+
+use super::{
+    PostgresStore,
+    claim::ms,
+    errors::{again_if_it_lost_a_race, lost_its_connection},
+    shared::STALLED,
+};
+use crate::{
+    StoredResponse,
+    store::{Fenced, Lease, StoreError, StoreErrorKind},
+};
+
+/// What a batch answers one of its completions.
+enum Done {
+    Kept(Fenced),
+    /// The batch failed and nothing of it landed: complete alone.
+    Alone,
+    Failed(StoreError),
+}
+
+struct Member {
+    lease: Lease,
+    response: StoredResponse,
+    ttl: Duration,
+    reply: oneshot::Sender<Done>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    queue: VecDeque<Member>,
+    sending: bool,
+}
+
+/// Batching connections for completions, and what is queued for them.
+pub(super) struct Completions {
+    slots: Box<[Mutex<SlotState>]>,
+    max: usize,
+}
+
+impl Completions {
+    pub(super) fn new(connections: usize, max: usize) -> Self {
+        Self {
+            slots: (0..connections.max(1)).map(|_| Mutex::default()).collect(),
+            max: max.max(1),
+        }
+    }
+
+    fn lock(&self, i: usize) -> std::sync::MutexGuard<'_, SlotState> {
+        self.slots[i].lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The first slot with nothing in flight, else the one with the fewest queued.
+    fn pick(&self) -> usize {
+        let mut best = (usize::MAX, 0);
+        for i in 0..self.slots.len() {
+            let state = self.lock(i);
+            if !state.sending {
+                return i;
+            }
+            if state.queue.len() < best.0 {
+                best = (state.queue.len(), i);
+            }
+        }
+        best.1
+    }
+
+    /// Whether slot `i` has nothing queued; then it is no longer sending.
+    fn idle(&self, i: usize) -> bool {
+        let mut state = self.lock(i);
+        if state.queue.is_empty() {
+            state.sending = false;
+        }
+        !state.sending
+    }
+
+    /// Completions queued behind a batch in flight.
+    pub(super) fn waiting(&self) -> usize {
+        (0..self.slots.len())
+            .map(|i| self.lock(i).queue.len())
+            .sum()
+    }
+
+    fn next_batch(&self, i: usize) -> Vec<Member> {
+        let mut state = self.lock(i);
+        let n = state.queue.len().min(self.max);
+        state.queue.drain(..n).collect()
+    }
+}
+
+/// Ends slot `i`'s sending if its task is dropped midway (its runtime shutting down):
+/// the completions queued are answered with an error.
+struct Sending {
+    completions: Arc<Completions>,
+    slot: usize,
+    done: bool,
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut state = self.completions.lock(self.slot);
+            state.sending = false;
+            state.queue.clear();
+        }
+    }
+}
+
+async fn drive(store: PostgresStore, completions: Arc<Completions>, slot: usize) {
+    let mut sending = Sending {
+        completions: completions.clone(),
+        slot,
+        done: false,
+    };
+    loop {
+        if completions.idle(slot) {
+            sending.done = true;
+            return;
+        }
+        let members = completions.next_batch(slot);
+        let mut batch = Box::pin(send_batch(store.clone(), members));
+        if tokio::time::timeout(STALLED, batch.as_mut()).await.is_err() {
+            // The next batch goes on another connection; this one waits on.
+            tokio::spawn(batch);
+        }
+    }
+}
+
+async fn send_batch(store: PostgresStore, mut members: Vec<Member>) {
+    members.sort_by(|a, b| {
+        (a.lease.scope.as_str(), &*a.lease.key).cmp(&(b.lease.scope.as_str(), &*b.lease.key))
+    });
+    let client = match store.running_client().await {
+        Ok(client) => client,
+        Err(e) => {
+            for m in members {
+                let _ = m
+                    .reply
+                    .send(Done::Failed(StoreError::new(e.kind(), e.to_string())));
+            }
+            return;
+        }
+    };
+    if members.len() == 1 {
+        let m = members.pop().expect("one");
+        let completing =
+            again_if_it_lost_a_race(|| store.complete_on(&client, &m.lease, &m.response, m.ttl));
+        let completed = client.answer(completing).await;
+        client.done(&completed);
+        let _ = m.reply.send(match completed {
+            Ok(fenced) => Done::Kept(fenced),
+            Err(e) => Done::Failed(e),
+        });
+        return;
+    }
+    let scopes: Vec<&str> = members.iter().map(|m| m.lease.scope.as_str()).collect();
+    let keys: Vec<&str> = members.iter().map(|m| &*m.lease.key).collect();
+    let tokens: Vec<i64> = members.iter().map(|m| m.lease.token.get()).collect();
+    let statuses: Vec<i16> = members
+        .iter()
+        .map(|m| m.response.status.as_u16() as i16)
+        .collect();
+    let encoded: Vec<bytes::Bytes> = members
+        .iter()
+        .map(|m| StoredResponse::encode_headers(&m.response.headers))
+        .collect();
+    let headers: Vec<&[u8]> = encoded.iter().map(|h| &h[..]).collect();
+    let bodies: Vec<&[u8]> = members.iter().map(|m| &m.response.body[..]).collect();
+    let ttls: Vec<i64> = members.iter().map(|m| ms(m.ttl)).collect();
+    let ids: Vec<String> = members
+        .iter()
+        .map(|m| store.key_id(&m.lease.scope, &m.lease.key))
+        .collect();
+    let channel = store.listener.channel();
+    let params: [&(dyn ToSql + Sync); 9] = [
+        &scopes, &keys, &tokens, &statuses, &headers, &bodies, &ttls, &ids, &channel,
+    ];
+    let sent = client
+        .answer(store.query_on(&client, &store.sql.complete_batch, &params))
+        .await;
+    client.done(&sent);
+    match sent {
+        Ok(rows) => {
+            let mut kept = vec![false; members.len()];
+            for row in rows {
+                let at = row
+                    .try_get::<_, i64>(0)
+                    .ok()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .and_then(|n| n.checked_sub(1));
+                if let Some(place) = at.and_then(|at| kept.get_mut(at)) {
+                    *place = true;
+                }
+            }
+            for (m, kept) in members.into_iter().zip(kept) {
+                let _ = m.reply.send(Done::Kept(Fenced::kept_if(kept)));
+            }
+        }
+        Err(e) if lost_its_connection(&e) => {
+            let mut first = Some(e);
+            for m in members {
+                let e = first.take().unwrap_or_else(|| {
+                    StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the completion's connection was lost",
+                    )
+                });
+                let _ = m.reply.send(Done::Failed(e));
+            }
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, completions = members.len(), "a batch of completions failed; each completes alone");
+            for m in members {
+                let _ = m.reply.send(Done::Alone);
+            }
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Completes in a batch (`with_batched_claims`).
+    pub(super) async fn complete_batched(
+        &self,
+        completions: &Arc<Completions>,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let member = Member {
+            lease: lease.clone(),
+            response: response.clone(),
+            ttl,
+            reply,
+        };
+        let slot = completions.pick();
+        let start = {
+            let mut state = completions.lock(slot);
+            state.queue.push_back(member);
+            !std::mem::replace(&mut state.sending, true)
+        };
+        if start {
+            tokio::spawn(drive(self.clone(), completions.clone(), slot));
+        }
+        match answer.await {
+            Ok(Done::Kept(fenced)) => Ok(fenced),
+            Ok(Done::Failed(e)) => Err(e),
+            Ok(Done::Alone) => self.complete_alone(lease, response, ttl).await,
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the completion's batch ended without an answer",
+            )),
+        }
+    }
+
+    /// Completes on a connection of its own, as without batching.
+    pub(super) async fn complete_alone(
+        &self,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let client = self.running_client().await?;
+        let completing =
+            again_if_it_lost_a_race(|| self.complete_on(&client, lease, response, ttl));
+        let completed = client.answer(completing).await;
+        client.done(&completed);
+        completed
+    }
+}
