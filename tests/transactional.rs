@@ -1860,6 +1860,35 @@ async fn kept_and_retried_on(
     (schema, table, counter, first, retry)
 }
 
+/// What a kept client whose work committed the transaction ends in: the first request
+/// `500 transaction-ended`, stored and replayed to the retry, one run, and the work's
+/// own committed row.
+async fn committed_and_ended_once(
+    schema: &TestSchema,
+    table: &str,
+    counter: &Counter,
+    first: &Reply,
+    retry: &Reply,
+) {
+    assert_eq!(first.status, 500, "{:?}", first.body);
+    assert_eq!(first.problem(), "transaction-ended");
+    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1, "the handler ran once");
+    assert_eq!(kept_rows(schema, table).await, 1, "its COMMIT stays");
+}
+
+/// Ends the sessions that stopped reporting their activity (`x-untracked`), which the
+/// work keeps for good.
+async fn end_hidden_sessions(schema: &TestSchema) {
+    schema
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE state = 'disabled' AND datname = current_database()",
+        )
+        .await;
+}
+
 /// The work committed the transaction, then kept its client: when the layer gives up
 /// on it, the transaction had ended, with the claim committed `running`. That is a
 /// transaction the handler ended, not one that left nothing held: `500
@@ -1870,12 +1899,7 @@ async fn kept_and_retried_on(
 async fn a_client_kept_after_the_handler_s_commit_gets_transaction_ended_and_runs_once() {
     let headers = [("x-end", "commit"), ("x-exhaust", "1")];
     let (schema, table, counter, first, retry) = kept_and_retried(&headers).await;
-    assert_eq!(first.status, 500, "{:?}", first.body);
-    assert_eq!(first.problem(), "transaction-ended");
-    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
-    assert_eq!(retry.body, first.body);
-    assert_eq!(counter.runs(), 1, "the handler ran once");
-    assert_eq!(kept_rows(&schema, &table).await, 1, "its COMMIT stays");
+    committed_and_ended_once(&schema, &table, &counter, &first, &retry).await;
     let ended = format!(
         "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = 'k' AND state = 'completed' AND status = 500",
         schema.name
@@ -1941,12 +1965,7 @@ async fn a_client_kept_on_a_session_that_hides_its_transaction_is_not_taken_for_
     assert_eq!(first.problem(), "handler-failed");
     assert_eq!(records_of(&schema, "k").await, 0, "nothing was stored");
     // The kept transaction rolls back once its session ends.
-    schema
-        .query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE state = 'disabled' AND datname = current_database()",
-        )
-        .await;
+    end_hidden_sessions(&schema).await;
     let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
     assert_eq!(retry.outcome, Some(Outcome::Executed));
 }
@@ -1962,19 +1981,8 @@ async fn a_client_kept_on_a_session_that_hides_its_transaction_is_not_taken_for_
 async fn a_client_kept_after_the_handler_s_commit_on_a_hidden_session_runs_once() {
     let headers = [("x-end", "commit"), ("x-untracked", "after")];
     let (schema, table, counter, first, retry) = kept_and_retried(&headers).await;
-    assert_eq!(first.status, 500, "{:?}", first.body);
-    assert_eq!(first.problem(), "transaction-ended");
-    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{:?}", retry.body);
-    assert_eq!(retry.body, first.body);
-    assert_eq!(counter.runs(), 1, "the handler ran once");
-    assert_eq!(kept_rows(&schema, &table).await, 1, "its COMMIT stays");
-    // The hidden session, which the work keeps, ends with the test's schema.
-    schema
-        .query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE state = 'disabled' AND datname = current_database()",
-        )
-        .await;
+    committed_and_ended_once(&schema, &table, &counter, &first, &retry).await;
+    end_hidden_sessions(&schema).await;
 }
 
 /// A client kept by work whose session then ended (its connection failed): its
