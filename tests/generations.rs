@@ -289,11 +289,7 @@ async fn a_duplicate_across_a_boundary_waits_for_the_key_and_replays() {
     let (router, counter) = common::app(layer);
     let held = common::in_flight(
         &router,
-        common::req("POST")
-            .header("idempotency-key", "k")
-            .header("x-held", "1")
-            .body(axum::body::Body::from("{}"))
-            .unwrap(),
+        common::post_with_headers("k", &[("x-held", "1")]),
         &counter,
     )
     .await;
@@ -326,11 +322,7 @@ async fn a_duplicate_not_told_to_wait_gets_409_from_the_key_s_lock() {
     let (router, counter) = common::app(IdempotencyLayer::transactional(store.clone()));
     let held = common::in_flight(
         &router,
-        common::req("POST")
-            .header("idempotency-key", "k")
-            .header("x-held", "1")
-            .body(axum::body::Body::from("{}"))
-            .unwrap(),
+        common::post_with_headers("k", &[("x-held", "1")]),
         &counter,
     )
     .await;
@@ -538,11 +530,7 @@ async fn a_key_held_in_one_table_does_not_hold_up_another_tables() {
     let (router, counter) = common::app(IdempotencyLayer::transactional(store_a));
     let held = common::in_flight(
         &router,
-        common::req("POST")
-            .header("idempotency-key", "k")
-            .header("x-held", "1")
-            .body(axum::body::Body::from("{}"))
-            .unwrap(),
+        common::post_with_headers("k", &[("x-held", "1")]),
         &counter,
     )
     .await;
