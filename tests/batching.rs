@@ -493,6 +493,248 @@ async fn a_stale_token_in_a_batch_of_completions_refuses_that_completion_only() 
     );
 }
 
+/// A batched store with pooled connections to spare: a lone claim is sent by its own
+/// caller (it leads its idle slot), and what queues behind it has connections of its own.
+async fn leading_store(schema: &TestSchema) -> PostgresStore {
+    schema
+        .store_at(&database_url(), 4)
+        .await
+        .with_background_purge(None)
+        .with_batched_claims(1, 64)
+}
+
+/// Another transaction inserts `key` and holds it, uncommitted: a claim of the key reads
+/// no row, and its insert waits on that transaction (a `FOR UPDATE` on a committed row
+/// would not hold it: the claim only reads a key that exists).
+async fn hold_uncommitted(schema: &TestSchema, key: &str) -> tokio_postgres::Client {
+    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO \"{}\".idempotency_keys (scope, key, fingerprint, state, token, locked_until, expires_at)
+             VALUES ('', '{key}', '\\x00', 'running', 1, now() + interval '1 minute', now() + interval '1 minute')",
+            schema.name
+        ))
+        .await
+        .expect("hold the key");
+    locker
+}
+
+fn claim_in_a_task(
+    store: &PostgresStore,
+    key: &'static str,
+    fingerprint: Fingerprint,
+) -> tokio::task::JoinHandle<Result<Claim, tower_idempotency::store::StoreError>> {
+    let store = store.clone();
+    tokio::spawn(async move {
+        let scope = Scope::anonymous();
+        store
+            .claim(&request(&scope, key, fingerprint, MINUTE, MINUTE))
+            .await
+    })
+}
+
+/// A bound on a wait for an answer that must come (not a timing claim).
+const ANSWERED_WITHIN: Duration = Duration::from_secs(30);
+
+/// At light load each claim and completion is sent alone by its own caller, and gets
+/// every answer it gets alone: its insert, a replay (to the same request and to
+/// another), a 409, a takeover of a lapsed lease, a stale completion refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lone_claims_sent_by_their_callers_answer_as_alone() {
+    let schema = TestSchema::new();
+    let store = leading_store(&schema).await;
+    let before = store.metrics();
+    let done = acquire(&store, "done", A, MINUTE, MINUTE).await;
+    assert!(
+        store
+            .complete(&done, &response("done"), MINUTE)
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    let running = acquire(&store, "running", A, MINUTE, MINUTE).await;
+    let lapsed = acquire(&store, "lapsed", A, MS, MINUTE).await;
+    until(
+        &schema,
+        "SELECT bool_and(locked_until <= now()) FROM {t} WHERE key = 'lapsed'",
+    )
+    .await;
+    let scope = Scope::anonymous();
+    let claim = |key: &'static str, fingerprint| {
+        let store = store.clone();
+        let scope = scope.clone();
+        async move {
+            store
+                .claim(&request(&scope, key, fingerprint, MINUTE, MINUTE))
+                .await
+                .expect("answered")
+        }
+    };
+    for fingerprint in [A, B] {
+        match claim("done", fingerprint).await {
+            Claim::Completed {
+                fingerprint,
+                response,
+            } => assert_eq!(
+                (fingerprint, response.body),
+                (A, Bytes::from_static(b"done"))
+            ),
+            other => panic!("done: {other:?}"),
+        }
+        match claim("running", fingerprint).await {
+            Claim::Running { fingerprint, .. } => assert_eq!(fingerprint, A),
+            other => panic!("running: {other:?}"),
+        }
+    }
+    let taken = match claim("lapsed", A).await {
+        Claim::Acquired(lease) => lease,
+        other => panic!("lapsed: {other:?}"),
+    };
+    assert_eq!(taken.token, lapsed.token.next());
+    // The lapsed holder's completion is refused; the new holder's lands.
+    assert!(
+        !store
+            .complete(&lapsed, &response("stale"), MINUTE)
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    assert!(
+        store
+            .complete(&taken, &response("taken"), MINUTE)
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    assert!(store.release(&running).await.unwrap().is_kept());
+    // Each claim went alone (a batch of one), none queued.
+    let after = store.metrics();
+    assert_eq!(after.claim_batches - before.claim_batches, 8);
+    assert_eq!(after.batched_claims - before.batched_claims, 8);
+    assert_eq!(store.waiting_for_a_batch(), 0);
+    let rows = schema
+        .query(&format!(
+            "SELECT key, state, token FROM \"{}\".idempotency_keys ORDER BY key",
+            schema.name
+        ))
+        .await;
+    let rows: Vec<(String, String, i64)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("done".into(), "completed".into(), done.token.get()),
+            ("lapsed".into(), "completed".into(), taken.token.get()),
+        ]
+    );
+}
+
+/// A lone claim whose statement waits on a row lock does not hold the claims queued
+/// behind it: past `STALLED` its caller hands the slot over, and they are sent while it
+/// still waits; when the lock goes, it gets its own answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_claim_held_by_a_lock_lets_the_claims_behind_it_go() {
+    let schema = TestSchema::new();
+    let store = leading_store(&schema).await;
+    acquire(&store, "warm", A, MINUTE, MINUTE).await;
+    let locker = hold_uncommitted(&schema, "blocked").await;
+    let blocked = claim_in_a_task(&store, "blocked", A);
+    schema.wait_for_lock_waiters(1).await;
+    // Queued behind the lone claim in flight.
+    let behind = claim_in_a_task(&store, "behind", A);
+    eventually(|| store.waiting_for_a_batch() == 1 || behind.is_finished()).await;
+    let answer = tokio::time::timeout(ANSWERED_WITHIN, behind)
+        .await
+        .expect("the claim queued behind a held one was answered")
+        .expect("the claim's task");
+    assert!(
+        matches!(answer, Ok(Claim::Acquired(_))),
+        "behind: {answer:?}"
+    );
+    assert!(!blocked.is_finished(), "the lock still holds the first");
+    assert_eq!(schema.lock_waiters().await, 1);
+    // The lock goes (the other transaction rolls back): the key is free, and the
+    // waiting claim inserts it, under its own token.
+    locker
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("let blocked go");
+    let lease = match tokio::time::timeout(ANSWERED_WITHIN, blocked)
+        .await
+        .expect("answered once the lock went")
+        .expect("the claim's task")
+    {
+        Ok(Claim::Acquired(lease)) => lease,
+        other => panic!("blocked: {other:?}"),
+    };
+    let rows = schema
+        .query(&format!(
+            "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = 'blocked'",
+            schema.name
+        ))
+        .await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        (rows[0].get::<_, String>(0), rows[0].get::<_, i64>(1)),
+        ("running".into(), lease.token.get())
+    );
+    assert_eq!(store.waiting_for_a_batch(), 0);
+}
+
+/// A lone claim whose caller gives up while its statement waits on a lock leaves no key
+/// held (its statement cancelled, what may have landed released in doubt), and hands
+/// its slot over to the claim queued behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_claim_given_up_on_leaves_no_key_held_and_lets_the_queue_go() {
+    let schema = TestSchema::new();
+    let store = leading_store(&schema).await;
+    acquire(&store, "warm", A, MINUTE, MINUTE).await;
+    let locker = hold_uncommitted(&schema, "given-up").await;
+    let given_up = claim_in_a_task(&store, "given-up", A);
+    schema.wait_for_lock_waiters(1).await;
+    let behind = claim_in_a_task(&store, "behind", A);
+    eventually(|| store.waiting_for_a_batch() == 1 || behind.is_finished()).await;
+    given_up.abort();
+    assert!(given_up.await.unwrap_err().is_cancelled());
+    let answer = tokio::time::timeout(ANSWERED_WITHIN, behind)
+        .await
+        .expect("the claim queued behind one given up on was answered")
+        .expect("the claim's task");
+    assert!(
+        matches!(answer, Ok(Claim::Acquired(_))),
+        "behind: {answer:?}"
+    );
+    // The statement is cancelled on the server. (Behind a transaction pooler no cancel
+    // request is sent: it goes on until the lock frees, lands, and is released in doubt.)
+    if pooler_url().is_none() {
+        until(
+            &schema,
+            &format!(
+                "SELECT count(*) = 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{}%'",
+                schema.name
+            ),
+        )
+        .await;
+    }
+    locker
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("let given-up go");
+    // Nothing holds the key: no row, so no row claimed by the dropped caller's token.
+    until(
+        &schema,
+        "SELECT count(*) = 0 FROM {t} WHERE key = 'given-up'",
+    )
+    .await;
+    acquire(&store, "given-up", A, MINUTE, MINUTE).await;
+    assert_eq!(store.waiting_for_a_batch(), 0);
+}
+
 /// The child of `duplicates_across_two_processes_run_once`: a hundred requests with one
 /// key at once through the layer, when told to go; prints how many ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,13 +1,24 @@
 //! Natural batching of lease mode's claims (`PostgresStore::with_batched_claims`).
 //!
-//! A claim goes to a batching connection ([`Slot`]). If no batch is in flight there,
-//! it is sent at once, alone: no timer, no wait at low load. While one is in flight,
+//! A claim goes to a batching connection ([`Slot`]). If nothing is in flight there
+//! and a pooled connection is at hand, the claim leads the slot (`lead`): its own
+//! caller sends it at once, alone, as the store does without batching
+//! (`claim_checked_out`: the same answers, takeover, fencing, and release in doubt):
+//! no timer, no task hop, no wait at low load. While a claim or a batch is in flight,
 //! the claims that arrive queue up, and when it returns they go together as one
 //! statement (`Sql::claim_batch`), up to a cap by count and by bytes: one round trip,
 //! one plan, one commit for them all. Each claim gets its own row back, with the
 //! columns of a single claim, and reads it as `claim_once` reads its own (`found`):
 //! a replay, a 409, a 422, its insert, a re-read (in the next batch) when a concurrent
 //! request inserted the key first, or a takeover, sent alone on a pooled connection.
+//!
+//! A lone claim's lead hands the slot over when the claim ends, fails, or its caller
+//! gives up (then its own connection is closed, its statement cancelled, and its
+//! insert released in doubt, as without batching), and as soon as it has gone
+//! `shared::STALLED` unanswered: the claims queued behind it are then sent by the
+//! slot's task (`drive`) while it waits on. A claim that finds the slot idle but every
+//! pooled connection checked out does not lead: it queues, and `drive` sends it with
+//! those that arrive while the connection is awaited.
 //!
 //! A batch is sent on a pooled connection, checked out for it (so it works behind a
 //! transaction pooler: nothing outlives the statement), by a task of the slot's
@@ -31,6 +42,7 @@
 
 use std::{
     collections::VecDeque,
+    future::Future,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicU64, Ordering},
@@ -46,6 +58,7 @@ use super::{
     batch_complete::Completions,
     claim::{CLAIM_ATTEMPTS, Found, found, ms},
     errors::{again_if_it_lost_a_race, corrupt, lost_its_connection},
+    lead::{Lanes, Lead},
     shared::STALLED,
     sql::col,
 };
@@ -127,6 +140,8 @@ enum Answer {
     Alone,
     /// The error it would have had alone.
     Failed(StoreError),
+    /// Sent alone by its own caller, which led the slot (`lead`): its claim's answer.
+    Inline(Result<Claim, StoreError>),
 }
 
 /// An answer on its way to its claim. If it carries the claim's own insert and is
@@ -241,15 +256,42 @@ impl Batcher {
         batch
     }
 
-    /// Whether slot `i` has no claim waiting; if so, it is no longer sending (the
-    /// next claim starts it again).
-    fn idle(&self, i: usize) -> bool {
+    /// Whether the claim leads slot `i`: if it is idle, it is marked sending and the
+    /// claim leads it (`true`); else `claim` is queued behind what is in flight there.
+    fn lead_or_queue(&self, i: usize, claim: impl FnOnce() -> Member) -> bool {
         let mut state = self.slots[i].lock();
+        if std::mem::replace(&mut state.sending, true) {
+            state.queue.push_back(claim());
+            false
+        } else {
+            true
+        }
+    }
+}
+
+impl Lanes for Batcher {
+    fn keep_sending(&self, slot: usize) -> bool {
+        let mut state = self.slots[slot].lock();
         state.queue.retain(|m| !m.reply.is_closed());
         if state.queue.is_empty() {
             state.sending = false;
         }
-        !state.sending
+        state.sending
+    }
+
+    fn abandon(&self, slot: usize) {
+        let mut state = self.slots[slot].lock();
+        state.sending = false;
+        // Dropped unanswered: each claim's caller gets an error.
+        state.queue.clear();
+    }
+
+    fn drive(
+        self: Arc<Self>,
+        store: PostgresStore,
+        slot: usize,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        drive(store, self, slot)
     }
 }
 
@@ -271,10 +313,7 @@ struct Sending {
 impl Drop for Sending {
     fn drop(&mut self) {
         if !self.done {
-            let mut state = self.batcher.slots[self.slot].lock();
-            state.sending = false;
-            // Dropped unanswered: each claim's caller gets an error.
-            state.queue.clear();
+            self.batcher.abandon(self.slot);
         }
     }
 }
@@ -288,7 +327,7 @@ async fn drive(store: PostgresStore, batcher: Arc<Batcher>, slot: usize) {
     loop {
         // The connection first, the claims then: those that arrive while it is sought
         // go in this batch too, and those whose caller gives up meanwhile are left out.
-        if batcher.idle(slot) {
+        if !batcher.keep_sending(slot) {
             sending.done = true;
             return;
         }
@@ -463,6 +502,7 @@ impl PostgresStore {
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
             let row = match self.in_a_batch(batcher, req, token).await {
+                Answer::Inline(claimed) => return claimed,
                 Answer::Row(row) => row,
                 Answer::Alone => return self.claim_pooled(req, token).await,
                 Answer::Failed(e) => return Err(e),
@@ -490,8 +530,9 @@ impl PostgresStore {
         ))
     }
 
-    /// Queues the claim for a batch, starting the slot's sending if it is idle, and
-    /// waits for its answer.
+    /// Sends the claim alone, in this task, if its slot is idle and a pooled connection
+    /// is at hand (`lead`); else queues it for a batch, starting the slot's sending if
+    /// it is idle, and waits for its answer.
     async fn in_a_batch(
         &self,
         batcher: &Arc<Batcher>,
@@ -499,7 +540,8 @@ impl PostgresStore {
         token: FencingToken,
     ) -> Answer {
         let (reply, answer) = oneshot::channel();
-        let member = Member {
+        let mut reply = Some(reply);
+        let mut member = || Member {
             claim: Owned {
                 scope: req.scope.clone(),
                 key: req.key.to_owned(),
@@ -508,16 +550,27 @@ impl PostgresStore {
                 ttl: req.ttl,
                 token,
             },
-            reply,
+            reply: reply.take().expect("one member per claim"),
         };
         let slot = batcher.pick();
-        let start = {
-            let mut state = batcher.slots[slot].lock();
-            state.queue.push_back(member);
-            !std::mem::replace(&mut state.sending, true)
-        };
-        if start {
-            tokio::spawn(drive(self.clone(), batcher.clone(), slot));
+        if batcher.lead_or_queue(slot, &mut member) {
+            let mut lead = Lead::new(self, batcher, slot);
+            match self.client_at_once().await {
+                // As without batching, on a connection of its own: the same answers,
+                // the same takeover, the same release in doubt (`InDoubt`) if its
+                // connection is lost or its caller gives up midway.
+                Ok(Some(client)) => {
+                    batcher.batches.fetch_add(1, Ordering::Relaxed);
+                    batcher.batched.fetch_add(1, Ordering::Relaxed);
+                    let claimed = lead.run(self.claim_checked_out(req, token, client)).await;
+                    return Answer::Inline(claimed);
+                }
+                // Every pooled connection checked out: it waits for one as a batch,
+                // with the claims that come meanwhile (the lead, dropped, starts
+                // `drive`).
+                Ok(None) => batcher.slots[slot].lock().queue.push_front(member()),
+                Err(e) => return Answer::Failed(e),
+            }
         }
         match answer.await {
             Ok(landed) => landed.take(),

@@ -4,8 +4,12 @@
 //! checked by its own fencing token, the result reported per completion, and the
 //! waiters of each completed row notified.
 //!
-//! A completion finding nothing in flight is sent at once, alone, with the statement
-//! of one key. A batch goes on the connection a completion alone would take (an idle
+//! A completion finding nothing in flight leads its slot (`lead`): its own caller sends
+//! it at once, alone, as without batching (`complete_alone`: the statement of one key),
+//! and the completions that arrive meanwhile queue behind it; its lead hands the slot
+//! over to the slot's task (`drive`) when it ends, fails or is given up on, or once it
+//! has gone `shared::STALLED` unanswered (waiting on a row lock), while it waits on.
+//! A batch goes on the connection a completion alone would take (an idle
 //! pooled one, else the store's reserve: `running_client`). Its failure is each
 //! completion's: a lost connection or a connection that could not be had fails each
 //! as it would have failed alone (the layer retries a failed completion); any other
@@ -16,6 +20,7 @@
 
 use std::{
     collections::VecDeque,
+    future::Future,
     sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
@@ -27,6 +32,7 @@ use super::{
     PostgresStore,
     claim::ms,
     errors::{again_if_it_lost_a_race, lost_its_connection},
+    lead::{Lanes, Lead},
     shared::STALLED,
 };
 use crate::{
@@ -88,13 +94,17 @@ impl Completions {
         best.1
     }
 
-    /// Whether slot `i` has nothing queued; then it is no longer sending.
-    fn idle(&self, i: usize) -> bool {
+    /// Whether the completion leads slot `i`: if it is idle, it is marked sending and
+    /// the completion leads it (`true`); else `member` is queued behind what is in
+    /// flight there.
+    fn lead_or_queue(&self, i: usize, member: impl FnOnce() -> Member) -> bool {
         let mut state = self.lock(i);
-        if state.queue.is_empty() {
-            state.sending = false;
+        if std::mem::replace(&mut state.sending, true) {
+            state.queue.push_back(member());
+            false
+        } else {
+            true
         }
-        !state.sending
     }
 
     /// Completions queued behind a batch in flight.
@@ -111,6 +121,31 @@ impl Completions {
     }
 }
 
+impl Lanes for Completions {
+    fn keep_sending(&self, slot: usize) -> bool {
+        let mut state = self.lock(slot);
+        state.queue.retain(|m| !m.reply.is_closed());
+        if state.queue.is_empty() {
+            state.sending = false;
+        }
+        state.sending
+    }
+
+    fn abandon(&self, slot: usize) {
+        let mut state = self.lock(slot);
+        state.sending = false;
+        state.queue.clear();
+    }
+
+    fn drive(
+        self: Arc<Self>,
+        store: PostgresStore,
+        slot: usize,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        drive(store, self, slot)
+    }
+}
+
 /// Ends slot `i`'s sending if its task is dropped midway (its runtime shutting down):
 /// the completions queued are answered with an error.
 struct Sending {
@@ -122,9 +157,7 @@ struct Sending {
 impl Drop for Sending {
     fn drop(&mut self) {
         if !self.done {
-            let mut state = self.completions.lock(self.slot);
-            state.sending = false;
-            state.queue.clear();
+            self.completions.abandon(self.slot);
         }
     }
 }
@@ -136,7 +169,7 @@ async fn drive(store: PostgresStore, completions: Arc<Completions>, slot: usize)
         done: false,
     };
     loop {
-        if completions.idle(slot) {
+        if !completions.keep_sending(slot) {
             sending.done = true;
             return;
         }
@@ -250,20 +283,18 @@ impl PostgresStore {
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let member = Member {
+        let member = || Member {
             lease: lease.clone(),
             response: response.clone(),
             ttl,
             reply,
         };
         let slot = completions.pick();
-        let start = {
-            let mut state = completions.lock(slot);
-            state.queue.push_back(member);
-            !std::mem::replace(&mut state.sending, true)
-        };
-        if start {
-            tokio::spawn(drive(self.clone(), completions.clone(), slot));
+        if completions.lead_or_queue(slot, member) {
+            // Alone, in this task, as without batching; the completions that come
+            // meanwhile queue behind it.
+            let mut lead = Lead::new(self, completions, slot);
+            return lead.run(self.complete_alone(lease, response, ttl)).await;
         }
         match answer.await {
             Ok(Done::Kept(fenced)) => Ok(fenced),

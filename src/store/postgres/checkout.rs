@@ -4,7 +4,8 @@
 
 use std::{sync::atomic::Ordering, time::Duration};
 
-use deadpool_postgres::{Client, ClientWrapper, Pool};
+use deadpool::managed::{TimeoutType, Timeouts};
+use deadpool_postgres::{Client, ClientWrapper, Pool, PoolError};
 use tokio_postgres::{Row, types::ToSql};
 
 use super::{
@@ -106,6 +107,20 @@ impl PostgresStore {
     /// would otherwise queue for a connection without end, ahead of new requests.
     pub(crate) async fn client(&self) -> Result<Checkout, StoreError> {
         pooled(&self.pool).await.map(|conn| self.checkout(conn))
+    }
+
+    /// A pooled connection if one is idle, or can be opened, at once; `None` if the
+    /// pool is at its size with every connection checked out.
+    pub(super) async fn client_at_once(&self) -> Result<Option<Checkout>, StoreError> {
+        let at_once = Timeouts {
+            wait: Some(Duration::ZERO),
+            ..self.pool.timeouts()
+        };
+        match self.pool.timeout_get(&at_once).await {
+            Ok(conn) => Ok(Some(self.checkout(conn))),
+            Err(PoolError::Timeout(TimeoutType::Wait)) => Ok(None),
+            Err(e) => Err(classify_pool(e)),
+        }
     }
 
     /// `conn`, checked out of the pool (see `Checkout`).

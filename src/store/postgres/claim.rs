@@ -12,7 +12,7 @@ use deadpool_postgres::ClientWrapper;
 use http::StatusCode;
 
 use super::{
-    PostgresStore,
+    Checkout, PostgresStore,
     errors::{again_if_it_lost_a_race, corrupt, lost_its_connection, waited_for_a_lock},
     in_doubt::InDoubt,
     shared,
@@ -91,7 +91,18 @@ impl PostgresStore {
         request: &ClaimRequest<'_>,
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
-        let claiming = InDoubt::new(self, request, token, self.client().await?);
+        self.claim_checked_out(request, token, self.client().await?)
+            .await
+    }
+
+    /// [`claim_pooled`](Self::claim_pooled) on `client`, checked out of the pool for it.
+    pub(super) async fn claim_checked_out(
+        &self,
+        request: &ClaimRequest<'_>,
+        token: FencingToken,
+        client: Checkout,
+    ) -> Result<Claim, StoreError> {
+        let claiming = InDoubt::new(self, request, token, client);
         let claimed =
             again_if_it_lost_a_race(|| self.claim_on(claiming.client(), request, token)).await;
         claiming.settle(&claimed);

@@ -9,6 +9,7 @@ mod errors;
 mod generations;
 mod hosts;
 mod in_doubt;
+mod lead;
 mod listener;
 mod migrate;
 mod purge;
@@ -369,7 +370,8 @@ impl Store for PostgresStore {
         // A claim on a shared connection is not closed with it when dropped (the
         // connection carries others'), and may land later than a release in doubt
         // would look: it is waited for, as before, for a lease.
-        // A batched claim dropped unanswered is released by its batch (`batch`).
+        // A batched claim dropped unanswered is released by its batch, or, sent alone
+        // by its caller, in doubt as without batching (`batch`).
         if self.shared.is_some() && self.batcher.is_none() {
             lease
         } else {

@@ -22,12 +22,11 @@
 //! transaction on the server, finishing its key): the claim row may be committed
 //! `running` by then, or held by a row lock that only they can let go.
 
-use deadpool::managed::{TimeoutType, Timeouts};
-use deadpool_postgres::{ClientWrapper, PoolError};
+use deadpool_postgres::ClientWrapper;
 
 use super::{
     Checkout, PostgresStore,
-    errors::{classify_pool, lost_its_connection},
+    errors::lost_its_connection,
     shared::{STALLED, SharedClient},
 };
 use crate::store::StoreError;
@@ -98,14 +97,8 @@ impl PostgresStore {
     /// release): an idle pooled one, else one of the reserve, else, if the reserve is
     /// full or cannot open, a pooled one waited for as usual.
     pub(super) async fn running_client(&self) -> Result<RunningClient<'_>, StoreError> {
-        let at_once = Timeouts {
-            wait: Some(std::time::Duration::ZERO),
-            ..self.pool.timeouts()
-        };
-        match self.pool.timeout_get(&at_once).await {
-            Ok(conn) => return Ok(RunningClient::Pooled(self.checkout(conn))),
-            Err(PoolError::Timeout(TimeoutType::Wait)) => {}
-            Err(e) => return Err(classify_pool(e)),
+        if let Some(client) = self.client_at_once().await? {
+            return Ok(RunningClient::Pooled(client));
         }
         match self.reserve.get(&self.pool).await {
             Ok(Some(client)) => return Ok(RunningClient::Reserve(client)),

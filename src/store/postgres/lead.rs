@@ -1,0 +1,89 @@
+//! A lone claim or completion sent by its own caller (`batch`, `batch_complete`).
+//!
+//! A claim (or a completion) that finds its batching slot idle marks the slot sending
+//! and runs the statement of one key in its caller's own task: no task to hand it to,
+//! no channel to bring its answer back. It holds the slot as its [`Lead`] meanwhile, so
+//! that what arrives behind it queues, as behind a batch in flight. The lead hands the
+//! slot over once: when its statement ends, fails, or its caller gives up (the lead is
+//! dropped), and sooner if the statement goes unanswered for `shared::STALLED`
+//! (waiting on a row lock, or on a connection that died without a word), so that the
+//! claims queued behind it do not wait on it. Handing over drops the queued members
+//! whose caller gave up, then starts the slot's `drive` task for those left, or, with
+//! nothing left, leaves the slot idle for the next to lead.
+
+use std::{future::Future, sync::Arc};
+
+use super::{PostgresStore, shared::STALLED};
+
+/// Batching slots and their queues, as a lead hands one over.
+pub(super) trait Lanes: Send + Sync + Sized + 'static {
+    /// Drops slot `slot`'s queued members whose caller gave up; whether any are left.
+    /// If none, the slot is no longer sending: the next to come leads it.
+    fn keep_sending(&self, slot: usize) -> bool;
+
+    /// Ends slot `slot`'s sending with no task to send it (no runtime to spawn one on):
+    /// its queued members are dropped unanswered, and their callers get an error.
+    fn abandon(&self, slot: usize);
+
+    /// The task that sends slot `slot`'s queued members, in batches, until none is left.
+    fn drive(
+        self: Arc<Self>,
+        store: PostgresStore,
+        slot: usize,
+    ) -> impl Future<Output = ()> + Send + 'static;
+}
+
+/// A slot held by a caller sending its own lone statement; handed over once (see the
+/// module's docs), at the latest when dropped.
+pub(super) struct Lead<L: Lanes> {
+    lanes: Arc<L>,
+    store: PostgresStore,
+    slot: usize,
+    handed: bool,
+}
+
+impl<L: Lanes> Lead<L> {
+    /// Slot `slot` of `lanes`, which the caller has just marked sending.
+    pub(super) fn new(store: &PostgresStore, lanes: &Arc<L>, slot: usize) -> Self {
+        Self {
+            lanes: lanes.clone(),
+            store: store.clone(),
+            slot,
+            handed: false,
+        }
+    }
+
+    /// Runs `work`, the lone statement. Unanswered for `STALLED`, it hands the slot over
+    /// and waits on for its own answer.
+    pub(super) async fn run<T>(&mut self, work: impl Future<Output = T>) -> T {
+        let mut work = std::pin::pin!(work);
+        match tokio::time::timeout(STALLED, work.as_mut()).await {
+            Ok(done) => done,
+            Err(_) => {
+                self.hand_over();
+                work.await
+            }
+        }
+    }
+
+    /// Hands the slot over: to a `drive` task if members are queued, else to the next
+    /// to come. Only the first call does anything.
+    fn hand_over(&mut self) {
+        if std::mem::replace(&mut self.handed, true) || !self.lanes.keep_sending(self.slot) {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let drive = self.lanes.clone().drive(self.store.clone(), self.slot);
+                runtime.spawn(drive);
+            }
+            Err(_) => self.lanes.abandon(self.slot),
+        }
+    }
+}
+
+impl<L: Lanes> Drop for Lead<L> {
+    fn drop(&mut self) {
+        self.hand_over();
+    }
+}
