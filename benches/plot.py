@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Plots the end-to-end and growth benchmarks from their CSV files.
 
-    python3 benches/plot.py [--dir target/bench] [--out docs]
+    python3 benches/plot.py [--dir target/bench] [--out docs] [--e2e-name benchmarks.png]
 
 Reads e2e.csv and growth.csv (either may be missing) and writes
-docs/benchmarks.png and docs/benchmarks-growth.png. Needs matplotlib.
+docs/benchmarks.png (throughput, latency, and CPU per request, the app's and
+PostgreSQL's) and docs/benchmarks-growth.png. Needs matplotlib.
 """
 
 import argparse
@@ -23,6 +24,7 @@ E2E_ROWS = [
     ("memory", "MemoryStore\nnew keys"),
     ("lease", "lease\nnew keys"),
     ("lease_shared", "lease, shared\nclaims"),
+    ("lease_batched", "lease, batched\nclaims"),
     ("http_floor_lease", "floor (h)\nover HTTP"),
     ("floor_lease", "floor (h)"),
     ("floor_lease_nonotify", "floor (h)\nno pg_notify"),
@@ -32,6 +34,7 @@ E2E_ROWS = [
     ("floor_tx", "floor (i)"),
     ("replay", "replays"),
     ("replay_shared", "replays,\nshared claims"),
+    ("replay_batched", "replays,\nbatched claims"),
     ("http_floor_replay", "floor (j)\nover HTTP"),
     ("floor_replay", "floor (j)"),
     ("peer_replay", "peer (l)\nreplays"),
@@ -44,9 +47,11 @@ LAYER_ROWS = {
     "memory",
     "lease",
     "lease_shared",
+    "lease_batched",
     "tx",
     "replay",
     "replay_shared",
+    "replay_batched",
     "dup",
 }
 PALETTE = ["#9ecae1", "#4292c6", "#08306b", "#6a51a3", "#238b45"]
@@ -67,10 +72,10 @@ def plot_e2e(rows, out):
     by = {(r["row"], int(r["concurrency"])): r for r in rows}
     present = [(k, label) for k, label in E2E_ROWS if any(key[0] == k for key in by)]
     conc = sorted({int(r["concurrency"]) for r in rows})
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(15, 9), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(15, 13), sharex=True)
     width = 0.8 / len(conc)
     for i, c in enumerate(conc):
-        xs, rps, lo, hi, p50, p99 = [], [], [], [], [], []
+        xs, rps, lo, hi, p50, p99, app, pg = [], [], [], [], [], [], [], []
         for x, (k, _) in enumerate(present):
             r = by.get((k, c))
             if r is None:
@@ -82,11 +87,16 @@ def plot_e2e(rows, out):
             hi.append(float(r.get("rps_max") or v) - v)
             p50.append(float(r["p50_ms"]))
             p99.append(float(r["p99_ms"]))
+            app.append(float(r.get("app_cpu_us_per_req") or 0))
+            pg.append(float(r.get("pg_cpu_us_per_req") or 0))
         color = color_of(conc, c)
         ax1.bar(xs, rps, width, yerr=[lo, hi], capsize=2, label=f"concurrency {c}", color=color)
         ax2.bar(xs, p99, width, color=color, label=f"p99, concurrency {c}")
         ax2.scatter(xs, p50, marker="_", s=120, color="#d94801", zorder=3,
                     label="p50" if i == 0 else None)
+        ax3.bar(xs, app, width, color=color, label=f"app, concurrency {c}")
+        ax3.bar(xs, pg, width, bottom=app, color=color, hatch="//", edgecolor="white",
+                label="PostgreSQL (hatched)" if i == 0 else None)
     ax1.set_yscale("log")
     ax1.set_ylabel("requests/s (log; bars: median of the rounds, whiskers: min–max)")
     ax1.grid(axis="y", which="both", alpha=0.3)
@@ -96,11 +106,14 @@ def plot_e2e(rows, out):
     ax2.set_ylabel("latency, ms (log; bars p99, dashes p50)")
     ax2.grid(axis="y", which="both", alpha=0.3)
     ax2.legend(loc="upper left", fontsize=8, ncol=2)
-    ax2.set_xticks(range(len(present)))
-    ax2.set_xticklabels([label for _, label in present], fontsize=8)
+    ax3.set_ylabel("CPU µs per request (app, load generator included; PostgreSQL hatched)")
+    ax3.grid(axis="y", alpha=0.3)
+    ax3.legend(loc="upper right", fontsize=8, ncol=2)
+    ax3.set_xticks(range(len(present)))
+    ax3.set_xticklabels([label for _, label in present], fontsize=8)
     for x, (k, _) in enumerate(present):
         if k in LAYER_ROWS:
-            for ax in (ax1, ax2):
+            for ax in (ax1, ax2, ax3):
                 ax.axvspan(x - 0.45, x + 0.45, color="#fee6ce", alpha=0.5, zorder=0)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -168,11 +181,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="target/bench")
     parser.add_argument("--out", default="docs")
+    parser.add_argument("--e2e-name", default="benchmarks.png",
+                        help="the end-to-end plot's file name in --out")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     e2e = read(os.path.join(args.dir, "e2e.csv"))
     if e2e:
-        plot_e2e(e2e, os.path.join(args.out, "benchmarks.png"))
+        plot_e2e(e2e, os.path.join(args.out, args.e2e_name))
     growth = read(os.path.join(args.dir, "growth.csv"))
     if growth:
         plot_growth(growth, os.path.join(args.out, "benchmarks-growth.png"))
