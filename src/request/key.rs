@@ -160,11 +160,22 @@ fn parse_bare(value: &[u8], offset: usize) -> Result<String, KeyError> {
     if value.len() > MAX_KEY_LEN {
         return Err(KeyError::TooLong { len: value.len() });
     }
-    Ok(value.iter().map(|&b| char::from(b)).collect())
+    Ok(ascii(value))
+}
+
+/// `bytes`, checked to be visible ASCII, as a `String`: one allocation of its length
+/// and a copy, where collecting it `char` by `char` grew the string as it went.
+fn ascii(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_owned(),
+        // Not reached: the bytes were checked.
+        Err(_) => bytes.iter().map(|&b| char::from(b)).collect(),
+    }
 }
 
 fn parse_sf_string(value: &[u8], offset: usize) -> Result<String, KeyError> {
-    let mut out = String::new();
+    // The quoted value's length, up to the longest key allowed: no growing as it is read.
+    let mut out = String::with_capacity(value.len().saturating_sub(2).min(MAX_KEY_LEN));
     let mut i = 1;
     loop {
         let Some(&b) = value.get(i) else {

@@ -7,7 +7,7 @@ pub(crate) mod key;
 mod marks;
 pub(crate) mod scope;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use http::{Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -46,12 +46,9 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large(&config.problems, limit));
     }
-    let read = tokio::time::timeout(
-        config.request_body_timeout,
-        Limited::new(body, limit).collect(),
-    );
+    let read = tokio::time::timeout(config.request_body_timeout, collect(body, limit));
     match read.await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
             Err(too_large(&config.problems, limit))
         }
@@ -75,6 +72,43 @@ where
             ),
         )),
     }
+}
+
+/// `body`'s data, within `limit` bytes (`Limited`'s error past it); its trailers are
+/// dropped. What `BodyExt::collect` and `Collected::to_bytes` give, without their list
+/// of chunks: a body that comes in one frame, as most do, is handed on as it came, with
+/// no allocation; one in several is copied into one buffer, as `to_bytes` does.
+async fn collect<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(mut data) = frame?.into_data() else {
+            continue;
+        };
+        if !data.has_remaining() {
+            continue;
+        }
+        let data = data.copy_to_bytes(data.remaining());
+        if let Some(buf) = &mut more {
+            buf.extend_from_slice(&data);
+        } else if let Some(head) = first.take() {
+            let mut buf = BytesMut::with_capacity(head.len() + data.len());
+            buf.extend_from_slice(&head);
+            buf.extend_from_slice(&data);
+            more = Some(buf);
+        } else {
+            first = Some(data);
+        }
+    }
+    Ok(match more {
+        Some(buf) => buf.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 /// Whether `e`, or an error it wraps, is a body over a size limit.

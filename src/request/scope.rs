@@ -44,7 +44,11 @@ impl Scope {
 
     /// The scope of requests with no principal.
     pub fn anonymous() -> Self {
-        Self(Arc::from(""))
+        // One `Arc` for every request without a principal: a clone of it is a count
+        // raised, where `Arc::from("")` allocated for each.
+        static ANONYMOUS: std::sync::LazyLock<Arc<str>> =
+            std::sync::LazyLock::new(|| Arc::from(""));
+        Self(ANONYMOUS.clone())
     }
 
     /// The scope's name, as stored.
