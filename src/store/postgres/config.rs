@@ -410,13 +410,15 @@ impl PostgresStore {
     /// connections ([`with_shared_claim_connections`](Self::with_shared_claim_connections))
     /// are not used for claims.
     ///
-    /// When it pays: in the latest measurements (two cores shared with other work), at
-    /// 64 concurrent requests new keys ran twice as fast as the hand-written statements
-    /// at a quarter of their PostgreSQL CPU per key, and replays at under half the
-    /// database's CPU each; at 16 ahead of unbatched in most rounds; at 1 every batch is
-    /// a single claim, and the hand-off to the batching task costs 0.05–0.15 ms of
-    /// latency. Hence off by default: turn it on where a replica serves tens of
-    /// concurrent requests or more, or mostly replays, and measure.
+    /// When it pays: measured in one quiet run on two cores, at 64 concurrent requests
+    /// new keys ran at twice the hand-written statements' throughput at a third of their
+    /// PostgreSQL CPU per key, and replays at about a third of a primary-key read's
+    /// PostgreSQL CPU each; at 16 ahead of unbatched; at 1 a claim finding its batching
+    /// connection idle is sent by its own caller, and latency is the unbatched store's.
+    /// Off by default because with slow commits (a loaded machine) batching at moderate
+    /// concurrency fell behind: two batching connections hold back what the pool would
+    /// have committed side by side. Turn it on where a replica serves tens of concurrent
+    /// requests or more, or mostly replays, and measure.
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
