@@ -493,6 +493,107 @@ async fn a_stale_token_in_a_batch_of_completions_refuses_that_completion_only() 
     );
 }
 
+/// A batch of completions whose connection is cut while it runs: the statement goes on
+/// and commits on the server, its answer never comes. Each completion in it fails as it
+/// would alone (its connection was lost), and completed again, as the layer retries a
+/// failed completion, each key ends completed by its own token with its own response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_completions_whose_connection_is_cut_fails_each_and_a_retry_stores_each() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = batched_store(&schema, &proxy.url()).await;
+    let keys = ["k-0", "k-1", "k-2", "k-3", "k-4"];
+    let mut leases = Vec::new();
+    for key in keys {
+        leases.push(acquire(&store, key, A, MINUTE, MINUTE).await);
+    }
+
+    // k-0 and k-1 locked from outside the proxy: the lone completion of k-0 waits on
+    // its lock, the others queue behind it; after `STALLED` they go as one batch on a
+    // connection of their own, which waits on k-1's lock.
+    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM \"{}\".idempotency_keys WHERE key IN ('k-0', 'k-1') FOR UPDATE",
+            schema.name
+        ))
+        .await
+        .expect("lock k-0 and k-1");
+    let complete = |lease: Lease| {
+        let store = store.clone();
+        tokio::spawn(async move { store.complete(&lease, &response("stored"), MINUTE).await })
+    };
+    let lone = complete(leases[0].clone());
+    schema.wait_for_lock_waiters(1).await;
+    let batch: Vec<_> = leases[1..].iter().cloned().map(&complete).collect();
+    eventually(|| store.waiting_for_a_batch() == 4).await;
+    // The batch is sent once the lone completion has gone unanswered for a while.
+    schema.wait_for_lock_waiters(2).await;
+    assert_eq!(store.waiting_for_a_batch(), 0, "the batch was sent");
+
+    // Every connection through the proxy is cut; the statements go on on the server,
+    // and commit once the locks are let go.
+    proxy.cut();
+    for done in std::iter::once(lone).chain(batch) {
+        let failed = done.await.expect("the completion's task");
+        assert_eq!(
+            failed.expect_err("the connection was cut").kind(),
+            StoreErrorKind::Unavailable
+        );
+    }
+    locker
+        .batch_execute("COMMIT")
+        .await
+        .expect("let the keys go");
+    // Until the cut statements have ended on the server: they committed there, or
+    // failed as they went to answer.
+    let running = format!(
+        "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
+         AND state = 'active' AND query LIKE '%{}%'",
+        schema.name
+    );
+    until(&schema, &running).await;
+
+    // Completed again, as the layer retries a completion that failed: a key the cut
+    // statement completed is told its lease is gone (nothing changes), one it did not
+    // is completed now.
+    for lease in &leases {
+        let before: String = schema
+            .query(&format!(
+                "SELECT state FROM \"{}\".idempotency_keys WHERE key = '{}'",
+                schema.name, lease.key
+            ))
+            .await[0]
+            .get(0);
+        let again = store
+            .complete(lease, &response("stored"), MINUTE)
+            .await
+            .expect("the retry");
+        assert_eq!(
+            again.is_kept(),
+            before == "running",
+            "{}: {before}, then {again:?}",
+            lease.key
+        );
+    }
+    let rows = schema
+        .query(&format!(
+            "SELECT key, state, token, body FROM \"{}\".idempotency_keys ORDER BY key",
+            schema.name
+        ))
+        .await;
+    assert_eq!(rows.len(), keys.len());
+    for (row, lease) in rows.iter().zip(&leases) {
+        assert_eq!(row.get::<_, String>(0), &*lease.key);
+        assert_eq!(row.get::<_, String>(1), "completed");
+        assert_eq!(row.get::<_, i64>(2), lease.token.get());
+        assert_eq!(row.get::<_, Vec<u8>>(3), b"stored");
+    }
+}
+
 /// A batched store with pooled connections to spare: a lone claim is sent by its own
 /// caller (it leads its idle slot), and what queues behind it has connections of its own.
 async fn leading_store(schema: &TestSchema) -> PostgresStore {
