@@ -87,7 +87,8 @@ pub(super) struct Batcher {
     batched: AtomicU64,
 }
 
-/// A batching connection: at most one batch in flight, and the claims queued behind it.
+/// A batching connection: at most one statement in flight (a batch, or a lone claim sent
+/// by its caller, its lead), and the claims queued behind it.
 #[derive(Default)]
 struct Slot {
     state: Mutex<SlotState>,
@@ -96,7 +97,7 @@ struct Slot {
 #[derive(Default)]
 struct SlotState {
     queue: VecDeque<Member>,
-    /// A task is sending this slot's batches (`drive`).
+    /// A lead or a task (`drive`) is sending this slot's claims; the next claim queues.
     sending: bool,
 }
 
@@ -211,13 +212,15 @@ impl Batcher {
         self.batched.load(Ordering::Relaxed)
     }
 
-    /// Claims queued behind a batch in flight, not sent yet.
+    /// Claims queued behind a statement in flight (a batch, or a lead's lone claim),
+    /// not sent yet.
     pub(super) fn waiting(&self) -> usize {
         self.slots.iter().map(|s| s.lock().queue.len()).sum()
     }
 
-    /// The slot for the next claim: the first with nothing in flight (light load
-    /// stays on one connection, its caches warm), else the one with the fewest queued.
+    /// The slot for the next claim: the first with nothing in flight (at light load
+    /// the first slot, its claims sent by their callers), else the one with the fewest
+    /// queued.
     fn pick(&self) -> usize {
         let mut best = (usize::MAX, 0);
         for (i, slot) in self.slots.iter().enumerate() {
@@ -291,7 +294,14 @@ impl Lanes for Batcher {
         store: PostgresStore,
         slot: usize,
     ) -> impl Future<Output = ()> + Send + 'static {
-        drive(store, self, slot)
+        // The guard exists before the task is first polled: a task dropped unpolled
+        // (spawned as its runtime shuts down) still gives its slot up.
+        let sending = Sending {
+            batcher: self.clone(),
+            slot,
+            done: false,
+        };
+        drive(store, self, slot, sending)
     }
 }
 
@@ -303,7 +313,7 @@ impl Slot {
 
 /// The task sending slot `i`'s batches while claims wait for it. Should it end
 /// otherwise than with an empty queue (its runtime shutting down), the claims queued
-/// are answered with an error, and the next claim starts another.
+/// are answered with an error, and the next claim leads the slot again.
 struct Sending {
     batcher: Arc<Batcher>,
     slot: usize,
@@ -318,12 +328,7 @@ impl Drop for Sending {
     }
 }
 
-async fn drive(store: PostgresStore, batcher: Arc<Batcher>, slot: usize) {
-    let mut sending = Sending {
-        batcher: batcher.clone(),
-        slot,
-        done: false,
-    };
+async fn drive(store: PostgresStore, batcher: Arc<Batcher>, slot: usize, mut sending: Sending) {
     loop {
         // The connection first, the claims then: those that arrive while it is sought
         // go in this batch too, and those whose caller gives up meanwhile are left out.
@@ -390,7 +395,8 @@ async fn send_batch(
     let ttls: Vec<i64> = claims.iter().map(|c| ms(c.ttl)).collect();
     let tokens: Vec<i64> = claims.iter().map(|c| c.token.get()).collect();
     let params: [&(dyn ToSql + Sync); 6] = [&scopes, &keys, &fingerprints, &leases, &ttls, &tokens];
-    // A batch of one (light load) is sent as the claim of one key: the same row, and
+    // A batch of one (a claim that found every pooled connection checked out, or the
+    // only one left of its batch) is sent as the claim of one key: the same row, and
     // a statement PostgreSQL plans once per connection, where the batch's, with its
     // arrays, is planned again for each execution.
     let one = &claims[0];

@@ -107,17 +107,29 @@ impl Completions {
         }
     }
 
-    /// Completions queued behind a batch in flight.
+    /// Completions queued behind a statement in flight (a batch, or a lead's lone
+    /// completion).
     pub(super) fn waiting(&self) -> usize {
         (0..self.slots.len())
             .map(|i| self.lock(i).queue.len())
             .sum()
     }
 
+    /// The completions of the next batch of slot `i`, up to the cap, those whose
+    /// caller gave up left out (never sent: the layer retries a completion it gave up
+    /// on, with the lease renewed meanwhile).
     fn next_batch(&self, i: usize) -> Vec<Member> {
         let mut state = self.lock(i);
-        let n = state.queue.len().min(self.max);
-        state.queue.drain(..n).collect()
+        let mut batch = Vec::new();
+        while batch.len() < self.max {
+            let Some(member) = state.queue.pop_front() else {
+                break;
+            };
+            if !member.reply.is_closed() {
+                batch.push(member);
+            }
+        }
+        batch
     }
 }
 
@@ -142,7 +154,14 @@ impl Lanes for Completions {
         store: PostgresStore,
         slot: usize,
     ) -> impl Future<Output = ()> + Send + 'static {
-        drive(store, self, slot)
+        // The guard exists before the task is first polled: a task dropped unpolled
+        // (spawned as its runtime shuts down) still gives its slot up.
+        let sending = Sending {
+            completions: self.clone(),
+            slot,
+            done: false,
+        };
+        drive(store, self, slot, sending)
     }
 }
 
@@ -162,18 +181,21 @@ impl Drop for Sending {
     }
 }
 
-async fn drive(store: PostgresStore, completions: Arc<Completions>, slot: usize) {
-    let mut sending = Sending {
-        completions: completions.clone(),
-        slot,
-        done: false,
-    };
+async fn drive(
+    store: PostgresStore,
+    completions: Arc<Completions>,
+    slot: usize,
+    mut sending: Sending,
+) {
     loop {
         if !completions.keep_sending(slot) {
             sending.done = true;
             return;
         }
         let members = completions.next_batch(slot);
+        if members.is_empty() {
+            continue;
+        }
         let mut batch = Box::pin(send_batch(store.clone(), members));
         if tokio::time::timeout(STALLED, batch.as_mut()).await.is_err() {
             // The next batch goes on another connection; this one waits on.

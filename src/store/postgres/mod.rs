@@ -190,7 +190,8 @@ impl PostgresStore {
         }
     }
 
-    /// Claims and completions queued behind a batch in flight and not sent yet
+    /// Claims and completions queued behind a statement in flight (a batch, or a lone
+    /// claim or completion sent by its caller) and not sent yet
     /// ([`with_batched_claims`](Self::with_batched_claims)), for tests that hold a batch
     /// to fill the next one. Not part of the stable API.
     #[doc(hidden)]
