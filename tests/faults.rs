@@ -1002,3 +1002,78 @@ async fn a_listen_connection_that_hears_nothing_does_not_count_as_listening() {
     assert_eq!(metrics.notifications, 0, "{metrics:?}");
     assert!(metrics.timer_wakeups > 0, "{metrics:?}");
 }
+
+/// A completion whose answer was lost with its connection, after the statement had
+/// committed: sent again, as the layer retries a completion that failed, it is told
+/// its result is kept (its own token completed the key with it), not that its lease
+/// was lost; a completion by any other token, or of another response, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_completion_whose_answer_was_lost_is_kept_when_sent_again() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let scope = Scope::anonymous();
+    let claim = |key: &'static str| {
+        let store = store.clone();
+        let scope = scope.clone();
+        async move {
+            let request = ClaimRequest {
+                scope: &scope,
+                key,
+                fingerprint: Fingerprint([0; 32]),
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(60),
+            };
+            match store.claim(&request).await {
+                Ok(Claim::Acquired(lease)) => lease,
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+    };
+    let stored = tower_idempotency::StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: bytes::Bytes::from_static(b"stored"),
+    };
+    let minute = Duration::from_secs(60);
+    // Prepares the completion: what the server answers next is the completion itself.
+    let warm_up = claim("warm-up").await;
+    assert!(
+        store
+            .complete(&warm_up, &stored, minute)
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    let lease = claim("k").await;
+    proxy.cut_at_next_reply();
+    store
+        .complete(&lease, &stored, minute)
+        .await
+        .expect_err("the answer was lost");
+    assert_eq!(
+        row(&schema, "k").await,
+        Some(("completed".to_owned(), lease.token.get()))
+    );
+
+    let again = store.complete(&lease, &stored, minute).await.unwrap();
+    assert!(again.is_kept(), "{again:?}");
+    let other = tower_idempotency::store::Lease {
+        token: lease.token.next(),
+        ..lease.clone()
+    };
+    let refused = store.complete(&other, &stored, minute).await.unwrap();
+    assert!(!refused.is_kept(), "{refused:?}");
+    // Nor is another response by the same token: a completed record is never
+    // overwritten, and the caller is not told its response was stored.
+    let different = tower_idempotency::StoredResponse {
+        body: bytes::Bytes::from_static(b"different"),
+        ..stored.clone()
+    };
+    let refused = store.complete(&lease, &different, minute).await.unwrap();
+    assert!(!refused.is_kept(), "{refused:?}");
+    assert_eq!(
+        row(&schema, "k").await,
+        Some(("completed".to_owned(), lease.token.get()))
+    );
+}

@@ -51,21 +51,25 @@ impl Leased {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                     // Hold on to the key while trying: a lapsed lease would let a retry
-                    // run the handler again although it succeeded. Lost means fenced: stop.
+                    // run the handler again although it succeeded.
                     let renewed = tokio::time::timeout(
                         this.store_timeout,
                         this.store.renew(&lease, this.lease),
                     )
                     .await;
-                    if matches!(renewed, Ok(Ok(Fenced::LeaseLost))) {
-                        tracing::warn!(
-                            token = %lease.token,
-                            "the lease was taken over while storing the result"
-                        );
-                        return;
-                    }
-                    if this.try_complete(&lease, &stored, attempt).await != Attempt::Failed {
-                        return;
+                    // Lost means fenced, unless an attempt whose answer was lost stored
+                    // the result: the completion, sent once more, tells them apart.
+                    let lost = matches!(renewed, Ok(Ok(Fenced::LeaseLost)));
+                    match this.try_complete(&lease, &stored, attempt).await {
+                        Attempt::Failed if lost => {
+                            tracing::warn!(
+                                token = %lease.token,
+                                "the lease was taken over while storing the result"
+                            );
+                            return;
+                        }
+                        Attempt::Failed => {}
+                        Attempt::Stored | Attempt::Fenced => return,
                     }
                     attempt += 1;
                 }

@@ -361,7 +361,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Stores `response` for the key if `lease` still holds it.
     /// [`LeaseLost`](Fenced::LeaseLost): the lease was lost (taken over or released)
-    /// and nothing was written.
+    /// and nothing was written. A store whose answers can be lost (over a network)
+    /// answers [`Kept`](Fenced::Kept) to the same completion (lease and response) sent
+    /// again after it completed the key: the first, whose answer was lost, stored it.
     ///
     /// # Errors
     ///

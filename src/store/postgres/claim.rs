@@ -10,6 +10,7 @@ use std::{
 use bytes::Bytes;
 use deadpool_postgres::ClientWrapper;
 use http::StatusCode;
+use tokio_postgres::types::ToSql;
 
 use super::{
     Checkout, PostgresStore,
@@ -188,6 +189,39 @@ impl PostgresStore {
             )
             .await?;
         Ok(Fenced::kept_if(rows.len() == 1))
+    }
+
+    /// A completion that matched no running row of its token (`LeaseLost`), told apart
+    /// from one whose row its own token completed already with this very response: a
+    /// completion sent again after its answer was lost (its connection cut once the
+    /// statement had committed) stored it the first time, and is `Kept`. Any other
+    /// response is never stored over a completed row, and stays `LeaseLost`.
+    pub(super) async fn kept_already(
+        &self,
+        lease: &Lease,
+        response: &StoredResponse,
+        fenced: Result<Fenced, StoreError>,
+    ) -> Result<Fenced, StoreError> {
+        if !matches!(fenced, Ok(Fenced::LeaseLost)) {
+            return fenced;
+        }
+        let status = response.status.as_u16() as i16;
+        let headers = StoredResponse::encode_headers(&response.headers);
+        let (h, b): (&[u8], &[u8]) = (&headers, &response.body);
+        let client = self.running_client().await?;
+        let params: [&(dyn ToSql + Sync); 6] = [
+            &lease.scope.as_str(),
+            &&*lease.key,
+            &lease.token,
+            &status,
+            &h,
+            &b,
+        ];
+        let read = client
+            .answer(self.query_on(&client, &self.sql.completed_by, &params))
+            .await;
+        client.done(&read);
+        Ok(Fenced::kept_if(!read?.is_empty()))
     }
 
     pub(super) async fn claim_once(

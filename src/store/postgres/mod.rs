@@ -312,13 +312,14 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
-            match &self.batcher {
+            let fenced = match &self.batcher {
                 Some(batcher) => {
                     self.complete_batched(batcher.completions(), lease, response, ttl)
                         .await
                 }
                 None => self.complete_alone(lease, response, ttl).await,
-            }
+            };
+            self.kept_already(lease, response, fenced).await
         })
     }
 

@@ -110,6 +110,15 @@ pub(super) mod params {
         &[Type::TEXT, Type::TEXT, Type::BYTEA];
     /// scope, key, token.
     pub(in super::super) const KEY_AND_TOKEN: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT8];
+    /// scope, key, token, status, headers, body.
+    pub(in super::super) const COMPLETED_BY: &[Type] = &[
+        Type::TEXT,
+        Type::TEXT,
+        Type::INT8,
+        Type::INT2,
+        Type::BYTEA,
+        Type::BYTEA,
+    ];
     /// scope, key, token, the claim's transaction start.
     pub(in super::super) const CLAIM_SIGNATURE: &[Type] =
         &[Type::TEXT, Type::TEXT, Type::INT8, Type::TIMESTAMPTZ];
@@ -186,6 +195,9 @@ pub(super) struct Sql {
     pub(super) complete: Statement,
     /// Completions in a batch (`batch_complete`).
     pub(super) complete_batch: Statement,
+    /// Whether a lease's own token completed its row with a given response: a
+    /// completion sent again after its answer was lost.
+    pub(super) completed_by: Statement,
     pub(super) release: Statement,
     pub(super) renew: Statement,
     pub(super) wait: Statement,
@@ -314,6 +326,13 @@ impl Sql {
                      SELECT n, CASE WHEN waiters THEN pg_notify($9, key_id) END FROM done"
                 ),
                 params::COMPLETE_BATCH,
+            ),
+            completed_by: Statement::new(
+                format!(
+                    "SELECT 1 FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'completed'
+                       AND status = $4 AND headers = $5 AND body = $6"
+                ),
+                params::COMPLETED_BY,
             ),
             tx: super::tx::Statements::new(
                 &t,
