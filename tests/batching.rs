@@ -21,7 +21,9 @@ use common::{
 use http::{HeaderMap, StatusCode};
 use tower_idempotency::{
     Fingerprint, IdempotencyLayer, Scope, StoredResponse,
-    store::{Claim, ClaimRequest, Lease, PostgresStore, Store, StoreErrorKind, pool_for_url},
+    store::{
+        Claim, ClaimRequest, Fenced, Lease, PostgresStore, Store, StoreErrorKind, pool_for_url,
+    },
 };
 
 const A: Fingerprint = Fingerprint([1; 32]);
@@ -86,6 +88,31 @@ async fn until(schema: &TestSchema, sql: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("never held: {sql}");
+}
+
+/// A connection of its own, outside every pool under test, holding a transaction open
+/// after `BEGIN` and `sql` (`{t}`: the test's table): what it locks stays locked until
+/// the test sends `COMMIT` or `ROLLBACK`, or drops it.
+async fn in_a_transaction(schema: &TestSchema, sql: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    let table = format!("\"{}\".idempotency_keys", schema.name);
+    client
+        .batch_execute(&format!("BEGIN; {}", sql.replace("{t}", &table)))
+        .await
+        .expect("the transaction's statements");
+    client
+}
+
+/// `lease`'s completion with the response "stored", in a task of its own.
+fn complete_in_a_task(
+    store: &PostgresStore,
+    lease: Lease,
+) -> tokio::task::JoinHandle<Result<Fenced, tower_idempotency::store::StoreError>> {
+    let store = store.clone();
+    tokio::spawn(async move { store.complete(&lease, &response("stored"), MINUTE).await })
 }
 
 /// A batched store on a pool of one connection, which the test can hold.
@@ -443,21 +470,8 @@ async fn a_stale_token_in_a_batch_of_completions_refuses_that_completion_only() 
     assert_eq!(holder.token, stale.token.next());
 
     // A completion held by a row lock is in flight; the others queue behind it.
-    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    locker
-        .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM \"{}\".idempotency_keys WHERE key = 'c-0' FOR UPDATE",
-            schema.name
-        ))
-        .await
-        .expect("lock c-0");
-    let complete = |lease: Lease| {
-        let store = store.clone();
-        tokio::spawn(async move { store.complete(&lease, &response("stored"), MINUTE).await })
-    };
+    let locker = in_a_transaction(&schema, "SELECT 1 FROM {t} WHERE key = 'c-0' FOR UPDATE").await;
+    let complete = |lease: Lease| complete_in_a_task(&store, lease);
     let held = complete(leases[0].clone());
     schema.wait_for_lock_waiters(1).await;
     let mut queued: Vec<_> = leases[1..].iter().cloned().map(&complete).collect();
@@ -511,21 +525,12 @@ async fn a_batch_of_completions_whose_connection_is_cut_fails_each_and_a_retry_s
     // k-0 and k-1 locked from outside the proxy: the lone completion of k-0 waits on
     // its lock, the others queue behind it; after `STALLED` they go as one batch on a
     // connection of their own, which waits on k-1's lock.
-    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    locker
-        .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM \"{}\".idempotency_keys WHERE key IN ('k-0', 'k-1') FOR UPDATE",
-            schema.name
-        ))
-        .await
-        .expect("lock k-0 and k-1");
-    let complete = |lease: Lease| {
-        let store = store.clone();
-        tokio::spawn(async move { store.complete(&lease, &response("stored"), MINUTE).await })
-    };
+    let locker = in_a_transaction(
+        &schema,
+        "SELECT 1 FROM {t} WHERE key IN ('k-0', 'k-1') FOR UPDATE",
+    )
+    .await;
+    let complete = |lease: Lease| complete_in_a_task(&store, lease);
     let lone = complete(leases[0].clone());
     schema.wait_for_lock_waiters(1).await;
     let batch: Vec<_> = leases[1..].iter().cloned().map(&complete).collect();
@@ -603,19 +608,14 @@ async fn leading_store(schema: &TestSchema) -> PostgresStore {
 /// no row, and its insert waits on that transaction (a `FOR UPDATE` on a committed row
 /// would not hold it: the claim only reads a key that exists).
 async fn hold_uncommitted(schema: &TestSchema, key: &str) -> tokio_postgres::Client {
-    let (locker, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    locker
-        .batch_execute(&format!(
-            "BEGIN; INSERT INTO \"{}\".idempotency_keys (scope, key, fingerprint, state, token, locked_until, expires_at)
-             VALUES ('', '{key}', '\\x00', 'running', 1, now() + interval '1 minute', now() + interval '1 minute')",
-            schema.name
-        ))
-        .await
-        .expect("hold the key");
-    locker
+    in_a_transaction(
+        schema,
+        &format!(
+            "INSERT INTO {{t}} (scope, key, fingerprint, state, token, locked_until, expires_at)
+             VALUES ('', '{key}', '\\x00', 'running', 1, now() + interval '1 minute', now() + interval '1 minute')"
+        ),
+    )
+    .await
 }
 
 fn claim_in_a_task(

@@ -58,7 +58,7 @@ use super::{
     batch_complete::Completions,
     claim::{CLAIM_ATTEMPTS, Found, found, ms},
     errors::{again_if_it_lost_a_race, corrupt, lost_its_connection},
-    lead::{Lanes, Lead},
+    lead::{Lanes, Lead, Sending},
     shared::STALLED,
     sql::col,
 };
@@ -292,16 +292,9 @@ impl Lanes for Batcher {
     fn drive(
         self: Arc<Self>,
         store: PostgresStore,
-        slot: usize,
+        sending: Sending<Self>,
     ) -> impl Future<Output = ()> + Send + 'static {
-        // The guard exists before the task is first polled: a task dropped unpolled
-        // (spawned as its runtime shuts down) still gives its slot up.
-        let sending = Sending {
-            batcher: self.clone(),
-            slot,
-            done: false,
-        };
-        drive(store, self, slot, sending)
+        drive(store, self, sending)
     }
 }
 
@@ -311,31 +304,12 @@ impl Slot {
     }
 }
 
-/// The task sending slot `i`'s batches while claims wait for it. Should it end
-/// otherwise than with an empty queue (its runtime shutting down), the claims queued
-/// are answered with an error, and the next claim leads the slot again.
-struct Sending {
-    batcher: Arc<Batcher>,
-    slot: usize,
-    done: bool,
-}
-
-impl Drop for Sending {
-    fn drop(&mut self) {
-        if !self.done {
-            self.batcher.abandon(self.slot);
-        }
-    }
-}
-
-async fn drive(store: PostgresStore, batcher: Arc<Batcher>, slot: usize, mut sending: Sending) {
-    loop {
-        // The connection first, the claims then: those that arrive while it is sought
-        // go in this batch too, and those whose caller gives up meanwhile are left out.
-        if !batcher.keep_sending(slot) {
-            sending.done = true;
-            return;
-        }
+/// Sends the batches of `sending`'s slot while claims wait for it.
+async fn drive(store: PostgresStore, batcher: Arc<Batcher>, mut sending: Sending<Batcher>) {
+    let slot = sending.slot();
+    // The connection first, the claims then: those that arrive while it is sought go in
+    // this batch too, and those whose caller gives up meanwhile are left out.
+    while sending.go_on() {
         let client = store.client().await;
         let members = batcher.next_batch(slot);
         if members.is_empty() {

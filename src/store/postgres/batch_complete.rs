@@ -32,7 +32,7 @@ use super::{
     PostgresStore,
     claim::ms,
     errors::{again_if_it_lost_a_race, lost_its_connection},
-    lead::{Lanes, Lead},
+    lead::{Lanes, Lead, Sending},
     shared::STALLED,
 };
 use crate::{
@@ -152,46 +152,20 @@ impl Lanes for Completions {
     fn drive(
         self: Arc<Self>,
         store: PostgresStore,
-        slot: usize,
+        sending: Sending<Self>,
     ) -> impl Future<Output = ()> + Send + 'static {
-        // The guard exists before the task is first polled: a task dropped unpolled
-        // (spawned as its runtime shuts down) still gives its slot up.
-        let sending = Sending {
-            completions: self.clone(),
-            slot,
-            done: false,
-        };
-        drive(store, self, slot, sending)
+        drive(store, self, sending)
     }
 }
 
-/// Ends slot `i`'s sending if its task is dropped midway (its runtime shutting down):
-/// the completions queued are answered with an error.
-struct Sending {
-    completions: Arc<Completions>,
-    slot: usize,
-    done: bool,
-}
-
-impl Drop for Sending {
-    fn drop(&mut self) {
-        if !self.done {
-            self.completions.abandon(self.slot);
-        }
-    }
-}
-
+/// Sends the batches of `sending`'s slot while completions wait for it.
 async fn drive(
     store: PostgresStore,
     completions: Arc<Completions>,
-    slot: usize,
-    mut sending: Sending,
+    mut sending: Sending<Completions>,
 ) {
-    loop {
-        if !completions.keep_sending(slot) {
-            sending.done = true;
-            return;
-        }
+    let slot = sending.slot();
+    while sending.go_on() {
         let members = completions.next_batch(slot);
         if members.is_empty() {
             continue;

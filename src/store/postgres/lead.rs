@@ -25,12 +25,45 @@ pub(super) trait Lanes: Send + Sync + Sized + 'static {
     /// its queued members are dropped unanswered, and their callers get an error.
     fn abandon(&self, slot: usize);
 
-    /// The task that sends slot `slot`'s queued members, in batches, until none is left.
+    /// The task that sends the queued members of `sending`'s slot, in batches, until
+    /// none is left.
     fn drive(
         self: Arc<Self>,
         store: PostgresStore,
-        slot: usize,
+        sending: Sending<Self>,
     ) -> impl Future<Output = ()> + Send + 'static;
+}
+
+/// A slot's `drive` task, as a guard. Made before the task is first polled, so that a
+/// task dropped unpolled (spawned as its runtime shuts down) or midway still gives its
+/// slot up: its queued members are answered with an error, and the next to come leads
+/// the slot again.
+pub(super) struct Sending<L: Lanes> {
+    lanes: Arc<L>,
+    slot: usize,
+    done: bool,
+}
+
+impl<L: Lanes> Sending<L> {
+    pub(super) fn slot(&self) -> usize {
+        self.slot
+    }
+
+    /// Whether members are left to send (`Lanes::keep_sending`); once none is, the slot
+    /// is idle and the task ends.
+    pub(super) fn go_on(&mut self) -> bool {
+        let on = self.lanes.keep_sending(self.slot);
+        self.done = !on;
+        on
+    }
+}
+
+impl<L: Lanes> Drop for Sending<L> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.lanes.abandon(self.slot);
+        }
+    }
 }
 
 /// A slot held by a caller sending its own lone statement; handed over once (see the
@@ -74,7 +107,12 @@ impl<L: Lanes> Lead<L> {
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                let drive = self.lanes.clone().drive(self.store.clone(), self.slot);
+                let sending = Sending {
+                    lanes: self.lanes.clone(),
+                    slot: self.slot,
+                    done: false,
+                };
+                let drive = self.lanes.clone().drive(self.store.clone(), sending);
                 runtime.spawn(drive);
             }
             Err(_) => self.lanes.abandon(self.slot),
