@@ -22,15 +22,23 @@ use tokio_postgres::types::Type;
 use super::{Checkout, tls::Connector};
 use crate::store::{StoreError, StoreErrorKind};
 
-/// The version `<table>_migrations` records once the generations' functions are
-/// applied (after the numbered migrations, whose versions stay below it).
-pub(super) const VERSION: i32 = 1001;
-
 /// The partitioned table, made instead of 0001's when it does not exist yet.
 const CREATE: &str = include_str!("../../../migrations/generations/create.sql");
 
-/// The functions of a table in generations, applied as [`VERSION`].
-pub(super) const FUNCTIONS: &str = include_str!("../../../migrations/generations/generations.sql");
+/// The functions of a table in generations, in order, each with the version
+/// `<table>_migrations` records once it is applied (after the numbered migrations,
+/// whose versions stay below them): the functions themselves, then the claim's insert
+/// that names its holder (migration 0004's, for generations).
+pub(super) const VERSIONS: &[(i32, &str)] = &[
+    (
+        1001,
+        include_str!("../../../migrations/generations/generations.sql"),
+    ),
+    (
+        1002,
+        include_str!("../../../migrations/generations/holder.sql"),
+    ),
+];
 
 /// How long emptying a generation waits for the lock of its partition (claims and
 /// completions queue behind that wait); past it, the next round tries again.
@@ -333,7 +341,7 @@ impl super::PostgresStore {
         }
     }
 
-    /// After the numbered migrations: the generations' functions, once.
+    /// After the numbered migrations: the generations' functions, each once.
     pub(super) async fn migrate_generations(
         &self,
         tx: &impl deadpool_postgres::GenericClient,
@@ -342,25 +350,27 @@ impl super::PostgresStore {
         let Some(names) = &self.sql.generations else {
             return Ok(());
         };
-        if applied.contains(&VERSION) {
-            return Ok(());
-        }
-        let sql = names
-            .render(FUNCTIONS)
-            .replace("{{table}}", &self.sql.qualified)
-            .replace("{{claim_function}}", &self.sql.claim_function);
-        tx.batch_execute(&sql)
+        for (version, sql) in VERSIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            let sql = names
+                .render(sql)
+                .replace("{{table}}", &self.sql.qualified)
+                .replace("{{claim_function}}", &self.sql.claim_function);
+            tx.batch_execute(&sql)
+                .await
+                .map_err(super::errors::classify)?;
+            tx.execute(
+                &format!(
+                    "INSERT INTO {} (version) VALUES ($1)",
+                    self.sql.migrations_table
+                ),
+                &[version],
+            )
             .await
             .map_err(super::errors::classify)?;
-        tx.execute(
-            &format!(
-                "INSERT INTO {} (version) VALUES ($1)",
-                self.sql.migrations_table
-            ),
-            &[&VERSION],
-        )
-        .await
-        .map_err(super::errors::classify)?;
+        }
         Ok(())
     }
 }

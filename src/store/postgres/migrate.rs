@@ -16,6 +16,7 @@ pub(super) const MIGRATIONS: &[(i32, &str)] = &[
     ),
     (2, include_str!("../../../migrations/0002_waiters.sql")),
     (3, include_str!("../../../migrations/0003_claim_insert.sql")),
+    (4, include_str!("../../../migrations/0004_holders.sql")),
 ];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
@@ -112,7 +113,10 @@ impl PostgresStore {
         }
         let applied = self.applied(client).await?;
         Ok(MIGRATIONS.iter().all(|(v, _)| applied.contains(v))
-            && (self.sql.generations.is_none() || applied.contains(&super::generations::VERSION)))
+            && (self.sql.generations.is_none()
+                || super::generations::VERSIONS
+                    .iter()
+                    .all(|(v, _)| applied.contains(v))))
     }
 
     /// The versions `<table>_migrations` records.
@@ -205,7 +209,9 @@ impl PostgresStore {
             let sql = sql
                 .replace("{{table}}", &self.sql.qualified)
                 .replace("{{expires_index}}", &self.sql.expires_index)
-                .replace("{{claim_function}}", &self.sql.claim_function);
+                .replace("{{claim_function}}", &self.sql.claim_function)
+                .replace("{{holders}}", &self.sql.holders)
+                .replace("{{holder_gone_function}}", &self.sql.holder_gone_function);
             tx.batch_execute(&sql).await.map_err(|e| {
                 if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
                     Migration::TableBusy(*version)
