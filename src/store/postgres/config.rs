@@ -13,6 +13,7 @@ use super::{
     PostgresStore,
     batch::Batcher,
     listener::Listener,
+    liveness::Liveness,
     purge::{self, BackgroundPurge},
     reserve,
     shared::{Opened, Shared},
@@ -35,6 +36,8 @@ pub(super) struct Options {
     generations: Option<Duration>,
     /// Batched claims: connections (0: off) and claims per statement.
     batching: (usize, usize),
+    /// Liveness, if there is a notification connection to hold its lock on.
+    liveness: bool,
 }
 
 /// A rejected store setting.
@@ -109,6 +112,7 @@ impl PostgresStore {
                 transaction_pooling: false,
                 generations: None,
                 batching: (0, 0),
+                liveness: true,
             },
         )
     }
@@ -178,6 +182,7 @@ impl PostgresStore {
                 .batcher
                 .as_ref()
                 .map_or((0, 0), |b| (b.connections(), b.max_claims())),
+            liveness: self.liveness_on,
         }
     }
 
@@ -194,6 +199,7 @@ impl PostgresStore {
             transaction_pooling,
             generations,
             batching,
+            liveness,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions.
@@ -226,9 +232,15 @@ impl PostgresStore {
                 .zip(sql.generations.clone())
                 .map(|(period, names)| super::generations::Rotator::new(period, names)),
         ));
+        let liveness_of = listen_config
+            .as_ref()
+            .filter(|_| liveness)
+            .map(|config| Arc::new(Liveness::new(config, connector.clone(), pool.clone(), &sql)));
         Self {
             location,
             purge,
+            liveness: liveness_of,
+            liveness_on: liveness,
             transaction_pooling,
             tx_claims,
             sql: Arc::new(sql),
@@ -294,6 +306,9 @@ impl PostgresStore {
     /// meanwhile. Through transaction pooling the check
     /// may still pass, when the pooler hands back the server connection that listens,
     /// so it does not make such a connection safe to use.
+    ///
+    /// The store's liveness connection ([`with_liveness`](Self::with_liveness)) is made
+    /// with the same configuration, and needs a session of its own just as much.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
         let options = Options {
             listen_config: Some(config),
@@ -555,6 +570,54 @@ impl PostgresStore {
     pub fn with_generations(self, period: Duration) -> Self {
         let options = Options {
             generations: Some(period.min(crate::settings::TEN_YEARS)),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Whether a running claim whose holder's process is gone is taken over as soon as
+    /// PostgreSQL sees it gone, instead of when its lease lapses (default `true`, for a
+    /// store with a notification connection: [`connect`](Self::connect) or
+    /// [`with_notifications`](Self::with_notifications); without one, claims are judged
+    /// by their lease alone, as with `false`).
+    ///
+    /// The store holds a session-level advisory lock of its own on a connection made
+    /// with the notification connection's configuration (a direct one: never a
+    /// transaction-pooling PgBouncer), and its lease-mode claims name it as their
+    /// holder. A duplicate that finds a running claim takes it over, with the next
+    /// fencing token as after a lapsed lease, once the holder's lock is free and the
+    /// holder has shown no sign of life for a second: a process killed (`kill -9`, the
+    /// OOM killer) frees its keys about a second after its connections close, not a
+    /// lease later. A live holder is never taken over so, through a database restart,
+    /// a failover, a stalled runtime or a lost liveness connection: docs/postgres.md,
+    /// "Liveness", says why, and what it cannot see (a network partition, where the
+    /// lease stays the bound, as without it). Transactional mode does not need it: a
+    /// dead holder's transaction rolls back, and its key is free at once.
+    ///
+    /// It costs two more connections per store: one held, idle, with the lock, and one
+    /// made by the pool's manager for the heartbeat once the store runs claims past
+    /// 250 ms; a few reads on the path of a claim that finds its key running; and,
+    /// while the store runs claims, a statement every 250 ms that renews its sign of
+    /// life in an unlogged table (no WAL). A duplicate waiting for a running key
+    /// ([`wait_for_running`](crate::IdempotencyLayer::wait_for_running)) looks again
+    /// every second. [`migrate`](Self::migrate) creates what it needs (migration 0004).
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?;
+    /// store.migrate().await?;
+    /// // Its lock held from the start, rather than from the first claim.
+    /// store.start_liveness().await?;
+    /// // Or, every key judged by its lease alone:
+    /// let by_lease_alone = store.clone().with_liveness(false);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_liveness(self, on: bool) -> Self {
+        let options = Options {
+            liveness: on,
             ..self.options()
         };
         Self::build(self.pool, options)

@@ -289,7 +289,9 @@ impl PostgresStore {
         let reset = then_lock_timeout.map(set_lock_timeout);
         let (begun, claim, reset) = tokio::join!(
             client.simple_query(begin),
-            self.claim_at(client, request, token),
+            // Judged by the transaction, not by a holder's liveness: its rollback frees
+            // the key of a process that dies.
+            self.claim_at(client, request, token, None),
             async {
                 match &reset {
                     Some(reset) => client.batch_execute(reset).await,
