@@ -383,6 +383,40 @@ async fn a_killed_worker_s_job_is_run_again_long_before_its_lease_lapses() {
     );
 }
 
+/// A redelivery of a job that another worker runs is told to come back within a
+/// second, not when that worker's 30 s lease lapses: were that worker to die, its job
+/// would be free by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_of_a_running_job_is_told_to_come_back_within_a_second() {
+    let schema = TestSchema::new();
+    let (first, second) = (schema.store().await, schema.store().await);
+    let scope = Scope::anonymous();
+    let (started, running) = tokio::sync::oneshot::channel();
+    let worker = {
+        let scope = scope.clone();
+        tokio::spawn(async move {
+            JobRunner::new(first)
+                .run(&scope, "job", b"the job", |_| async move {
+                    let _ = started.send(());
+                    std::future::pending::<Result<Bytes, std::io::Error>>().await
+                })
+                .await
+        })
+    };
+    running.await.expect("the work started");
+    let redelivered = JobRunner::new(second)
+        .run(&scope, "job", b"the job", |_| async {
+            Ok::<_, std::io::Error>(Bytes::from_static(b"ran twice"))
+        })
+        .await
+        .expect("the redelivery");
+    let JobOutcome::Running { retry_after } = redelivered else {
+        panic!("not running: {redelivered:?}");
+    };
+    assert!(retry_after <= Duration::from_secs(1), "{retry_after:?}");
+    worker.abort();
+}
+
 /// A live holder's key, claimed again and again by a duplicate, is never taken over,
 /// and its holder completes it with its own token (behind `TI_POOLER_URL`, both pools
 /// go through the transaction pooler, the liveness connections straight to the
