@@ -715,6 +715,90 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 2);
             }
 
+            /// `Store::look_up` reads a key's record and changes nothing.
+            #[tokio::test]
+            async fn a_key_is_looked_up_without_being_changed() {
+                let (_layer, store, _g) = layer().await;
+                let scope = Scope::new("ops");
+                assert!(store.look_up(&scope, "job-1").await.unwrap().is_none());
+                let request = claim_request(&scope, Duration::from_secs(60), 3);
+                let Claim::Acquired(lease) = store.claim(&request).await.unwrap() else {
+                    panic!("a new key")
+                };
+                let running = store
+                    .look_up(&scope, "job-1")
+                    .await
+                    .unwrap()
+                    .expect("running");
+                assert_eq!(running.token, lease.token);
+                assert_eq!(running.fingerprint, Fingerprint([3; 32]));
+                let tower_idempotency::store::KeyState::Running { lease_left } = running.state
+                else {
+                    panic!("running: {running:?}")
+                };
+                assert!(lease_left > Duration::from_secs(50), "{lease_left:?}");
+                assert!(lease_left <= Duration::from_secs(60), "{lease_left:?}");
+                assert!(running.expires_in > Duration::from_secs(50));
+                assert!(!running.is_free());
+                // Read again, it is still the claim's: the look-up took nothing over.
+                assert!(
+                    store
+                        .renew(&lease, Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                        .is_kept()
+                );
+                let response = StoredResponse {
+                    status: axum::http::StatusCode::CREATED,
+                    headers: [(axum::http::header::LOCATION, "/p/1".parse().unwrap())]
+                        .into_iter()
+                        .collect(),
+                    body: bytes::Bytes::from_static(b"{\"id\":1}"),
+                };
+                let ttl = Duration::from_secs(3600);
+                assert!(
+                    store
+                        .complete(&lease, &response, ttl)
+                        .await
+                        .unwrap()
+                        .is_kept()
+                );
+                let completed = store
+                    .look_up(&scope, "job-1")
+                    .await
+                    .unwrap()
+                    .expect("completed");
+                assert_eq!(completed.token, lease.token);
+                let tower_idempotency::store::KeyState::Completed { response: stored } =
+                    completed.state
+                else {
+                    panic!("completed: {completed:?}")
+                };
+                assert_eq!(stored.status, response.status);
+                assert_eq!(stored.headers, response.headers);
+                assert_eq!(stored.body, response.body);
+                assert!(completed.expires_in > Duration::from_secs(3500));
+                // Another scope's key of the same name is not this one.
+                assert!(
+                    store
+                        .look_up(&Scope::new("other"), "job-1")
+                        .await
+                        .unwrap()
+                        .is_none()
+                );
+                // A released claim leaves nothing to read.
+                let request = ClaimRequest {
+                    key: "released",
+                    ..claim_request(&scope, Duration::from_secs(60), 4)
+                };
+                let Claim::Acquired(released) = store.claim(&request).await.unwrap() else {
+                    panic!("a new key")
+                };
+                assert!(store.look_up(&scope, "released").await.unwrap().is_some());
+                assert!(store.release(&released).await.unwrap().is_kept());
+                assert!(store.look_up(&scope, "released").await.unwrap().is_none());
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn two_hundred_concurrent_duplicates_run_once() {
                 let (layer, _store, _g) = layer().await;
