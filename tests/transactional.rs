@@ -2393,3 +2393,40 @@ async fn the_handler_s_lock_waits_keep_lock_timeout_not_the_claim_s() {
     }
     common::idle(&store).await;
 }
+
+/// [`app`] behind the tests' authentication, outside the layer: `Bearer
+/// <account>.<secret>` names the request's principal.
+fn app_behind_auth(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
+    let (router, counter) = app(layer, table);
+    let router = router.layer(axum::middleware::from_fn(common::authenticate));
+    (router, counter)
+}
+
+/// In transactional mode too, keys are scoped by the principal: a retry with a
+/// refreshed token is replayed and writes nothing; another account's key is its own.
+#[tokio::test]
+async fn a_refreshed_token_is_replayed_in_transactional_mode() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone()).require_principal(true);
+    let (router, counter) = app_behind_auth(layer, &table);
+    let first = send(&router, common::post_as("acct7.first", "k", "{}")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let refreshed = send(&router, common::post_as("acct7.second", "k", "{}")).await;
+    assert_eq!(refreshed.outcome, Some(Outcome::Replayed));
+    assert_eq!(refreshed.body, first.body);
+    let other = send(&router, common::post_as("acct8.x", "k", "{}")).await;
+    assert_eq!(other.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(rows_in(&schema, &table).await, 2);
+    let scopes = schema
+        .query(&format!(
+            "SELECT scope FROM \"{}\".idempotency_keys WHERE key = 'k' ORDER BY scope",
+            schema.name
+        ))
+        .await;
+    let scopes: Vec<String> = scopes.iter().map(|r| r.get(0)).collect();
+    assert_eq!(scopes, ["principal:acct7", "principal:acct8"]);
+    common::idle(&store).await;
+}
