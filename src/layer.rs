@@ -440,6 +440,58 @@ impl IdempotencyLayer {
         self
     }
 
+    /// The scope this layer computed before a deploy changed how it computes scopes
+    /// (default none): while the keys stored under it live, a request whose key is new
+    /// in its own scope is also looked for there, and is not run again if it ran.
+    ///
+    /// For a deploy that starts scoping by [`Principal`] where the layer hashed
+    /// `Authorization` (its default before), pass [`Scope::from_authorization`]. A
+    /// request whose claim takes a key new in its scope then looks the key up under the
+    /// scope this function gives it, when that differs (one primary-key read, on the
+    /// transaction's connection in transactional mode):
+    ///
+    /// - completed there by the same request (its fingerprint): its response is
+    ///   replayed, and the new claim released;
+    /// - there for a different request: `422 key-reused`; still running there:
+    ///   `409 in-progress` (in both cases the new claim is released);
+    /// - nothing there (or a record past its TTL, or a lapsed lease of the same
+    ///   request, which a takeover would run again): the handler runs, under the new
+    ///   scope;
+    /// - the store fails to answer: `503 store-unavailable`, and nothing runs.
+    ///
+    /// It costs nothing when it is not set, and nothing for a request whose claim finds
+    /// its key in its own scope (a replay, a `409`, a `422`). Keep it for one TTL (24 h
+    /// by default) after the deploy, then remove it: no key of the old scope is left.
+    ///
+    /// What it cannot cover: a retry sent with another credential than the first
+    /// attempt's (the old scope was that credential's; the old layer could not find it
+    /// either); with old and new processes side by side during a rolling deploy, a
+    /// request the *old* process runs after the new one looked (both run), a retry the
+    /// old process gets of a request the new one ran (it looks only in the old scope),
+    /// and in transactional mode a request still uncommitted in an old process (the
+    /// read sees committed rows only). Drain the old processes before the new ones take
+    /// traffic where that matters. The keys a handler derives
+    /// ([`IdempotencyKey::derive`](crate::IdempotencyKey::derive)) follow the scope: a
+    /// request whose first attempt was released (a `5xx`) before the deploy derives new
+    /// ones after it.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Scope, store::MemoryStore};
+    ///
+    /// // Principals from this deploy on; keys of the old Authorization scope honoured.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .require_principal(true)
+    ///     .previous_scope_with(Scope::from_authorization);
+    /// ```
+    #[must_use]
+    pub fn previous_scope_with(
+        mut self,
+        scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static,
+    ) -> Self {
+        self.config().scoping.previous = Some(Arc::new(scope));
+        self
+    }
+
     /// The request headers included in the fingerprint (default `Content-Type`). The list
     /// replaces the default: name `Content-Type` too to keep it.
     #[must_use]

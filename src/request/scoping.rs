@@ -1,7 +1,9 @@
 //! How the layer finds a guarded request's scope: the [`Principal`] the app's
 //! authentication put in it, before anything else; else the app's own function
 //! (`scope_with`); else the fallbacks, a hash of `Authorization` or the anonymous
-//! scope, which say so, once per layer, when they ignore what a request carries.
+//! scope, which say so, once per layer, when they ignore what a request carries. And
+//! the scope the layer used before a deploy changed how it finds them
+//! (`previous_scope_with`).
 
 use std::sync::{
     Arc,
@@ -25,6 +27,8 @@ const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 pub(crate) struct Scoping {
     /// `scope_with`: the app's function, for a request without a principal.
     pub(crate) custom: Option<ScopeFn>,
+    /// `previous_scope_with`: where a key new in its scope is also looked for.
+    pub(crate) previous: Option<ScopeFn>,
     /// `credential_headers`: what the anonymous fallback warns it ignores.
     pub(crate) credential_headers: Arc<[HeaderName]>,
     /// `require_principal`: a guarded request without a principal is refused.
@@ -39,6 +43,7 @@ impl Default for Scoping {
     fn default() -> Self {
         Self {
             custom: None,
+            previous: None,
             credential_headers: Arc::from([COOKIE, X_API_KEY]),
             require_principal: false,
             ignored_credentials: WarnOnce::default(),
@@ -85,6 +90,13 @@ impl Scoping {
             );
         }
         scope
+    }
+
+    /// The scope `previous_scope_with` gives the request, where it differs from
+    /// `scope`, its own: where its key is also looked for when it is new.
+    pub(crate) fn previous_of(&self, parts: &Parts, scope: &Scope) -> Option<Scope> {
+        let previous = (self.previous.as_ref()?)(parts);
+        (previous != *scope).then_some(previous)
     }
 
     /// The first of the credential headers the request carries.
@@ -155,6 +167,25 @@ mod tests {
             Scope::from_authorization(&hashed)
         );
         assert_eq!(fallback.scope_of(&parts(&[])), Scope::anonymous());
+    }
+
+    #[test]
+    fn a_previous_scope_is_one_that_differs() {
+        let scoping = Scoping {
+            previous: Some(Arc::new(Scope::from_authorization)),
+            ..Scoping::default()
+        };
+        let mut req = parts(&[("authorization", "Bearer t")]);
+        req.extensions.insert(Principal::new("acct"));
+        let scope = scoping.scope_of(&req);
+        assert_eq!(
+            scoping.previous_of(&req, &scope),
+            Some(Scope::from_authorization(&req))
+        );
+        // Without a principal and a credential, both are anonymous: nothing to look for.
+        let anonymous = parts(&[]);
+        assert_eq!(scoping.previous_of(&anonymous, &Scope::anonymous()), None);
+        assert_eq!(Scoping::default().previous_of(&req, &scope), None);
     }
 
     #[test]

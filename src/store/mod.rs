@@ -391,7 +391,9 @@ pub trait Store: Send + Sync + 'static {
     /// yet is read as it is ([`KeyRecord::is_free`] says whether a claim would take it
     /// afresh).
     ///
-    /// What an operator asks about a client's key. [`PostgresStore`] reads it in one
+    /// What a layer in transition looks for under the scope it used before
+    /// ([`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with)), and what
+    /// an operator asks about a client's key. [`PostgresStore`] reads it in one
     /// primary-key read (committed rows only: a claim still uncommitted in a
     /// transactional request is not seen). The default answers an error of kind
     /// [`Misconfigured`](StoreErrorKind::Misconfigured), for stores that cannot: a

@@ -789,6 +789,76 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            /// A deploy that starts scoping by principal where the layer scoped by the
+            /// `Authorization` hash: a retry of a request the old layer ran is
+            /// replayed, one of a request it still runs gets 409, another request
+            /// under its key 422; only a key the old scope never had runs. Without the
+            /// transition setting, the retry would run again.
+            #[tokio::test]
+            async fn an_upgrade_to_principals_replays_keys_stored_under_the_authorization_hash() {
+                let (old_layer, store, _g) = layer().await;
+                let old_layer = old_layer.lease_duration(Duration::from_secs(60));
+                let (old, old_counter) = app(old_layer);
+                let body = "{\"amount\":1000}";
+                let first = send(&old, post_as("acct7.first", "done", body)).await;
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let held = post_as("acct7.first", "running", "{}");
+                let (parts, _) = held.into_parts();
+                let mut held = axum::http::Request::from_parts(parts, Body::from("{}"));
+                held.headers_mut().insert("x-held", "1".parse().unwrap());
+                let running = in_flight(&old, held, &old_counter).await;
+
+                let new_layer = IdempotencyLayer::new(store.clone())
+                    .require_principal(true)
+                    .previous_scope_with(Scope::from_authorization);
+                let (new, counter) = app_behind_auth(new_layer);
+                let retry = send(&new, post_as("acct7.first", "done", body)).await;
+                assert_eq!(retry.outcome, Some(Outcome::Replayed));
+                assert_eq!(retry.body, first.body);
+                assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+                let principal = tower_idempotency::Principal::new("acct7");
+                // The claim it took under the principal is let go.
+                assert!(
+                    store
+                        .look_up(principal.scope(), "done")
+                        .await
+                        .unwrap()
+                        .is_none()
+                );
+                let other = send(&new, post_as("acct7.first", "done", "{\"amount\":1}")).await;
+                assert_eq!(other.status, 422);
+                assert_eq!(other.problem(), "key-reused");
+                let dup = send(&new, post_as("acct7.first", "running", "{}")).await;
+                assert_eq!(dup.status, 409);
+                assert_eq!(dup.problem(), "in-progress");
+                assert_eq!(counter.runs(), 0);
+                assert!(
+                    store
+                        .look_up(principal.scope(), "running")
+                        .await
+                        .unwrap()
+                        .is_none()
+                );
+                old_counter.let_go(1);
+                let ran = running.await.unwrap();
+                assert_eq!(ran.status, 201);
+                let after = send(&new, post_as("acct7.first", "running", "{}")).await;
+                assert_eq!(after.outcome, Some(Outcome::Replayed));
+                assert_eq!(after.body, ran.body);
+                // A key the old scope never had runs, under the principal, once.
+                let fresh = send(&new, post_as("acct7.first", "fresh", "{}")).await;
+                assert_eq!(fresh.outcome, Some(Outcome::Executed));
+                let refreshed = send(&new, post_as("acct7.second", "fresh", "{}")).await;
+                assert_eq!(refreshed.outcome, Some(Outcome::Replayed));
+                assert_eq!((counter.runs(), old_counter.runs()), (1, 2));
+
+                // The same deploy without the setting runs the retry a second time.
+                let (unaware, unaware_counter) = app_behind_auth(IdempotencyLayer::new(store));
+                let again = send(&unaware, post_as("acct7.first", "done", body)).await;
+                assert_eq!(again.outcome, Some(Outcome::Executed));
+                assert_eq!(unaware_counter.runs(), 1);
+            }
+
             /// `Store::look_up` reads a key's record and changes nothing.
             #[tokio::test]
             async fn a_key_is_looked_up_without_being_changed() {
