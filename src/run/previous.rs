@@ -29,7 +29,10 @@ pub(crate) async fn answer_in_lease<B>(
 ) -> Option<Response<ResponseBody<B>>> {
     let previous = config.scoping.previous_of(parts, request.scope)?;
     let looking = config.store.look_up(&previous, request.key);
-    let looked = crate::store::within(config.store_timeout, "a look-up", looking).await;
+    // The lease is not renewed yet: a read slower than a renewal's bound would leave it
+    // to lapse before the handler starts, and a retry could take the key over.
+    let bound = config.store_timeout.min(config.lease / 3);
+    let looked = crate::store::within(bound, "a look-up", looking).await;
     let answer = answer(config, looked, request.fingerprint)?;
     config.leased().release(lease, in_flight.clone()).await;
     Some(answer)
