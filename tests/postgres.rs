@@ -212,6 +212,46 @@ async fn a_new_key_costs_two_statements_and_a_replay_one() {
     assert_eq!(proxy.executes(), before);
 }
 
+/// A layer in transition (`previous_scope_with`) costs a replay, a 409 and a 422
+/// nothing more, and a key new in its scope one primary-key read: the look-up under the
+/// previous scope. Where the two scopes are one (no principal, no credential), nothing.
+#[tokio::test]
+async fn a_transition_costs_one_read_per_new_key_and_nothing_per_replay() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let layer = IdempotencyLayer::new(store.clone())
+        .previous_scope_with(tower_idempotency::Scope::from_authorization);
+    let (router, _) = common::app_behind_auth(layer);
+    send(&router, common::post_as("acct7.first", "warm-up", "{}")).await;
+    let cost = |req| {
+        let (router, proxy) = (router.clone(), &proxy);
+        async move {
+            let before = proxy.executes();
+            let reply = send(&router, req).await;
+            (reply.outcome, proxy.executes() - before)
+        }
+    };
+    assert_eq!(
+        cost(common::post_as("acct7.first", "k", "{}")).await,
+        (Some(Outcome::Executed), 3),
+        "the claim, the look-up, the completion"
+    );
+    assert_eq!(
+        cost(common::post_as("acct7.second", "k", "{}")).await,
+        (Some(Outcome::Replayed), 1)
+    );
+    assert_eq!(
+        cost(common::post_as("acct7.second", "k", "{\"a\":1}")).await,
+        (Some(Outcome::Mismatch), 1)
+    );
+    assert_eq!(
+        cost(post("anonymous", "{}")).await,
+        (Some(Outcome::Executed), 2),
+        "one scope before and after: nothing to look up"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_takes_no_row_lock_and_writes_nothing() {
     let schema = TestSchema::new();

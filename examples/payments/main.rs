@@ -18,6 +18,12 @@
 //!   `{"payment_id", "charge_id", "amount", "currency"}`. A key the fake provider
 //!   charged under for another amount or currency (its first payment failed after the
 //!   charge, and was released) gets a 422 that is not stored.
+//!   `Authorization: Bearer <account>.<secret>` names the payment's account (a
+//!   stand-in for a token check; a token without a dot names itself): keys are scoped
+//!   by account, so a retry with a refreshed token (`Bearer acct7.second` after
+//!   `Bearer acct7.first`) is replayed, and another account's key is its own. Without
+//!   `Authorization` (or with another scheme) keys are scoped as the layer does by
+//!   default.
 //! - `GET /stats` → `{"handler_runs", "psp_calls", "charges", "payments"}`.
 //! - `GET /stats/store` → the idempotency store's counters (PostgreSQL): statements,
 //!   notifications received, waiters woken by a notification or by the fallback timer.
@@ -33,14 +39,16 @@ use std::{net::SocketAddr, process::ExitCode, time::Duration};
 
 use axum::{
     Json, Router,
-    extract::State,
-    http::{StatusCode, header},
+    extract::{Request, State},
+    http::{HeaderMap, StatusCode, header},
+    middleware::{self, Next},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, NoStore, store::MemoryStore, transactional::TransactionHandle,
+    IdempotencyKey, IdempotencyLayer, NoStore, Principal, store::MemoryStore,
+    transactional::TransactionHandle,
 };
 
 use backend::{Backend, Charged};
@@ -213,6 +221,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         .route("/payments", post(create_payment).route_layer(layer))
         .route("/stats", get(stats))
         .route("/stats/store", get(store_stats))
+        // Outside the idempotency layer (a `.layer` wraps the routes before it), so that
+        // the principal is in the request when the layer scopes its key.
+        .layer(middleware::from_fn(authenticate))
         .with_state(backend);
 
     let listener = tokio::net::TcpListener::bind(args.addr).await?;
@@ -302,6 +313,32 @@ impl Termination {
             SIGINT
         }
     }
+}
+
+/// The demo's authentication, a stand-in for a token check: `Authorization: Bearer
+/// <account>.<secret>` names its account, put into the request as its [`Principal`], so
+/// that the layer scopes keys by account: a client that refreshed its token retries as
+/// the same account. A request without a bearer token goes on without a principal, and
+/// its keys are scoped by the layer's default.
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    if let Some(account) = bearer_account(req.headers()) {
+        let principal = Principal::new(account);
+        req.extensions_mut().insert(principal);
+    }
+    next.run(req).await
+}
+
+/// The account a bearer token names: what comes before its first dot, or the whole
+/// token without one. `None` without a bearer token, or with an empty account.
+fn bearer_account(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = value.split_once([' ', '\t'])?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = token.trim_start();
+    let account = token.split_once('.').map_or(token, |(account, _)| account);
+    (!account.is_empty()).then_some(account)
 }
 
 /// A 422 for a body the demo cannot accept. Not stored (the layer's default for a

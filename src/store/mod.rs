@@ -38,11 +38,13 @@ use std::{fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use crate::{Fingerprint, Scope, StoredResponse};
 
+mod lookup;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod waiters;
 
+pub use lookup::{KeyRecord, KeyState};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::transaction;
@@ -383,6 +385,57 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// The store could not be reached, or failed; the claim may still be there.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>>;
+
+    /// Reads the record of `key` in `scope`, changing nothing: `None` when it has none
+    /// (never claimed, released, or purged). A record past its TTL that is not purged
+    /// yet is read as it is ([`KeyRecord::is_free`] says whether a claim would take it
+    /// afresh).
+    ///
+    /// What a layer in transition looks for under the scope it used before
+    /// ([`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with)), and what
+    /// an operator asks about a client's key. [`PostgresStore`] reads it in one
+    /// primary-key read (committed rows only: a claim still uncommitted in a
+    /// transactional request is not seen). The default answers an error of kind
+    /// [`Misconfigured`](StoreErrorKind::Misconfigured), for stores that cannot: a
+    /// layer that needs it then answers `503` rather than run a request it cannot
+    /// look up.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Fingerprint, Scope, store::{Claim, ClaimRequest, KeyState, MemoryStore, Store}};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let scope = Scope::new("acct_42");
+    /// assert!(store.look_up(&scope, "order-1").await?.is_none());
+    /// let request = ClaimRequest {
+    ///     scope: &scope,
+    ///     key: "order-1",
+    ///     fingerprint: Fingerprint([1; 32]),
+    ///     lease: Duration::from_secs(30),
+    ///     ttl: Duration::from_secs(3600),
+    /// };
+    /// let Claim::Acquired(lease) = store.claim(&request).await? else { panic!("a new key") };
+    /// let record = store.look_up(&scope, "order-1").await?.expect("claimed");
+    /// assert_eq!(record.token, lease.token);
+    /// assert!(matches!(record.state, KeyState::Running { .. }));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, failed, or cannot look keys up.
+    fn look_up<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
+        let _ = (scope, key);
+        Box::pin(std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Misconfigured,
+            "this store cannot look a key up (Store::look_up)",
+        ))))
+    }
 
     /// Deletes up to `batch` records past their TTL whose lease (if running) has lapsed;
     /// returns how many. Never touches a live claim.

@@ -627,6 +627,71 @@ pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
     (router, counter)
 }
 
+/// The app's authentication, as the tests stand it in: `Authorization: Bearer
+/// <account>.<secret>` names its account (a token without a dot names itself), put into
+/// the request as its [`Principal`](tower_idempotency::Principal). A request without a
+/// bearer token goes on without one.
+pub async fn authenticate(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let account = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|token| token.split('.').next().unwrap_or(token).to_owned());
+    if let Some(account) = account {
+        req.extensions_mut()
+            .insert(tower_idempotency::Principal::new(account));
+    }
+    next.run(req).await
+}
+
+/// [`app`] behind [`authenticate`], which is outside the layer (a `.layer` added after
+/// it), as an app must put its authentication.
+pub fn app_behind_auth(layer: IdempotencyLayer) -> (Router, Counter) {
+    let (router, counter) = app(layer);
+    (
+        router.layer(axum::middleware::from_fn(authenticate)),
+        counter,
+    )
+}
+
+/// [`app_behind_auth`] with the layer on the route (`route_layer`) instead of the router.
+pub fn route_behind_auth(layer: IdempotencyLayer) -> (Router, Counter) {
+    let counter = Counter::default();
+    let router = Router::new()
+        .route(
+            "/payments",
+            axum::routing::post(create).patch(create).route_layer(layer),
+        )
+        .layer(axum::middleware::from_fn(authenticate))
+        .with_state(counter.clone());
+    (router, counter)
+}
+
+/// [`app`] with [`authenticate`] inside the layer (a `.layer` added before it): the
+/// mistake an app can make, where the layer sees no principal.
+pub fn app_with_auth_inside(layer: IdempotencyLayer) -> (Router, Counter) {
+    let counter = Counter::default();
+    let router = Router::new()
+        .route("/payments", axum::routing::post(create))
+        .layer(axum::middleware::from_fn(authenticate))
+        .layer(layer)
+        .with_state(counter.clone());
+    (router, counter)
+}
+
+/// `POST /payments` with `key` and `body`, sent with `Authorization: Bearer <token>`.
+pub fn post_as(token: &str, key: &str, body: &str) -> Request<Body> {
+    req("POST")
+        .header("idempotency-key", key)
+        .header("authorization", format!("Bearer {token}"))
+        .body(Body::from(body.to_owned()))
+        .expect("request")
+}
+
 /// Polls until `f` holds, at most ~10 s: a bounded wait, not a timing claim.
 pub async fn eventually(mut f: impl FnMut() -> bool) {
     for _ in 0..1000 {

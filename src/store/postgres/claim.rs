@@ -336,32 +336,36 @@ pub(super) fn found(
             fingerprint,
             retry_after: lease_left(locked_until, now),
         },
-        "completed" => {
-            let status: i16 = row
-                .try_get(col::STATUS)
-                .map_err(|_| corrupt("completed record without status"))?;
-            let status = u16::try_from(status)
-                .ok()
-                .and_then(|s| StatusCode::from_u16(s).ok())
-                .ok_or_else(|| corrupt("stored status out of range"))?;
-            let headers = row
-                .try_get::<_, &[u8]>(col::HEADERS)
-                .ok()
-                .and_then(StoredResponse::decode_headers)
-                .ok_or_else(|| corrupt("stored headers undecodable"))?;
-            let body: &[u8] = row
-                .try_get(col::BODY)
-                .map_err(|_| corrupt("completed record without body"))?;
-            Claim::Completed {
-                fingerprint,
-                response: StoredResponse {
-                    status,
-                    headers,
-                    body: Bytes::copy_from_slice(body),
-                },
-            }
-        }
+        "completed" => Claim::Completed {
+            fingerprint,
+            response: stored_response(row)?,
+        },
         other => return Err(corrupt(&format!("unknown state {other:?}"))),
     };
     Ok((Found::Claim(Some(found)), now))
+}
+
+/// The stored response of a completed record, from a row with the claim's columns
+/// (`col`): the claim's, or a look-up's.
+pub(super) fn stored_response(row: &tokio_postgres::Row) -> Result<StoredResponse, StoreError> {
+    let status: i16 = row
+        .try_get(col::STATUS)
+        .map_err(|_| corrupt("completed record without status"))?;
+    let status = u16::try_from(status)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| corrupt("stored status out of range"))?;
+    let headers = row
+        .try_get::<_, &[u8]>(col::HEADERS)
+        .ok()
+        .and_then(StoredResponse::decode_headers)
+        .ok_or_else(|| corrupt("stored headers undecodable"))?;
+    let body: &[u8] = row
+        .try_get(col::BODY)
+        .map_err(|_| corrupt("completed record without body"))?;
+    Ok(StoredResponse {
+        status,
+        headers,
+        body: Bytes::copy_from_slice(body),
+    })
 }

@@ -11,6 +11,7 @@ mod hosts;
 mod in_doubt;
 mod lead;
 mod listener;
+mod look_up;
 mod migrate;
 mod purge;
 mod reserve;
@@ -48,7 +49,8 @@ use tls::Connector;
 pub use url::{pool_for_url, pool_for_url_with_tls};
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError, StoreErrorKind,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Store, StoreError,
+    StoreErrorKind,
 };
 use crate::{Scope, StoredResponse};
 
@@ -402,6 +404,14 @@ impl Store for PostgresStore {
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         self.listener.changed(self.key_id(scope, key))
+    }
+
+    fn look_up<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
+        Box::pin(self.look_up_pooled(scope, key))
     }
 
     fn records_location(&self) -> Option<Arc<str>> {

@@ -199,6 +199,8 @@ pub(super) struct Sql {
     /// completion sent again after its answer was lost.
     pub(super) completed_by: Statement,
     pub(super) release: Statement,
+    /// A key's record, read and nothing else (`Store::look_up`).
+    pub(super) look_up: Statement,
     pub(super) renew: Statement,
     pub(super) wait: Statement,
     pub(super) in_doubt_wait: Statement,
@@ -348,6 +350,16 @@ impl Sql {
                 ),
                 params::RELEASE,
             ),
+            // One primary-key read, its columns the claim's first ones, in their order
+            // (`col`), so that a row of either is decoded alike (`look_up`).
+            look_up: Statement::new(
+                format!(
+                    "SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body,
+                            now() AS now
+                     FROM {t} WHERE scope = $1 AND key = $2"
+                ),
+                params::KEY,
+            ),
             renew: Statement::new(
                 format!(
                     "UPDATE {t} SET locked_until = now() + {l}, expires_at = greatest(expires_at, now() + {l})
@@ -439,9 +451,8 @@ impl Sql {
 mod tests {
     use super::*;
 
-    #[test]
-    fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
-        let sql = Sql::new("s", "t", false).claim;
+    /// The columns `sql` selects, by their names.
+    fn selected(sql: &str) -> Vec<&str> {
         let select_list = &sql[..sql.find(" FROM ").expect("a FROM clause")];
         // Split at the commas outside parentheses (the insert's call has its own).
         let mut depth = 0;
@@ -458,6 +469,13 @@ mod tests {
             .map(|c| c.split_whitespace().last().expect("a column"))
             .map(|c| c.rsplit('.').next().unwrap_or(c))
             .collect();
+        names
+    }
+
+    #[test]
+    fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
+        let sql = Sql::new("s", "t", false);
+        let names = selected(&sql.claim);
         let expected = [
             (col::TOKEN, "token"),
             (col::FINGERPRINT, "fingerprint"),
@@ -474,5 +492,7 @@ mod tests {
         for (index, name) in expected {
             assert_eq!(names[index], name, "column {index} of {names:?}");
         }
+        // A look-up's row is decoded as the claim's: the same columns, up to `now`.
+        assert_eq!(selected(&sql.look_up), names[..=col::NOW]);
     }
 }
