@@ -52,10 +52,10 @@ async fn cut_shared_claim_connections_answer_503_or_recover_and_never_run_a_key_
 async fn cut_connections_answer_503_or_recover(shared_claim_connections: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema
-        .store_at(&proxy.url(), 4)
-        .await
-        .with_shared_claim_connections(shared_claim_connections);
+    let store = common::sharing_claims(
+        schema.store_at(&proxy.url(), 4).await,
+        shared_claim_connections,
+    );
     let (router, counter) = app(IdempotencyLayer::new(store.clone()));
     for i in 0..4 {
         assert_eq!(
@@ -121,10 +121,10 @@ async fn a_stalled_database_is_a_bounded_503_then_recovers_with_shared_claim_con
 async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connections: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema
-        .store_at(&proxy.url(), 2)
-        .await
-        .with_shared_claim_connections(shared_claim_connections);
+    let store = common::sharing_claims(
+        schema.store_at(&proxy.url(), 2).await,
+        shared_claim_connections,
+    );
     let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
     let (router, counter) = app(layer);
     proxy.stall(true);
@@ -722,6 +722,48 @@ async fn a_pool_held_by_other_work_does_not_starve_running_claims() {
     // Over connections the store keeps outside its pool.
     assert!(store_a.metrics().reserve_statements >= 2);
     drop(held);
+}
+
+/// Batched claims and shared claim connections both asked for: claims go in batches.
+/// A claim held up on its way (a stalled network) past its caller's store timeout and
+/// the store's wait for abandoned claims lands after that wait is over: it is released
+/// by its token once it has, so the retry runs, instead of meeting 409 for the claim's
+/// whole lease, as when such a claim went to a shared connection and was waited for
+/// only as long as a batched one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_batching_and_shared_claim_connections_a_claim_that_lands_late_is_released() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema
+        .store_at(&proxy.url(), 4)
+        .await
+        .with_shared_claim_connections(2)
+        .with_batched_claims(1, 64);
+    let layer = IdempotencyLayer::new(store.clone())
+        .store_timeout(Duration::from_millis(300))
+        .lease_duration(Duration::from_secs(600));
+    let requests = layer.shutdown_handle();
+    let (router, counter) = app(layer);
+    // The claim statement prepared on the connection the claim below takes, so that
+    // it goes out whole, in one write.
+    assert_eq!(send(&router, post("warm", "{}")).await.status, 201);
+    proxy.stall(true);
+    assert_eq!(send(&router, post("k", "{}")).await.status, 503);
+    // No new connection from here until the claim has landed: no cancel request
+    // stops it on the way, and nothing releases it before it is seen to land.
+    proxy.refuse(true);
+    // The store stops waiting for the claim it gave up on (nothing of the request is
+    // in flight then); only then does the claim go through, and land.
+    eventually(|| requests.in_flight() == 0).await;
+    proxy.stall(false);
+    wait_for_state(&schema, "k", "running").await;
+    proxy.refuse(false);
+    let created = retry_until_created(&router, "k", &[409]).await;
+    assert_eq!(created.status, 201);
+    assert_eq!(counter.runs_of("k"), 1);
+    let metrics = store.metrics();
+    assert_eq!(metrics.shared_claims, 0);
+    assert!(metrics.batched_claims >= 2, "{metrics:?}");
 }
 
 #[tokio::test]

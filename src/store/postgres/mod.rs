@@ -369,12 +369,15 @@ impl Store for PostgresStore {
     }
 
     fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
-        // A claim on a shared connection is not closed with it when dropped (the
-        // connection carries others'), and may land later than a release in doubt
-        // would look: it is waited for, as before, for a lease.
-        // A batched claim dropped unanswered is released by its batch, or, sent alone
-        // by its caller, in doubt as without batching (`batch`).
-        if self.shared.is_some() && self.batcher.is_none() {
+        // The path claims take (`claim_with`): shared connections if the store has
+        // them (never with batching: `build` turns them off), else a batch or a pooled
+        // connection. A claim on a shared connection is not closed with it when
+        // dropped (the connection carries others'), and may land later than a release
+        // in doubt would look: it is waited for, as before, for a lease. A batched
+        // claim dropped unanswered is released by its batch, or, sent alone by its
+        // caller, in doubt as without batching (`batch`).
+        debug_assert!(self.shared.is_none() || self.batcher.is_none());
+        if self.shared.is_some() {
             lease
         } else {
             lease.min(ABANDONED_CLAIM_WAIT)
