@@ -14,12 +14,13 @@ use super::{
     batch::Batcher,
     listener::Listener,
     purge::{self, BackgroundPurge},
-    reserve,
+    reserve::{self, SessionSetup, Setup},
     shared::{Opened, Shared},
     sql::Sql,
     tls::Connector,
     url::{parse_url, pool_for_url, pool_for_url_with_tls},
 };
+use crate::store::BoxFuture;
 
 /// What a [`PostgresStore`] is built with besides its pool (see `PostgresStore::build`).
 pub(super) struct Options {
@@ -35,6 +36,8 @@ pub(super) struct Options {
     generations: Option<Duration>,
     /// Batched claims: connections (0: off) and claims per statement.
     batching: (usize, usize),
+    /// What the app runs on each reserve connection (`with_session_setup`).
+    session_setup: Option<SessionSetup>,
 }
 
 /// A rejected store setting.
@@ -109,6 +112,7 @@ impl PostgresStore {
                 transaction_pooling: false,
                 generations: None,
                 batching: (0, 0),
+                session_setup: None,
             },
         )
     }
@@ -178,6 +182,7 @@ impl PostgresStore {
                 .batcher
                 .as_ref()
                 .map_or((0, 0), |b| (b.connections(), b.max_claims())),
+            session_setup: self.reserve.session_setup(),
         }
     }
 
@@ -194,6 +199,7 @@ impl PostgresStore {
             transaction_pooling,
             generations,
             batching,
+            session_setup,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions. With batching,
@@ -240,7 +246,6 @@ impl PostgresStore {
             purge,
             transaction_pooling,
             tx_claims,
-            sql: Arc::new(sql),
             listener: Arc::new(Listener::new(
                 listen_config.clone(),
                 channel,
@@ -254,7 +259,11 @@ impl PostgresStore {
             statements: Arc::default(),
             shared: (shared > 0).then(|| Arc::new(Shared::new(shared, Opened::ForClaims))),
             batcher: (batching.0 > 0).then(|| Arc::new(Batcher::new(batching.0, batching.1))),
-            reserve: Arc::new(Shared::new(reserve::RESERVE, Opened::Reserve)),
+            reserve: Arc::new(Shared::new(
+                reserve::RESERVE,
+                Opened::Reserve(Setup::new(session_setup, sql.reserve_check.clone())),
+            )),
+            sql: Arc::new(sql),
         }
     }
 
@@ -346,6 +355,68 @@ impl PostgresStore {
     {
         let options = Options {
             connector: Connector::with(tls),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Runs `setup` on each connection the store makes outside its pool, before the
+    /// connection serves: give it what the pool's `post_create` hook runs on the
+    /// pool's connections (`SET ROLE`, say), so that the statements of running claims
+    /// run as the pool's do.
+    ///
+    /// When every pooled connection is checked out, a running claim's renewals, its
+    /// completion and its release go over the store's reserve (see [`PostgresStore`]):
+    /// connections made by the pool's manager, with its configuration and TLS, but
+    /// without its hooks, which deadpool runs only on connections it makes for the pool.
+    /// A login role with no rights of its own, whose pool's hook takes on a role that
+    /// has them, would then renew as the login role, fail, and lose the lease under a
+    /// live handler: a retry would run it again. Pass the same function to both.
+    ///
+    /// Each reserve connection is checked before it serves, set up or not: its role
+    /// (`current_user`) must be allowed to read and write the table. One that is not is
+    /// closed, the reserve is refused from then on with an error in the log, and those
+    /// statements wait for the pool as they would without a reserve, failing with
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) if none comes. A
+    /// setup that fails fails the connection in the same way. Behind a transaction
+    /// pooler a session setting does not hold, on the pool's connections nor on these:
+    /// give the role to the pooler's user instead.
+    ///
+    /// ```no_run
+    /// use deadpool_postgres::{Hook, HookError, Manager, Pool};
+    /// use tower_idempotency::store::{BoxFuture, PostgresStore};
+    ///
+    /// /// The pool's connections log in as `app_login`, which has no rights of its
+    /// /// own, and act as `app_writer`.
+    /// fn act_as_writer(
+    ///     client: &tokio_postgres::Client,
+    /// ) -> BoxFuture<'_, Result<(), tokio_postgres::Error>> {
+    ///     Box::pin(client.batch_execute("SET ROLE app_writer"))
+    /// }
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config: tokio_postgres::Config = "postgres://app_login@db.internal/payments".parse()?;
+    /// let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+    ///     .max_size(16)
+    ///     .post_create(Hook::async_fn(|client, _| {
+    ///         Box::pin(async move { act_as_writer(client).await.map_err(HookError::Backend) })
+    ///     }))
+    ///     .build()?;
+    /// let store = PostgresStore::new(pool).with_session_setup(act_as_writer);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_session_setup<F>(self, setup: F) -> Self
+    where
+        F: for<'c> Fn(
+                &'c tokio_postgres::Client,
+            ) -> BoxFuture<'c, Result<(), tokio_postgres::Error>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let options = Options {
+            session_setup: Some(Arc::new(setup)),
             ..self.options()
         };
         Self::build(self.pool, options)

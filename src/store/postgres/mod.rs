@@ -89,7 +89,11 @@ pub(crate) mod transaction {
 /// reserve of two connections that the store makes with the pool's manager, outside
 /// its `max_size` (up to four while broken ones are replaced), and shares among them,
 /// pipelined. Count them against the server's `max_connections`
-/// ([`StoreMetrics::reserve_statements`] says how often they serve).
+/// ([`StoreMetrics::reserve_statements`] says how often they serve). The pool's hooks
+/// do not run on them: a pool whose `post_create` hook sets its sessions up (`SET
+/// ROLE`) gives the store the same setup with
+/// [`with_session_setup`](Self::with_session_setup); a reserve connection whose role
+/// may not write the table is refused, loudly, rather than used.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
