@@ -229,11 +229,13 @@ async fn acquired(store: &PostgresStore, scope: &Scope, key: &str) -> Lease {
 async fn claims_one_at_a_time_stay_on_one_shared_connection() {
     let schema = TestSchema::new();
     let name = common::unique_name("ti_shared");
-    let store = schema
-        .store_at(&url_named(&name), 4)
-        .await
-        .with_background_purge(None)
-        .with_shared_claim_connections(4);
+    let store = common::sharing_claims(
+        schema
+            .store_at(&url_named(&name), 4)
+            .await
+            .with_background_purge(None),
+        4,
+    );
     let scope = Scope::new("s");
     for i in 0..6 {
         acquired(&store, &scope, &format!("k{i}")).await;
@@ -258,11 +260,13 @@ async fn claims_one_at_a_time_stay_on_one_shared_connection() {
 async fn a_claim_given_up_before_its_answer_leaves_its_shared_connection_behind() {
     let schema = TestSchema::new();
     let name = common::unique_name("ti_shared");
-    let store = schema
-        .store_at(&url_named(&name), 4)
-        .await
-        .with_background_purge(None)
-        .with_shared_claim_connections(1);
+    let store = common::sharing_claims(
+        schema
+            .store_at(&url_named(&name), 4)
+            .await
+            .with_background_purge(None),
+        1,
+    );
     let scope = Scope::new("s");
     acquired(&store, &scope, "first").await;
     let old = shared_backends(&schema, &name).await;

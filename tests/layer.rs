@@ -198,7 +198,7 @@ mod postgres_shared {
 
     async fn make() -> (Arc<dyn Store>, TestSchema) {
         let schema = TestSchema::new();
-        let store = schema.store().await.with_shared_claim_connections(2);
+        let store = crate::common::sharing_claims(schema.store().await, 2);
         (Arc::new(store), schema)
     }
 

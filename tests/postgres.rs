@@ -927,12 +927,8 @@ async fn shared_claim_connections_serve_concurrent_duplicates_once() {
         return;
     }
     let schema = TestSchema::new();
-    let replica = || async {
-        schema
-            .store_at(&common::database_url(), 8)
-            .await
-            .with_shared_claim_connections(2)
-    };
+    let replica =
+        || async { common::sharing_claims(schema.store_at(&common::database_url(), 8).await, 2) };
     let (a, b) = (replica().await, replica().await);
     let (router_a, counter_a) = app(IdempotencyLayer::new(a.clone()));
     let (router_b, counter_b) = app(IdempotencyLayer::new(b.clone()));
@@ -991,7 +987,7 @@ async fn a_claim_waiting_on_a_row_lock_does_not_hold_up_the_shared_connection() 
         store::{Claim, ClaimRequest, Store},
     };
     let schema = TestSchema::new();
-    let store = schema.store().await.with_shared_claim_connections(1);
+    let store = common::sharing_claims(schema.store().await, 1);
     fn request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
         ClaimRequest {
             scope,
@@ -1056,10 +1052,7 @@ async fn terminated_shared_claim_connections_are_replaced() {
         "{url}{}application_name={app_name}",
         if url.contains('?') { '&' } else { '?' }
     );
-    let store = schema
-        .store_at(&url, 4)
-        .await
-        .with_shared_claim_connections(2);
+    let store = common::sharing_claims(schema.store_at(&url, 4).await, 2);
     let scope = Scope::new("s");
     let claim = |key: String| {
         let (store, scope) = (store.clone(), scope.clone());

@@ -291,6 +291,20 @@ pub fn batched_claims() -> Option<(usize, usize)> {
     Some((connections.trim().parse().ok()?, max.trim().parse().ok()?))
 }
 
+/// `store` with its lease-mode claims on `n` shared connections
+/// (`with_shared_claim_connections`), and not batched, whatever `TI_BATCHED_CLAIMS`
+/// says: batching turns shared claim connections off, and a test of them must run
+/// with them. `store` itself with `n` = 0.
+#[allow(dead_code)] // not every test binary uses it
+pub fn sharing_claims(store: PostgresStore, n: usize) -> PostgresStore {
+    if n == 0 {
+        return store;
+    }
+    store
+        .with_batched_claims(0, 1)
+        .with_shared_claim_connections(n)
+}
+
 /// A schema of its own for one test, dropped (with everything in it) when the test
 /// ends, whether it passed or panicked.
 pub struct TestSchema {

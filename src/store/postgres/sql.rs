@@ -209,6 +209,10 @@ pub(super) struct Sql {
     pub(super) purge_in_turn: Statement,
     /// Transactional mode's own.
     pub(super) tx: super::tx::Statements,
+    /// The role of a reserve connection, and whether it may do to the table what the
+    /// statements of running claims do (`reserve::Setup::open`). Sent unnamed, once
+    /// per connection opened.
+    pub(super) reserve_check: String,
     pub(super) qualified: String,
     pub(super) expires_index: String,
     pub(super) migrations_table: String,
@@ -437,6 +441,16 @@ impl Sql {
                      AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
                 ),
                 params::PURGE_IN_TURN,
+            ),
+            // Names are checked identifiers (`validate_identifier`), safe inside a
+            // literal; the schema's is taken as it is, the table's parsed (quoted).
+            reserve_check: format!(
+                "SELECT current_user::text,
+                        has_schema_privilege('{schema}', 'USAGE')
+                        AND has_table_privilege('{t}', 'SELECT')
+                        AND has_table_privilege('{t}', 'INSERT')
+                        AND has_table_privilege('{t}', 'UPDATE')
+                        AND has_table_privilege('{t}', 'DELETE')"
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
