@@ -717,8 +717,10 @@ async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
     eventually(|| proxy.received() > before).await;
     client.abort();
     proxy.stall(false);
-    // Its connection was closed with the transaction open: the claim rolled back, and
-    // the retry runs as a new request.
+    // Its connection was closed, and a cancel request sent: the claim rolled back with
+    // the transaction (or, had the cancel reached the BEGIN as it started, ran
+    // nowhere: `a_claim_whose_begin_fails_claims_nothing`), and the retry runs as a new
+    // request.
     let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
     assert_eq!(retry.outcome, Some(Outcome::Executed));
     assert_eq!(counter.runs(), 2, "the warm-up and the retry");
@@ -730,6 +732,32 @@ async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
         .await,
         1
     );
+}
+
+/// The claim goes on the wire right behind its `BEGIN`, in the same round trip, as a
+/// message of its own. A `BEGIN` that fails before it runs (misspelt here; a cancel
+/// request that reaches it as it starts fails it so, as a client that hangs up while
+/// its claim is on the way sends one) leaves the session outside any transaction: the
+/// claim must claim nothing there. Run alone, it would commit the key `running`, with
+/// no transaction to roll it back and nobody to finish it, and every retry would get
+/// `409` until the lease lapsed.
+#[tokio::test]
+async fn a_claim_whose_begin_fails_claims_nothing() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 2).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    proxy.break_begin(true);
+    let failed = send(&router, post_with("k", &[])).await;
+    proxy.break_begin(false);
+    assert_eq!(failed.status, 503, "{:?}", failed.body);
+    assert_eq!(counter.runs(), 0);
+    assert_eq!(records_of(&schema, "k").await, 0, "the key was claimed");
+    // The key is free: the retry runs at once.
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 #[tokio::test]

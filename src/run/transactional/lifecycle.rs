@@ -14,9 +14,8 @@ use crate::{
     store::{
         Claim, ClaimRequest, Fenced, Lease, PostgresStore, StoreErrorKind,
         transaction::{
-            Backend, Checkout, Resolution, again_if_it_lost_a_race, begin, commit_on,
-            connection_lost, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
-            statement_cancelled,
+            Backend, Checkout, Resolution, again_if_it_lost_a_race, commit_on, connection_lost,
+            in_an_aborted_transaction, roll_back_keeping, roll_back_or_close, statement_cancelled,
         },
     },
 };
@@ -103,7 +102,6 @@ async fn claim_in(
             return Opened::Unavailable;
         }
     };
-    let begin = begin("", claim_wait);
     let claimed = timeout(store_timeout + claim_wait, async {
         let client = &*conn;
         // Where transactions default to repeatable read or serializable, a duplicate
@@ -112,7 +110,6 @@ async fn claim_in(
         let mut again = false;
         again_if_it_lost_a_race(|| {
             let retry = std::mem::replace(&mut again, true);
-            let begin = &begin;
             async move {
                 if retry {
                     store.send_rollback(client).await?;
@@ -120,7 +117,7 @@ async fn claim_in(
                 let token = crate::store::FencingToken::fresh();
                 let then = (claim_wait != lock_timeout).then_some(lock_timeout);
                 store
-                    .begin_and_claim(client, begin, request, token, then)
+                    .begin_and_claim(client, claim_wait, request, token, then)
                     .await
             }
         })

@@ -66,7 +66,7 @@ pub(crate) mod transaction {
             statement_cancelled,
         },
         tx::{
-            Backend, Ending, Resolution, begin, commit_on, kept_if_rolled_back, roll_back_keeping,
+            Backend, Ending, Resolution, commit_on, kept_if_rolled_back, roll_back_keeping,
             roll_back_or_close,
         },
     };

@@ -242,25 +242,29 @@ impl Sql {
                 e = ms.replace("$ms", "$7"),
             )
         };
+        // A primary-key read that inserts only when the key has no row: the insert is a
+        // function (migration 0003) called from a branch that an existing key never
+        // takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain read
+        // does (0.9x its rate, docs/postgres.md). Two requests that both find nothing
+        // race on the insert, and its `ON CONFLICT` settles it; the loser gets neither a
+        // row nor a token and reads again (`claim_on`). Times are compared in Rust
+        // against the database's `now()`, which is cheaper than numeric arithmetic in
+        // SQL.
+        // The columns are read by position: keep them in the order of `col`.
+        let claim = format!(
+            "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                    f.status, f.headers, f.body, now() AS now,
+                    CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
+             FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
+        );
         Self {
-            // A primary-key read that inserts only when the key has no row: the insert
-            // is a function (migration 0003) called from a branch that an existing key
-            // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
-            // read does (0.9x its rate, docs/postgres.md). Two requests that both find
-            // nothing race on the insert, and its `ON CONFLICT` settles it; the loser gets
-            // neither a row nor a token and reads again (`claim_on`). Times are compared
-            // in Rust against the database's `now()`, which is cheaper than numeric
-            // arithmetic in SQL.
-            // The columns are read by position: keep them in the order of `col`.
-            claim: Statement::new(
-                format!(
-                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
-                            f.status, f.headers, f.body, now() AS now,
-                            CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
-                     FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
-                ),
-                params::CLAIM,
+            tx: super::tx::Statements::new(
+                &t,
+                &claim,
+                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
+                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
+            claim: Statement::new(claim, params::CLAIM),
             // The claim of many keys at once (`batch`): the same columns per key, and its
             // position in the batch. Each key is read as the claim reads it, and the
             // missing ones are inserted by the same function, one after another in the
@@ -339,11 +343,6 @@ impl Sql {
                        AND status = $4 AND headers = $5 AND body = $6"
                 ),
                 params::COMPLETED_BY,
-            ),
-            tx: super::tx::Statements::new(
-                &t,
-                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
-                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
             release: Statement::new(
                 format!(
