@@ -62,7 +62,7 @@ pub(crate) mod transaction {
     pub(crate) use super::{
         checkout::Checkout,
         errors::{
-            again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+            again_if_it_lost_a_race, connection_lost, describe, in_an_aborted_transaction,
             statement_cancelled,
         },
         tx::{
