@@ -50,7 +50,7 @@ pub use memory::MemoryStore;
 pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    ConfigError, GenerationRotation, PostgresStore, StoreMetrics, pool_for_url,
+    ConfigError, GenerationRotation, Migration, PostgresStore, StoreMetrics, pool_for_url,
     pool_for_url_with_tls,
 };
 

@@ -21,6 +21,7 @@ mod sql;
 mod tls;
 mod tx;
 mod url;
+mod verify;
 
 use std::{
     fmt,
@@ -42,6 +43,7 @@ use errors::again_if_it_lost_a_race;
 pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
+pub use migrate::Migration;
 use purge::BackgroundPurge;
 use shared::Shared;
 use sql::Sql;
