@@ -585,6 +585,80 @@ async fn without_a_database_the_demo_uses_the_memory_store() {
     );
 }
 
+/// Runs the demo with `args` until it exits by itself (within 30 s, else it is killed
+/// and the test fails): its exit status and what it printed on stderr.
+fn demo_exits(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(demo_binary())
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the payments demo");
+    let mut stderr = child.stderr.take().expect("the demo's stderr");
+    let reading = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    for _ in 0..POLL_ATTEMPTS {
+        if let Some(status) = child.try_wait().expect("the demo's status") {
+            return (status, reading.join().expect("stderr read"));
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!(
+        "the demo did not exit: {}",
+        reading.join().unwrap_or_default()
+    );
+}
+
+/// A role with no rights on a fresh database: the demo stops at start-up and says why,
+/// in PostgreSQL's words and with its SQLSTATE, and which right migrating needs.
+#[tokio::test]
+async fn a_role_with_no_rights_on_a_fresh_database_makes_the_demo_print_permission_denied() {
+    let role = common::TestRole::new().await;
+    let db = common::TestDatabase::new().await;
+    let url = db.url_as(&role.name);
+    let (status, stderr) = tokio::task::spawn_blocking(move || {
+        demo_exits(&["--addr", "127.0.0.1:0", "--database-url", &url])
+    })
+    .await
+    .expect("join");
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("permission denied"), "{stderr}");
+    assert!(stderr.contains("(SQLSTATE 42501)"), "{stderr}");
+    assert!(stderr.contains("CREATE on the database"), "{stderr}");
+}
+
+/// `--print-migration-sql` prints the store's migrations for `--schema` and exits,
+/// without a database.
+#[test]
+fn the_demo_prints_its_migrations_as_sql() {
+    let out = Command::new(demo_binary())
+        .args(["--print-migration-sql", "--schema", "ledger"])
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the payments demo");
+    assert!(out.status.success(), "{out:?}");
+    let sql = String::from_utf8(out.stdout).expect("UTF-8");
+    assert!(
+        sql.contains("CREATE TABLE IF NOT EXISTS \"ledger\".\"idempotency_keys\""),
+        "{sql}"
+    );
+    assert!(
+        sql.contains(
+            "INSERT INTO \"ledger\".\"idempotency_keys_migrations\" (version) VALUES (1);"
+        ),
+        "{sql}"
+    );
+}
+
 /// On the memory store the demo's memory is bounded: it says so when it starts, the
 /// store and the demo's ledger keep the last keys only, and `/stats` still counts every
 /// run, charge and payment. A key evicted from both is a new key: it runs, and is

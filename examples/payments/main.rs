@@ -4,6 +4,7 @@
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
+//!     [--print-migration-sql]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -27,6 +28,10 @@
 //! - `GET /stats` → `{"handler_runs", "psp_calls", "charges", "payments"}`.
 //! - `GET /stats/store` → the idempotency store's counters (PostgreSQL): statements,
 //!   notifications received, waiters woken by a notification or by the fallback timer.
+//!
+//! `--print-migration-sql` prints the idempotency store's migrations as SQL for
+//! `--schema` (what a team applies with its own migration tool, then checks with
+//! `PostgresStore::verify`), and exits; nothing connects.
 //!
 //! `--mode transactional` (PostgreSQL only) records the payment inside the request's
 //! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms (in
@@ -69,9 +74,11 @@ struct Args {
     transaction_pooler: bool,
     /// The database itself, for `LISTEN` behind a transaction pooler.
     listen_url: Option<String>,
+    /// Print the store's migrations as SQL, and exit.
+    print_migration_sql: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--print-migration-sql]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -84,6 +91,7 @@ fn parse_args() -> Result<Args, String> {
         memory_max_keys: MemoryStore::DEFAULT_MAX_ENTRIES,
         transaction_pooler: false,
         listen_url: None,
+        print_migration_sql: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -127,6 +135,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--transaction-pooler" => args.transaction_pooler = true,
             "--listen-url" => args.listen_url = Some(value("--listen-url")?),
+            "--print-migration-sql" => args.print_migration_sql = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -149,10 +158,22 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.print_migration_sql {
+        return match backend::migration_sql(args.database_url.as_deref(), &args.schema) {
+            Ok(sql) => {
+                print!("{sql}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("payments: {}", backend::describe(&*e));
+                ExitCode::from(2)
+            }
+        };
+    }
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("payments: {e}");
+            eprintln!("payments: {}", backend::describe(&*e));
             ExitCode::FAILURE
         }
     }
@@ -515,7 +536,7 @@ fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
 /// to the client; the key is released (a 5xx is not stored), so a retry with it runs
 /// again, and the provider, given the same derived key, charges once.
 fn internal(e: backend::Error) -> Response {
-    tracing::error!(error = %e, "payment failed");
+    tracing::error!(error = %backend::describe(&*e), "payment failed");
     backend_failed("the payment could not be completed; retry with the same Idempotency-Key")
 }
 
@@ -559,7 +580,7 @@ async fn stats(State(backend): State<Backend>) -> Response {
         }))
         .into_response(),
         Err(e) => {
-            tracing::error!(error = %e, "statistics unavailable");
+            tracing::error!(error = %backend::describe(&*e), "statistics unavailable");
             backend_failed("the statistics could not be read; try again")
         }
     }

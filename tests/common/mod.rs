@@ -84,7 +84,12 @@ pub fn url_with_options(options: &str) -> String {
 /// trusts local connections).
 #[allow(dead_code)] // not every test binary uses it
 pub fn url_as(user: &str) -> String {
-    let url = database_url();
+    with_user(&database_url(), user)
+}
+
+/// `url` as `user` (no password).
+#[allow(dead_code)] // not every test binary uses it
+pub fn with_user(url: &str, user: &str) -> String {
     let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
     let host = rest.split_once('@').map_or(rest, |(_, host)| host);
     format!("{scheme}://{user}@{host}")
@@ -488,6 +493,23 @@ impl TestDatabase {
             Some(query) => format!("{url}?{query}"),
             None => url,
         }
+    }
+}
+
+#[allow(dead_code)] // not every test binary uses it
+impl TestDatabase {
+    /// [`url`](Self::url) as `user` (no password: for a role of the test's own).
+    pub fn url_as(&self, user: &str) -> String {
+        with_user(&self.url(), user)
+    }
+
+    /// Runs `sql` in this database as the server's superuser (grants, say).
+    pub async fn run(&self, sql: &str) {
+        let (client, conn) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect to the test's database");
+        tokio::spawn(conn);
+        client.batch_execute(sql).await.expect("as the superuser");
     }
 }
 

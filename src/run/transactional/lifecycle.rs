@@ -15,7 +15,8 @@ use crate::{
         Claim, ClaimRequest, Fenced, Lease, PostgresStore, StoreErrorKind,
         transaction::{
             Backend, Checkout, Resolution, again_if_it_lost_a_race, commit_on, connection_lost,
-            in_an_aborted_transaction, roll_back_keeping, roll_back_or_close, statement_cancelled,
+            describe, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
+            statement_cancelled,
         },
     },
 };
@@ -335,7 +336,7 @@ async fn complete_and_commit(
         Err(_) => Err("no answer in time".to_owned()),
     };
     let committed = match committed {
-        Ok(committed) => committed.map_err(|e| e.to_string()),
+        Ok(committed) => committed.map_err(|e| describe(&e)),
         Err(_) => Err("no answer in time".to_owned()),
     };
     if lost {

@@ -21,6 +21,7 @@ mod sql;
 mod tls;
 mod tx;
 mod url;
+mod verify;
 
 use std::{
     fmt,
@@ -42,6 +43,7 @@ use errors::again_if_it_lost_a_race;
 pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
+pub use migrate::Migration;
 use purge::BackgroundPurge;
 use shared::Shared;
 use sql::Sql;
@@ -62,7 +64,7 @@ pub(crate) mod transaction {
     pub(crate) use super::{
         checkout::Checkout,
         errors::{
-            again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+            again_if_it_lost_a_race, connection_lost, describe, in_an_aborted_transaction,
             statement_cancelled,
         },
         tx::{

@@ -319,7 +319,7 @@ impl PostgresStore {
         token: FencingToken,
         then_lock_timeout: Option<Duration>,
     ) -> Result<(Claim, Backend), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let failed = super::errors::unavailable;
         // Prepared first (once per connection), so that the claim's execution goes on
         // the wire between the `BEGIN` and the reset of the lock timeout. (Unnamed, it
         // goes whole at its first poll.)
@@ -352,7 +352,7 @@ impl PostgresStore {
         client: &ClientWrapper,
         lock_timeout: Duration,
     ) -> Result<(), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let failed = super::errors::unavailable;
         client
             .batch_execute(&begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout))
             .await
@@ -362,7 +362,7 @@ impl PostgresStore {
     /// Sends `ROLLBACK` on `client` and waits for its answer; the connection stays the
     /// caller's (to begin another transaction on, say).
     pub(crate) async fn send_rollback(&self, client: &ClientWrapper) -> Result<(), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let failed = super::errors::unavailable;
         client.batch_execute("ROLLBACK").await.map_err(failed)
     }
 
