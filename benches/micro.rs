@@ -2,7 +2,7 @@
 //! fingerprinting the request, encoding and decoding stored headers, and a request
 //! without a key passed through an Axum router.
 //!
-//! `cargo bench --bench micro`
+//! `cargo bench -p benches --bench micro`
 #![allow(missing_docs)] // criterion_group! generates an undocumented function
 
 use std::hint::black_box;

@@ -1,7 +1,7 @@
 -- Liveness: which store (process) holds a running lease-mode claim, so that a duplicate
 -- can take the claim over as soon as that process is gone instead of when its lease
--- lapses. `{{table}}`, `{{holders}}`, `{{claim_function}}` and `{{holder_gone_function}}`
--- are the validated, quoted identifiers configured on the PostgresStore.
+-- lapses.
+-- {{table}}, {{holders}}, {{claim_function}}, {{holder_gone_function}}: the validated, quoted identifiers configured on the PostgresStore.
 
 -- The holder of a running claim: the store's random id, which is also the key of the
 -- session-level advisory lock its liveness connection holds. NULL: the claim is judged

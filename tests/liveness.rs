@@ -569,6 +569,122 @@ async fn a_claim_that_finds_a_live_holder_costs_one_statement() {
     );
 }
 
+/// A store whose pool logs in as a role with no rights of its own and takes on one that
+/// has them in its `post_create` hook (`SET ROLE`), or, if `setup`, also given that
+/// setup for the connections it makes outside the pool (`with_session_setup`): its
+/// notification and liveness connection logs in as the same role, directly.
+fn store_acting_as(
+    schema: &TestSchema,
+    login: &common::TestRole,
+    writer: &common::TestRole,
+    setup: bool,
+) -> PostgresStore {
+    use deadpool_postgres::{Hook, HookError, Manager, Pool, Runtime};
+    use tower_idempotency::store::BoxFuture;
+    fn acting_as(
+        role: &str,
+    ) -> impl for<'c> Fn(
+        &'c tokio_postgres::Client,
+    ) -> BoxFuture<'c, Result<(), tokio_postgres::Error>>
+    + Clone
+    + Send
+    + Sync
+    + 'static {
+        let sql: std::sync::Arc<str> = format!("SET ROLE \"{role}\"").into();
+        move |client| {
+            let sql = sql.clone();
+            Box::pin(async move { client.batch_execute(&sql).await })
+        }
+    }
+    let url = common::url_as(&login.name);
+    let config: tokio_postgres::Config = url.parse().expect("url");
+    let hook = acting_as(&writer.name);
+    let pool = Pool::builder(Manager::new(config.clone(), tokio_postgres::NoTls))
+        .max_size(2)
+        .runtime(Runtime::Tokio1)
+        .create_timeout(Some(Duration::from_secs(5)))
+        .post_create(Hook::async_fn(move |client, _| {
+            let setting = hook(client);
+            Box::pin(async move { setting.await.map_err(HookError::Backend) })
+        }))
+        .build()
+        .expect("pool");
+    let mut store = PostgresStore::new(pool)
+        .with_schema_name(&schema.name)
+        .expect("schema name")
+        .with_background_purge(None)
+        .with_notifications(config);
+    if let Some(period) = common::generations() {
+        store = store.with_generations(period);
+    }
+    if setup {
+        store = store.with_session_setup(acting_as(&writer.name));
+    }
+    store
+}
+
+/// A pool whose hook sets its sessions' role: the liveness connection and the
+/// heartbeat's, made outside the pool, write the holders table as the pool's
+/// connections do once the store is given the same setup, as its reserve is. Without
+/// it, the liveness connection, as the login role, may not register, and
+/// `start_liveness` says so, with the database's words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_liveness_connections_run_the_apps_session_setup() {
+    use tower_idempotency::store::StoreErrorKind;
+    let schema = TestSchema::new();
+    schema.store().await;
+    let writer = common::TestRole::new().await;
+    let login = common::TestRole::new().await;
+    let (s, w, l) = (&schema.name, &writer.name, &login.name);
+    writer
+        .run(&format!(
+            "ALTER ROLE \"{w}\" NOLOGIN;
+             ALTER ROLE \"{l}\" NOINHERIT;
+             GRANT \"{w}\" TO \"{l}\";
+             GRANT USAGE ON SCHEMA \"{s}\" TO \"{w}\";
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{s}\" TO \"{w}\";"
+        ))
+        .await;
+
+    let without = store_acting_as(&schema, &login, &writer, false);
+    let e = without
+        .start_liveness()
+        .await
+        .expect_err("registered as the login role");
+    assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
+    assert!(e.to_string().contains("SQLSTATE 42501"), "{e}");
+    assert!(e.to_string().contains("_holders"), "{e}");
+    assert!(!without.is_live());
+    drop(without);
+
+    let store = store_acting_as(&schema, &login, &writer, true);
+    store
+        .start_liveness()
+        .await
+        .expect("liveness as the writer");
+    assert!(store.is_live());
+    let holder = store.holder_id().expect("a holder").to_string();
+    assert!(registered(&schema, &holder).await);
+    // A claim running past a heartbeat: renewed on the heartbeat's connection, made by
+    // the pool's manager outside the pool, as the writer.
+    let scope = Scope::anonymous();
+    let Claim::Acquired(lease) = store
+        .claim(&request(&scope, "k", LONG_LEASE))
+        .await
+        .expect("claim")
+    else {
+        panic!("not acquired");
+    };
+    eventually(|| store.metrics().liveness_heartbeats >= 2).await;
+    assert!(
+        store
+            .complete(&lease, &response(), Duration::from_secs(3600))
+            .await
+            .expect("complete")
+            .is_kept()
+    );
+}
+
 /// A shell command the server's own suite (`.ci/liveness`) gives in `var`.
 fn run_command(var: &str) {
     let command = std::env::var(var)

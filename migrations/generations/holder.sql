@@ -1,8 +1,8 @@
 -- The claim's insert naming its holder (0004), for a table in generations, applied
 -- after the numbered migrations (which add the `holder` column to the parent table,
 -- and so to every partition): the key is inserted into the newest generation, only
--- if no generation has it, as in generations.sql. `{{…}}` are the validated, quoted
--- identifiers configured on the PostgresStore.
+-- if no generation has it, as in generations.sql.
+-- {{…}}: the validated, quoted identifiers configured on the PostgresStore.
 CREATE OR REPLACE FUNCTION {{claim_function}}(
     p_scope text, p_key text, p_fingerprint bytea,
     p_lease_ms bigint, p_ttl_ms bigint, p_token bigint, p_holder bigint

@@ -52,6 +52,12 @@ where
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
+    // Taken under this scope; the one the layer used before a deploy may hold it.
+    let previously =
+        super::previous::answer_in_lease(&config, &parts, &request, &lease, &in_flight);
+    if let Some(answer) = previously.await {
+        return Ok(answer);
+    }
 
     crate::request::hand_over(&mut parts.extensions, &request, &config, false);
     let req = Request::from_parts(parts, ReqBody::from(body));

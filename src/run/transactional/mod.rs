@@ -193,6 +193,14 @@ where
             return Ok(shutting_down(&config.problems));
         }
         Opened::Acquired(conn, claimed) => {
+            // Claimed under this scope; the one the layer used before a deploy may hold
+            // the key. Rolled back, the claim is let go.
+            let previously =
+                super::previous::answer_in_transaction(&config, &store, &conn, &parts, &request);
+            if let Some(answer) = previously.await {
+                roll_back_or_close(conn, store_timeout).await;
+                return Ok(answer);
+            }
             // Until now, dropping the request dropped its connection, which rolled
             // back anything claimed; from now on it finishes even if its client goes.
             handoff.hold();

@@ -12,7 +12,7 @@ use std::{
 };
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Store, StoreError,
     waiters::Waiters,
 };
 use crate::{Fingerprint, Scope, StoredResponse};
@@ -271,6 +271,33 @@ impl MemoryStore {
         Fenced::kept_if(held)
     }
 
+    /// The record of `key` in `scope`, as [`Store::look_up`] reads it; its response
+    /// decoded outside the lock.
+    fn look_up_now(&self, scope: &Scope, key: &str) -> Result<Option<KeyRecord>, StoreError> {
+        let (token, fingerprint, expires_in, state) = {
+            let inner = self.lock();
+            let now = inner.now();
+            let Some(record) = inner.records.get(&(scope.clone(), Arc::<str>::from(key))) else {
+                return Ok(None);
+            };
+            let left = |at: records::At| Duration::from_nanos(at.saturating_sub(now));
+            let state = match &record.state {
+                State::Running { locked_until } => Err(left(*locked_until)),
+                State::Completed(stored) => Ok(stored.clone()),
+            };
+            (
+                record.token,
+                record.fingerprint,
+                left(record.expires_at),
+                state,
+            )
+        };
+        Ok(Some(match state {
+            Err(lease_left) => KeyRecord::running(token, fingerprint, lease_left, expires_in),
+            Ok(stored) => KeyRecord::completed(token, fingerprint, stored.response()?, expires_in),
+        }))
+    }
+
     fn announce(&self, lease: &Lease) {
         self.waiters.wake(&(lease.scope.clone(), lease.key.clone()));
     }
@@ -364,6 +391,14 @@ impl Store for MemoryStore {
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         Box::pin(self.waiters.wait((scope.clone(), Arc::from(key))))
+    }
+
+    fn look_up<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
+        Box::pin(std::future::ready(self.look_up_now(scope, key)))
     }
 }
 

@@ -24,6 +24,17 @@ use crate::{
     store::{Claim, ClaimRequest, Fenced, FencingToken, Lease, StoreError, StoreErrorKind},
 };
 
+/// Where a claim runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Within {
+    /// Its own statement, committed as it ends (lease mode).
+    Alone,
+    /// The transaction that the `BEGIN` sent with it opened (transactional mode): it
+    /// claims nothing, and returns no row, if that transaction did not begin (see
+    /// `tx::Statements::claim`).
+    ItsTransaction,
+}
+
 /// How many times a claim is re-read when the row changes under it.
 pub(super) const CLAIM_ATTEMPTS: usize = 16;
 
@@ -119,18 +130,20 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
-        self.claim_at(client, req, token, self.holder())
+        self.claim_within(Within::Alone, client, req, token, self.holder())
             .await
             .map(|(claim, _)| claim)
     }
 
-    /// Claims on `client`, which may be inside a transaction (a conflicting row that
-    /// another transaction has not committed yet is then waited for), for `holder`
-    /// (`None`: judged by its lease alone, as transactional mode's claims are). Returns
-    /// the database's `now()` as the claim read it: inside a transaction, the time it
-    /// started, which a claim row inserted or taken over in it carries as `created_at`.
-    pub(crate) async fn claim_at(
+    /// Claims on `client`, `within` its own statement or the transaction a `BEGIN` sent
+    /// with it opened (see [`Within`]; a conflicting row that another transaction has
+    /// not committed yet is then waited for), for `holder` (`None`: judged by its lease
+    /// alone, as transactional mode's claims are). Returns the database's `now()` as
+    /// the claim read it: inside a transaction, the time it started, which a claim row
+    /// inserted or taken over in it carries as `created_at`.
+    pub(super) async fn claim_within(
         &self,
+        within: Within,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: FencingToken,
@@ -139,7 +152,7 @@ impl PostgresStore {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
-            if let (Some(claim), now) = self.claim_once(client, req, token, holder).await? {
+            if let (Some(claim), now) = self.claim_once(within, client, req, token, holder).await? {
                 return Ok((claim, now));
             }
         }
@@ -229,6 +242,7 @@ impl PostgresStore {
 
     pub(super) async fn claim_once(
         &self,
+        within: Within,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: FencingToken,
@@ -237,10 +251,14 @@ impl PostgresStore {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
         let fp: &[u8] = req.fingerprint.as_bytes();
+        let sql = match within {
+            Within::Alone => &self.sql.claim,
+            Within::ItsTransaction => &self.sql.tx.claim,
+        };
         let rows = self
             .query_on(
                 client,
-                &self.sql.claim,
+                sql,
                 &[
                     &req.scope.as_str(),
                     &req.key,
@@ -252,9 +270,16 @@ impl PostgresStore {
                 ],
             )
             .await?;
-        let row = rows
-            .first()
-            .ok_or_else(|| corrupt("the claim returned no row"))?;
+        let row = match (rows.first(), within) {
+            (Some(row), _) => row,
+            (None, Within::Alone) => return Err(corrupt("the claim returned no row")),
+            (None, Within::ItsTransaction) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the claim found no transaction of its own (its BEGIN failed), and claimed nothing",
+                ));
+            }
+        };
         match found(row, req)? {
             (Found::Claim(claim), now) => Ok((claim, now)),
             (Found::TakeOver(seen), now) => {
@@ -371,32 +396,36 @@ pub(super) fn found(
             fingerprint,
             retry_after: lease_left(locked_until, now),
         },
-        "completed" => {
-            let status: i16 = row
-                .try_get(col::STATUS)
-                .map_err(|_| corrupt("completed record without status"))?;
-            let status = u16::try_from(status)
-                .ok()
-                .and_then(|s| StatusCode::from_u16(s).ok())
-                .ok_or_else(|| corrupt("stored status out of range"))?;
-            let headers = row
-                .try_get::<_, &[u8]>(col::HEADERS)
-                .ok()
-                .and_then(StoredResponse::decode_headers)
-                .ok_or_else(|| corrupt("stored headers undecodable"))?;
-            let body: &[u8] = row
-                .try_get(col::BODY)
-                .map_err(|_| corrupt("completed record without body"))?;
-            Claim::Completed {
-                fingerprint,
-                response: StoredResponse {
-                    status,
-                    headers,
-                    body: Bytes::copy_from_slice(body),
-                },
-            }
-        }
+        "completed" => Claim::Completed {
+            fingerprint,
+            response: stored_response(row)?,
+        },
         other => return Err(corrupt(&format!("unknown state {other:?}"))),
     };
     Ok((Found::Claim(Some(found)), now))
+}
+
+/// The stored response of a completed record, from a row with the claim's columns
+/// (`col`): the claim's, or a look-up's.
+pub(super) fn stored_response(row: &tokio_postgres::Row) -> Result<StoredResponse, StoreError> {
+    let status: i16 = row
+        .try_get(col::STATUS)
+        .map_err(|_| corrupt("completed record without status"))?;
+    let status = u16::try_from(status)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| corrupt("stored status out of range"))?;
+    let headers = row
+        .try_get::<_, &[u8]>(col::HEADERS)
+        .ok()
+        .and_then(StoredResponse::decode_headers)
+        .ok_or_else(|| corrupt("stored headers undecodable"))?;
+    let body: &[u8] = row
+        .try_get(col::BODY)
+        .map_err(|_| corrupt("completed record without body"))?;
+    Ok(StoredResponse {
+        status,
+        headers,
+        body: Bytes::copy_from_slice(body),
+    })
 }

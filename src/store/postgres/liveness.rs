@@ -8,6 +8,9 @@
 //! registers the holder in `<table>_holders`, an unlogged table, with this server's
 //! start time. While the store runs claims, it renews the holder's `seen_at` there every
 //! `HEARTBEAT`, on another connection, made by the pool's manager (not on that one).
+//! Both run the app's session setup (`PostgresStore::with_session_setup`) first, as
+//! the reserve's connections do: they write a table, as the pool's connections do
+//! once its hooks have set them up.
 //!
 //! A duplicate that finds a running claim with a live lease takes it over (next token,
 //! as after a lapsed lease) only when its holder is gone (migration 0004's function, in
@@ -46,7 +49,15 @@ use std::{
 use deadpool_postgres::{ClientWrapper, Pool};
 use tokio::time::Instant;
 
-use super::{checkout::POOL_WAIT, hosts::Hosts, sql::Statement, tls::Connector};
+use super::{
+    checkout::POOL_WAIT,
+    errors::{Shown, classify},
+    hosts::Hosts,
+    reserve::SessionSetup,
+    sql::Statement,
+    tls::Connector,
+};
+use crate::store::{StoreError, StoreErrorKind};
 
 /// How long a holder must have been silent, its lock free, before its claims are
 /// taken over; and how long after its claim a claim is never taken over so.
@@ -83,6 +94,15 @@ pub(super) struct Liveness {
     /// pool whose manager makes its connection.
     heartbeat: String,
     pool: Pool,
+    /// What the app runs on each connection the store makes outside its pool
+    /// (`with_session_setup`): on the liveness connection and the heartbeat's.
+    session_setup: Option<SessionSetup>,
+    /// Why the liveness connection last failed to hold its lock and register, until
+    /// it does: what `start_liveness` says when it gives up.
+    failed: Mutex<Option<StoreError>>,
+    /// Whether a heartbeat's failure that a retry will not mend (a right missing, say)
+    /// was logged as a warning since the last heartbeat that went through.
+    warned: AtomicBool,
     /// The heartbeat's connection, made by the pool's manager outside the pool (its
     /// configuration, its TLS, through the same pooler if any), kept between bursts
     /// of claims: the heartbeat neither waits for the pool, which the handlers may
@@ -125,6 +145,7 @@ impl Liveness {
         config: &tokio_postgres::Config,
         connector: Connector,
         pool: Pool,
+        session_setup: Option<SessionSetup>,
         sql: &super::sql::Sql,
     ) -> Self {
         // Positive and never 0, like a fencing token: any 63-bit number would do.
@@ -140,6 +161,9 @@ impl Liveness {
                 sql.holders
             ),
             pool,
+            session_setup,
+            failed: Mutex::new(None),
+            warned: AtomicBool::new(false),
             beat_on: Mutex::new(None),
             started: Mutex::new(None),
             holding: AtomicBool::new(false),
@@ -180,13 +204,30 @@ impl Liveness {
     }
 
     /// Starts the task and waits until the lock is held and the holder registered, at
-    /// most `bound`.
-    pub(super) async fn held_within(self: &Arc<Self>, bound: Duration) -> bool {
+    /// most `bound`; else why the liveness connection last failed, if it did.
+    pub(super) async fn held_within(
+        self: &Arc<Self>,
+        bound: Duration,
+    ) -> Result<(), Option<StoreError>> {
         self.start();
         let mut rx = self.held.subscribe();
-        tokio::time::timeout(bound, rx.wait_for(|held| *held))
+        let held = tokio::time::timeout(bound, rx.wait_for(|held| *held))
             .await
-            .is_ok_and(|r| r.is_ok())
+            .is_ok_and(|r| r.is_ok());
+        if held {
+            return Ok(());
+        }
+        Err(self
+            .failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(StoreError::copied))
+    }
+
+    /// The liveness connection failed with `e` (`None`: it holds its lock now).
+    fn failed(&self, e: Option<StoreError>) {
+        *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = e;
     }
 
     fn now_ms(&self) -> u64 {
@@ -240,8 +281,9 @@ impl Liveness {
     }
 
     /// Renews `seen_at` once, on the heartbeat's connection (made first if need be,
-    /// and dropped if the renewal fails, to be made again next time).
-    async fn renew_seen_at(&self) -> Result<(), String> {
+    /// set up as the app says, and dropped if the renewal fails, to be made again next
+    /// time).
+    async fn renew_seen_at(&self) -> Result<(), StoreError> {
         let held = self
             .beat_on
             .lock()
@@ -254,16 +296,24 @@ impl Liveness {
                 let bound = self.pool.timeouts().create.unwrap_or(POOL_WAIT);
                 let made = tokio::time::timeout(bound, self.pool.manager().create()).await;
                 let mut client = made
-                    .map_err(|_| "no connection within the pool's create timeout".to_owned())?
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|_| {
+                        StoreError::new(
+                            StoreErrorKind::Timeout,
+                            "no connection within the pool's create timeout",
+                        )
+                    })?
+                    .map_err(classify)?;
                 self.pool.manager().detach(&mut client);
+                if let Some(setup) = &self.session_setup {
+                    setup(&client).await.map_err(classify)?;
+                }
                 client
             }
         };
         client
             .batch_execute(&self.heartbeat)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(classify)?;
         *self.beat_on.lock().unwrap_or_else(PoisonError::into_inner) = Some(client);
         Ok(())
     }
@@ -288,6 +338,15 @@ async fn heartbeat(liveness: Arc<Liveness>) {
         match tokio::time::timeout(GRACE, liveness.renew_seen_at()).await {
             Ok(Ok(())) => {
                 liveness.heartbeats.fetch_add(1, Ordering::Relaxed);
+                liveness.warned.store(false, Ordering::Relaxed);
+            }
+            // One that a retry will not mend (a right missing, the table not migrated,
+            // the app's session setup refused) is said once, loudly.
+            Ok(Err(e))
+                if e.kind() == StoreErrorKind::Misconfigured
+                    && !liveness.warned.swap(true, Ordering::Relaxed) =>
+            {
+                tracing::warn!(error = %e, "a liveness heartbeat failed");
             }
             Ok(Err(e)) => tracing::debug!(error = %e, "a liveness heartbeat failed"),
             Err(_) => tracing::debug!("a liveness heartbeat went unanswered"),
@@ -321,10 +380,11 @@ async fn hold(me: Weak<Liveness>) {
         }
         let Some(liveness) = me.upgrade() else { return };
         let (hosts, connector) = (liveness.hosts.clone(), liveness.connector.clone());
-        let (holder, register, forget) = (
+        let (holder, register, forget, setup) = (
             liveness.holder,
             liveness.register.clone(),
             liveness.forget.clone(),
+            liveness.session_setup.clone(),
         );
         // Not kept across the wait: the store may go meanwhile.
         drop(liveness);
@@ -332,20 +392,31 @@ async fn hold(me: Weak<Liveness>) {
         let (client, mut connection) = match connected {
             Ok(Ok(connected)) => connected,
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "the idempotency liveness connection cannot connect");
+                tracing::warn!(error = %Shown(&e), "the idempotency liveness connection cannot connect");
+                if let Some(me) = me.upgrade() {
+                    me.failed(Some(classify(e)));
+                }
                 backoff = (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
                 continue;
             }
             Err(_) => {
-                tracing::warn!(
+                let why = format!(
                     "the idempotency liveness connection cannot connect: no connection within {} s",
                     CONNECT_TIMEOUT.as_secs()
                 );
+                tracing::warn!("{why}");
+                if let Some(me) = me.upgrade() {
+                    me.failed(Some(StoreError::new(StoreErrorKind::Timeout, why)));
+                }
                 backoff = (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
                 continue;
             }
         };
         let mut session = Box::pin(async {
+            // The app's setup first: its settings may not end the session (`SETTINGS`).
+            if let Some(setup) = &setup {
+                setup(&client).await?;
+            }
             client.batch_execute(SETTINGS).await?;
             client
                 .execute("SELECT pg_advisory_lock($1)", &[&holder])
@@ -353,7 +424,7 @@ async fn hold(me: Weak<Liveness>) {
             client.execute(&*register, &[&holder]).await?;
             // Best effort: holders long gone are forgotten by the next registration.
             if let Err(e) = client.execute(&*forget, &[&holder]).await {
-                tracing::debug!(error = %e, "could not forget holders long gone");
+                tracing::debug!(error = %Shown(&e), "could not forget holders long gone");
             }
             Ok::<(), tokio_postgres::Error>(())
         });
@@ -361,17 +432,18 @@ async fn hold(me: Weak<Liveness>) {
         let ended = std::future::poll_fn(|cx| {
             if !registered && let Poll::Ready(done) = session.as_mut().poll(cx) {
                 if let Err(e) = done {
-                    return Poll::Ready(Some(e.to_string()));
+                    return Poll::Ready(Some(e));
                 }
                 registered = true;
                 if let Some(me) = me.upgrade() {
+                    me.failed(None);
                     me.held.send_replace(true);
                 }
             }
             loop {
                 match connection.poll_message(cx) {
                     Poll::Ready(Some(Ok(_))) => {}
-                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(e.to_string())),
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(e)),
                     Poll::Ready(None) => return Poll::Ready(None),
                     Poll::Pending => return Poll::Pending,
                 }
@@ -380,12 +452,22 @@ async fn hold(me: Weak<Liveness>) {
         .await;
         let Some(liveness) = me.upgrade() else { return };
         liveness.held.send_replace(false);
-        drop(liveness);
-        let error = ended.unwrap_or_else(|| "closed by the server".to_owned());
+        let error = ended.as_ref().map_or_else(
+            || "closed by the server".to_owned(),
+            |e| Shown(e).to_string(),
+        );
         if registered {
+            drop(liveness);
             tracing::warn!(%error, "the idempotency liveness connection was lost; reconnecting");
             backoff = Duration::ZERO;
         } else {
+            // Classified, with what to do where the cause is likely (the table not
+            // migrated, a right missing), for `start_liveness` to say.
+            liveness.failed(Some(ended.map_or_else(
+                || StoreError::new(StoreErrorKind::Unavailable, "closed by the server"),
+                classify,
+            )));
+            drop(liveness);
             tracing::warn!(%error, "the idempotency liveness connection could not hold its lock");
             backoff = (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
         }

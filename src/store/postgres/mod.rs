@@ -12,6 +12,7 @@ mod in_doubt;
 mod lead;
 mod listener;
 mod liveness;
+mod look_up;
 mod migrate;
 mod purge;
 mod reserve;
@@ -21,6 +22,7 @@ mod sql;
 mod tls;
 mod tx;
 mod url;
+mod verify;
 
 use std::{
     fmt,
@@ -43,6 +45,7 @@ pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
 use liveness::Liveness;
+pub use migrate::Migration;
 use purge::BackgroundPurge;
 use shared::Shared;
 use sql::Sql;
@@ -50,7 +53,8 @@ use tls::Connector;
 pub use url::{pool_for_url, pool_for_url_with_tls};
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, Store, StoreError, StoreErrorKind,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Store, StoreError,
+    StoreErrorKind,
 };
 use crate::{Scope, StoredResponse};
 
@@ -62,11 +66,11 @@ pub(crate) mod transaction {
     pub(crate) use super::{
         checkout::Checkout,
         errors::{
-            again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+            again_if_it_lost_a_race, connection_lost, describe, in_an_aborted_transaction,
             statement_cancelled,
         },
         tx::{
-            Backend, Ending, Resolution, begin, commit_on, kept_if_rolled_back, roll_back_keeping,
+            Backend, Ending, Resolution, commit_on, kept_if_rolled_back, roll_back_keeping,
             roll_back_or_close,
         },
     };
@@ -91,7 +95,11 @@ pub(crate) mod transaction {
 /// reserve of two connections that the store makes with the pool's manager, outside
 /// its `max_size` (up to four while broken ones are replaced), and shares among them,
 /// pipelined. Count them against the server's `max_connections`
-/// ([`StoreMetrics::reserve_statements`] says how often they serve).
+/// ([`StoreMetrics::reserve_statements`] says how often they serve). The pool's hooks
+/// do not run on them: a pool whose `post_create` hook sets its sessions up (`SET
+/// ROLE`) gives the store the same setup with
+/// [`with_session_setup`](Self::with_session_setup); a reserve connection whose role
+/// may not write the table is refused, loudly, rather than used.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
@@ -265,8 +273,12 @@ impl PostgresStore {
     ///
     /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) when the store has
     /// no liveness (no notification connection, or turned off);
-    /// [`Unavailable`](crate::store::StoreErrorKind::Unavailable) when it did not hold
-    /// its lock within 5 s (it keeps trying in the background).
+    /// when it did not hold its lock within 5 s (it keeps trying in the background), the
+    /// error its connection last failed with, with the database's message: of kind
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) for a table not
+    /// migrated or a right missing (the role needs `SELECT`, `INSERT`, `UPDATE` and
+    /// `DELETE` on `<table>_holders`), [`Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// for a database that cannot be reached.
     pub async fn start_liveness(&self) -> Result<(), StoreError> {
         let Some(liveness) = &self.liveness else {
             return Err(StoreError::new(
@@ -274,13 +286,27 @@ impl PostgresStore {
                 "no liveness: build the store with connect() or with_notifications(), and leave with_liveness on",
             ));
         };
-        if liveness.held_within(Duration::from_secs(5)).await {
-            Ok(())
-        } else {
-            Err(StoreError::new(
+        match liveness.held_within(Duration::from_secs(5)).await {
+            Ok(()) => Ok(()),
+            // Why it last failed, as the database said it, and what to do where the
+            // cause is likely (the table not migrated, a right missing).
+            Err(Some(e)) => {
+                let said = StoreError::new(
+                    e.kind(),
+                    format!(
+                        "the liveness connection did not hold its lock within 5 s: {}",
+                        e.source
+                    ),
+                );
+                Err(match e.hint() {
+                    Some(hint) => said.with_hint(hint.to_owned()),
+                    None => said,
+                })
+            }
+            Err(None) => Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the liveness connection did not hold its lock within 5 s (has migrate() run?)",
-            ))
+            )),
         }
     }
 
@@ -464,12 +490,15 @@ impl Store for PostgresStore {
     }
 
     fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
-        // A claim on a shared connection is not closed with it when dropped (the
-        // connection carries others'), and may land later than a release in doubt
-        // would look: it is waited for, as before, for a lease.
-        // A batched claim dropped unanswered is released by its batch, or, sent alone
-        // by its caller, in doubt as without batching (`batch`).
-        if self.shared.is_some() && self.batcher.is_none() {
+        // The path claims take (`claim_with`): shared connections if the store has
+        // them (never with batching: `build` turns them off), else a batch or a pooled
+        // connection. A claim on a shared connection is not closed with it when
+        // dropped (the connection carries others'), and may land later than a release
+        // in doubt would look: it is waited for, as before, for a lease. A batched
+        // claim dropped unanswered is released by its batch, or, sent alone by its
+        // caller, in doubt as without batching (`batch`).
+        debug_assert!(self.shared.is_none() || self.batcher.is_none());
+        if self.shared.is_some() {
             lease
         } else {
             lease.min(ABANDONED_CLAIM_WAIT)
@@ -502,6 +531,14 @@ impl Store for PostgresStore {
     fn running_recheck(&self) -> Option<Duration> {
         // A holder gone is found so a grace after its last sign of life.
         self.liveness.as_ref().map(|_| liveness::GRACE)
+    }
+
+    fn look_up<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
+        Box::pin(self.look_up_pooled(scope, key))
     }
 
     fn records_location(&self) -> Option<Arc<str>> {

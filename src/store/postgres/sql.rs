@@ -207,6 +207,8 @@ pub(super) struct Sql {
     /// completion sent again after its answer was lost.
     pub(super) completed_by: Statement,
     pub(super) release: Statement,
+    /// A key's record, read and nothing else (`Store::look_up`).
+    pub(super) look_up: Statement,
     pub(super) renew: Statement,
     pub(super) wait: Statement,
     pub(super) in_doubt_wait: Statement,
@@ -219,6 +221,10 @@ pub(super) struct Sql {
     pub(super) forget_holders: Statement,
     /// Transactional mode's own.
     pub(super) tx: super::tx::Statements,
+    /// The role of a reserve connection, and whether it may do to the table what the
+    /// statements of running claims do (`reserve::Setup::open`). Sent unnamed, once
+    /// per connection opened.
+    pub(super) reserve_check: String,
     pub(super) qualified: String,
     pub(super) expires_index: String,
     pub(super) migrations_table: String,
@@ -265,30 +271,35 @@ impl Sql {
                 e = ms.replace("$ms", "$7"),
             )
         };
+        // A primary-key read that inserts only when the key has no row: the insert is a
+        // function (migration 0003) called from a branch that an existing key never
+        // takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain read
+        // does (0.9x its rate, docs/postgres.md). Two requests that both find nothing
+        // race on the insert, and its `ON CONFLICT` settles it; the loser gets neither a
+        // row nor a token and reads again (`claim_on`). Times are compared in Rust
+        // against the database's `now()`, which is cheaper than numeric arithmetic in
+        // SQL.
+        // The columns are read by position: keep them in the order of `col`.
+        // A running row whose holder may be gone (its lease still live) is asked about
+        // here too (`gone`), so that a 409 stays one round trip; the takeover asks
+        // again, atomically, with the row's token. The claim's holder is `$7` (NULL in
+        // transactional mode, whose claims are judged by their transaction).
+        let claim = format!(
+            "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                    f.status, f.headers, f.body, now() AS now,
+                    CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6, $7) END AS claimed,
+                    {gone}
+             FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2",
+            gone = gone("f", "$3"),
+        );
         Self {
-            // A primary-key read that inserts only when the key has no row: the insert
-            // is a function (migration 0003) called from a branch that an existing key
-            // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
-            // read does (0.9x its rate, docs/postgres.md). Two requests that both find
-            // nothing race on the insert, and its `ON CONFLICT` settles it; the loser gets
-            // neither a row nor a token and reads again (`claim_on`). Times are compared
-            // in Rust against the database's `now()`, which is cheaper than numeric
-            // arithmetic in SQL.
-            // The columns are read by position: keep them in the order of `col`.
-            // A running row whose holder may be gone (its lease still live) is asked
-            // about here too (`gone`), so that a 409 stays one round trip; the takeover
-            // asks again, atomically, with the row's token.
-            claim: Statement::new(
-                format!(
-                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
-                            f.status, f.headers, f.body, now() AS now,
-                            CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6, $7) END AS claimed,
-                            {gone}
-                     FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2",
-                    gone = gone("f", "$3"),
-                ),
-                params::CLAIM,
+            tx: super::tx::Statements::new(
+                &t,
+                &claim,
+                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
+                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
+            claim: Statement::new(claim, params::CLAIM),
             // The claim of many keys at once (`batch`): the same columns per key, and its
             // position in the batch. Each key is read as the claim reads it, and the
             // missing ones are inserted by the same function, one after another in the
@@ -376,11 +387,6 @@ impl Sql {
                 ),
                 params::COMPLETED_BY,
             ),
-            tx: super::tx::Statements::new(
-                &t,
-                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
-                names.as_ref().map(|n| n.insert_completed_function.as_str()),
-            ),
             release: Statement::new(
                 format!(
                     "WITH done AS (
@@ -389,6 +395,16 @@ impl Sql {
                      SELECT CASE WHEN waiters THEN pg_notify($4, $5) END FROM done"
                 ),
                 params::RELEASE,
+            ),
+            // One primary-key read, its columns the claim's first ones, in their order
+            // (`col`), so that a row of either is decoded alike (`look_up`).
+            look_up: Statement::new(
+                format!(
+                    "SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body,
+                            now() AS now
+                     FROM {t} WHERE scope = $1 AND key = $2"
+                ),
+                params::KEY,
             ),
             renew: Statement::new(
                 format!(
@@ -492,6 +508,16 @@ impl Sql {
                 ),
                 params::HOLDER,
             ),
+            // Names are checked identifiers (`validate_identifier`), safe inside a
+            // literal; the schema's is taken as it is, the table's parsed (quoted).
+            reserve_check: format!(
+                "SELECT current_user::text,
+                        has_schema_privilege('{schema}', 'USAGE')
+                        AND has_table_privilege('{t}', 'SELECT')
+                        AND has_table_privilege('{t}', 'INSERT')
+                        AND has_table_privilege('{t}', 'UPDATE')
+                        AND has_table_privilege('{t}', 'DELETE')"
+            ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
             holders,
@@ -507,9 +533,8 @@ impl Sql {
 mod tests {
     use super::*;
 
-    #[test]
-    fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
-        let sql = Sql::new("s", "t", false).claim;
+    /// The columns `sql` selects, by their names.
+    fn selected(sql: &str) -> Vec<&str> {
         let select_list = &sql[..sql.find(" FROM ").expect("a FROM clause")];
         // Split at the commas outside parentheses (the insert's call has its own).
         let mut depth = 0;
@@ -526,6 +551,13 @@ mod tests {
             .map(|c| c.split_whitespace().last().expect("a column"))
             .map(|c| c.rsplit('.').next().unwrap_or(c))
             .collect();
+        names
+    }
+
+    #[test]
+    fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
+        let sql = Sql::new("s", "t", false);
+        let names = selected(&sql.claim);
         let expected = [
             (col::TOKEN, "token"),
             (col::FINGERPRINT, "fingerprint"),
@@ -543,5 +575,7 @@ mod tests {
         for (index, name) in expected {
             assert_eq!(names[index], name, "column {index} of {names:?}");
         }
+        // A look-up's row is decoded as the claim's: the same columns, up to `now`.
+        assert_eq!(selected(&sql.look_up), names[..=col::NOW]);
     }
 }

@@ -1,0 +1,106 @@
+//! What a store holds for one key, read without changing it ([`Store::look_up`]): the
+//! record a layer in transition looks for under the scope it used before
+//! ([`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with)), and what an
+//! operator asks when a client says "what happened to my request?".
+
+use std::time::Duration;
+
+use super::FencingToken;
+#[cfg(doc)]
+use super::Store;
+use crate::{Fingerprint, StoredResponse};
+
+/// A key's record as [`Store::look_up`] read it.
+///
+/// Marked `#[non_exhaustive]`: more of what a store knows (when the key was claimed,
+/// when it completed) may be added; a store of the app's own builds it with
+/// [`running`](Self::running) or [`completed`](Self::completed).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{Fingerprint, store::{FencingToken, KeyRecord, KeyState}};
+///
+/// let record = KeyRecord::running(
+///     FencingToken::new(7),
+///     Fingerprint([0; 32]),
+///     Duration::from_secs(20),
+///     Duration::from_secs(3600),
+/// );
+/// assert!(matches!(record.state, KeyState::Running { lease_left } if lease_left.as_secs() == 20));
+/// assert!(!record.is_free());
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct KeyRecord {
+    /// The fencing token of the claim that holds, or completed, the key.
+    pub token: FencingToken,
+    /// The fingerprint of the request that claimed it.
+    pub fingerprint: Fingerprint,
+    /// Running, or completed with its response.
+    pub state: KeyState,
+    /// How long the record is kept from now (its TTL, counted from completion; a
+    /// running record lives at least as long as its lease). Zero: past it, and free
+    /// for a new claim once its lease, if it runs, has lapsed; the purge removes it.
+    pub expires_in: Duration,
+}
+
+/// The state of a key's record.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum KeyState {
+    /// Claimed, and not completed yet.
+    Running {
+        /// What is left of the holder's lease; zero once it has lapsed (the holder is
+        /// presumed dead: a retry with the same request takes the key over).
+        lease_left: Duration,
+    },
+    /// Completed: its response is replayed to a retry with the same request.
+    Completed {
+        /// The stored response.
+        response: StoredResponse,
+    },
+}
+
+impl KeyRecord {
+    /// A running record: claimed under `token` by a request of `fingerprint`, its
+    /// lease lapsing in `lease_left`, the record kept for `expires_in`.
+    pub fn running(
+        token: FencingToken,
+        fingerprint: Fingerprint,
+        lease_left: Duration,
+        expires_in: Duration,
+    ) -> Self {
+        Self {
+            token,
+            fingerprint,
+            state: KeyState::Running { lease_left },
+            expires_in,
+        }
+    }
+
+    /// A completed record: `response`, stored under `token` for a request of
+    /// `fingerprint`, kept for `expires_in`.
+    pub fn completed(
+        token: FencingToken,
+        fingerprint: Fingerprint,
+        response: StoredResponse,
+        expires_in: Duration,
+    ) -> Self {
+        Self {
+            token,
+            fingerprint,
+            state: KeyState::Completed { response },
+            expires_in,
+        }
+    }
+
+    /// Whether a new claim of the key would take it afresh, as if it had no record:
+    /// it is past its TTL and, if running, its lease has lapsed.
+    pub fn is_free(&self) -> bool {
+        self.expires_in.is_zero()
+            && match &self.state {
+                KeyState::Running { lease_left } => lease_left.is_zero(),
+                KeyState::Completed { .. } => true,
+            }
+    }
+}

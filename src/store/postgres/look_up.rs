@@ -1,0 +1,69 @@
+//! A key's record read without changing it (`Store::look_up`): one primary-key read,
+//! decoded as the claim's row is.
+
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::ClientWrapper;
+use tokio_postgres::{Row, types::ToSql};
+
+use super::{
+    PostgresStore,
+    claim::{lease_left, stored_response},
+    errors::corrupt,
+    sql::col,
+};
+use crate::{
+    Fingerprint, Scope,
+    store::{FencingToken, KeyRecord, StoreError},
+};
+
+impl PostgresStore {
+    /// The record of `key` in `scope`, read on a pooled connection.
+    pub(super) async fn look_up_pooled(
+        &self,
+        scope: &Scope,
+        key: &str,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
+        let rows = self.query_pooled(&self.sql.look_up, &params).await?;
+        rows.first().map(record).transpose()
+    }
+
+    /// The record of `key` in `scope`, read on `client`, which may be inside a
+    /// transaction (transactional mode looks a key up in the one that holds its claim).
+    pub(crate) async fn look_up_on(
+        &self,
+        client: &ClientWrapper,
+        scope: &Scope,
+        key: &str,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
+        let rows = self.query_on(client, &self.sql.look_up, &params).await?;
+        rows.first().map(record).transpose()
+    }
+}
+
+/// A look-up's row (the claim's columns, up to `now`), as a record.
+fn record(row: &Row) -> Result<KeyRecord, StoreError> {
+    let token = FencingToken::new(row.get(col::TOKEN));
+    let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    let now: SystemTime = row.get(col::NOW);
+    let expires_at: SystemTime = row.get(col::EXPIRES_AT);
+    let expires_in = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
+    match row.get::<_, &str>(col::STATE) {
+        "running" => Ok(KeyRecord::running(
+            token,
+            fingerprint,
+            lease_left(row.get(col::LOCKED_UNTIL), now),
+            expires_in,
+        )),
+        "completed" => Ok(KeyRecord::completed(
+            token,
+            fingerprint,
+            stored_response(row)?,
+            expires_in,
+        )),
+        other => Err(corrupt(&format!("unknown state {other:?}"))),
+    }
+}
