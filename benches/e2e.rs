@@ -723,7 +723,19 @@ impl Floor {
         self.count();
         let fp: &[u8] = &self.fingerprint;
         let rows = client
-            .query(&stmt, &[&"", &key, &fp, &LEASE_MS, &TTL_MS, &fresh_token()])
+            // The last: the claim's holder, as a store with liveness names itself.
+            .query(
+                &stmt,
+                &[
+                    &"",
+                    &key,
+                    &fp,
+                    &LEASE_MS,
+                    &TTL_MS,
+                    &fresh_token(),
+                    &Some(1_i64),
+                ],
+            )
             .await
             .map_err(err)?;
         let row = rows.first().ok_or("claim: no row")?;
@@ -831,7 +843,19 @@ impl Floor {
         self.count();
         let fp: &[u8] = &self.fingerprint;
         let rows = client
-            .query(&stmt, &[&"", &key, &fp, &LEASE_MS, &TTL_MS, &fresh_token()])
+            // The last: the claim's holder, as a store with liveness names itself.
+            .query(
+                &stmt,
+                &[
+                    &"",
+                    &key,
+                    &fp,
+                    &LEASE_MS,
+                    &TTL_MS,
+                    &fresh_token(),
+                    &Some(1_i64),
+                ],
+            )
             .await
             .map_err(err)?;
         let row = rows.first().ok_or("replay: no row")?;

@@ -90,7 +90,9 @@ pub enum JobOutcome {
     /// `lock_timeout`, or that worker's work committed the transaction itself and runs
     /// on (see [`JobError::TransactionEnded`]).
     Running {
-        /// Time left on that worker's lease (transactional mode: 1 s).
+        /// Time left on that worker's lease, or less where the store may find that
+        /// worker gone sooner ([`Store::running_recheck`]: 1 s on a `PostgresStore`
+        /// with liveness); transactional mode: 1 s.
         retry_after: Duration,
     },
 }
@@ -360,6 +362,14 @@ impl JobRunner {
             })?;
             let lease = match found(claim, &request)? {
                 Ok(lease) => lease,
+                // A store that finds a dead worker's key gone before its lease lapses
+                // has it for a redelivery that soon.
+                Err(JobOutcome::Running { retry_after }) => {
+                    let recheck = self.store.running_recheck().unwrap_or(retry_after);
+                    return Ok(JobOutcome::Running {
+                        retry_after: retry_after.min(recheck),
+                    });
+                }
                 Err(outcome) => return Ok(outcome),
             };
             let ctx = JobContext {

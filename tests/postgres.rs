@@ -598,7 +598,13 @@ async fn a_duplicate_waits_on_another_replica(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     let schema = TestSchema::new();
-    let (a, b) = (schema.store().await, schema.store().await);
+    // Without liveness: with it, a waiter also looks again every second, in case the
+    // holder's process is gone (tests/liveness.rs); this counts the statements of a
+    // waiter that only a notification wakes.
+    let (a, b) = (
+        schema.store().await.with_liveness(false),
+        schema.store().await.with_liveness(false),
+    );
     b.listen().await.expect("LISTEN connection");
     // Long enough for the duplicate to claim and register before the first completes,
     // on a loaded machine too; the 30 s lease keeps the fallback timer out of it.

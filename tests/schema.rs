@@ -162,6 +162,10 @@ async fn the_rights_the_docs_list_are_enough_to_migrate_and_to_serve() {
         .await
         .expect("migrate as the app's role, with nothing to apply");
     store.listen().await.expect("LISTEN as the app's role");
+    store
+        .start_liveness()
+        .await
+        .expect("liveness as the app's role: its lock held, its holder registered");
 
     // Lease mode: a new key, a replay, a 422, a duplicate waiting for a running one
     // (woken by its NOTIFY), a lease renewed, a failure's key released.
@@ -195,6 +199,8 @@ async fn the_rights_the_docs_list_are_enough_to_migrate_and_to_serve() {
         query_bool(&db.url(), marked).await,
         "the duplicate never waited"
     );
+    // The held request's holder renews its sign of life while it runs.
+    common::eventually(|| store.metrics().liveness_heartbeats >= 1).await;
     counter.let_go(1);
     assert_eq!(held.await.expect("join").status, 201);
     let waited = waiter.await.expect("join");
@@ -438,7 +444,8 @@ async fn a_table_missing_a_column_fails_verify_naming_it() {
 }
 
 /// What else `verify` names: another type, an index missing, the claim's function
-/// missing, a migration not recorded, a schema that does not exist.
+/// missing, the holders' table logged (liveness), a migration not recorded, a schema
+/// that does not exist.
 #[tokio::test]
 async fn verify_names_each_difference() {
     let schema = TestSchema::new();
@@ -464,7 +471,8 @@ async fn verify_names_each_difference() {
         &format!(
             "ALTER TABLE \"{s}\".idempotency_keys ALTER COLUMN status TYPE integer;
              DROP INDEX \"{s}\".idempotency_keys_expires_at;
-             DROP FUNCTION \"{s}\".idempotency_keys_claim;
+             DROP FUNCTION \"{s}\".idempotency_keys_claim(text, text, bytea, bigint, bigint, bigint);
+             ALTER TABLE \"{s}\".idempotency_keys_holders SET LOGGED;
              DELETE FROM \"{s}\".idempotency_keys_migrations WHERE version = 3",
         ),
     )
@@ -475,6 +483,9 @@ async fn verify_names_each_difference() {
         "an index USING btree (expires_at) is missing".to_owned(),
         format!(
             "function \"{s}\".idempotency_keys_claim(p_scope text, p_key text, p_fingerprint bytea, p_lease_ms bigint, p_ttl_ms bigint, p_token bigint) is missing"
+        ),
+        format!(
+            "\"{s}\".\"idempotency_keys_holders\" is a plain table, where this store needs an unlogged one;"
         ),
         "does not record migration 3".to_owned(),
         "run migrate()".to_owned(),

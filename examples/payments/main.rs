@@ -186,10 +186,16 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             let listen_url = args.listen_url.as_deref();
             let (backend, store) =
                 Backend::postgres(url, &args.schema, args.transaction_pooler, listen_url).await?;
-            if args.wait_ms > 0 && (!args.transaction_pooler || listen_url.is_some()) {
+            let direct = !args.transaction_pooler || listen_url.is_some();
+            if args.wait_ms > 0 && direct {
                 // Waiting duplicates are woken by notifications from the first request,
                 // whichever process runs it.
                 store.listen().await?;
+            }
+            if !args.transactional && direct {
+                // From the first payment on, a payment running here when this process
+                // dies is taken over by a retry within a second, not after its lease.
+                store.start_liveness().await?;
             }
             let name = format!(
                 "postgres (schema {}, table {}; keys past their TTL purged every {} s{})",

@@ -154,14 +154,20 @@ async fn claim<B>(
                 // Not registered (the store failed or was slow): the completion may
                 // notify nobody, so look again soon on our own.
                 let unregistered = !matches!(registered, Ok(Ok(true)));
-                // Until the key changes, or its lease lapses: a holder that crashed
-                // sends no notification, and its key is ours to take over then.
+                // Until the key changes, or its lease lapses (or the store may have
+                // found its holder gone): a holder that crashed sends no notification,
+                // and its key is ours to take over then.
                 // A `close()` ends the wait too: the next turn answers 503.
                 if let (Some(until), Some(changed)) = (wait_until, changed) {
                     let now = tokio::time::Instant::now();
                     let mut wake = until.min(now + retry_after + LAPSE_MARGIN);
                     if unregistered {
                         wake = wake.min(now + UNREGISTERED_RECHECK);
+                    }
+                    // A store that takes over a dead holder's key before its lease
+                    // lapses is asked again that often: nothing notifies of a death.
+                    if let Some(recheck) = config.store.running_recheck() {
+                        wake = wake.min(now + recheck);
                     }
                     let woken = async {
                         tokio::select! {

@@ -516,6 +516,18 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(std::future::pending())
     }
 
+    /// How often a request waiting for a running key claims again even though nothing
+    /// told it the key changed, in case its holder's process is gone: no notification
+    /// comes from a process killed mid-handler, and a store that takes such a key over
+    /// before its lease lapses ([`PostgresStore`] with liveness: within a second) gives
+    /// the waiter the key only if it asks.
+    ///
+    /// The default, `None`: the waiter looks again when the holder's lease lapses, or at
+    /// its bound (a store whose holders die with it, as [`MemoryStore`]'s).
+    fn running_recheck(&self) -> Option<Duration> {
+        None
+    }
+
     /// How long a claim its caller gave up on (at the store timeout) is still waited
     /// for, so that if it lands its key is released at once. Past this its future is
     /// dropped.

@@ -270,6 +270,10 @@ impl Store for AlteredCompletions {
         self.inner.abandoned_claim_wait(lease)
     }
 
+    fn running_recheck(&self) -> Option<Duration> {
+        self.inner.running_recheck()
+    }
+
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,

@@ -330,6 +330,13 @@ impl TestSchema {
 
     /// A migrated store on a pool of `size` connections to `url`.
     ///
+    /// On a URL through a test proxy (`PgProxy::url`), the store has no liveness
+    /// (`with_liveness(false)`): its liveness connection, which takes its lock at the
+    /// first claim, and its heartbeat while claims run, would pass the proxy at moments
+    /// of their own, among the statements a test counts, cuts or holds there. Its
+    /// claims are judged by their lease alone, as the fault they test is;
+    /// `tests/liveness.rs` runs liveness through proxies on purpose.
+    ///
     /// With `TI_POOLER_URL` set (a transaction-pooling PgBouncer in front of the
     /// database, as `.ci/run` starts one), a store on the database's own URL goes through
     /// the pooler instead (`with_transaction_pooling`), and listens on the database
@@ -365,6 +372,9 @@ impl TestSchema {
             .with_notifications(url.parse().expect("url"));
         if let Some(period) = generations() {
             store = store.with_generations(period);
+        }
+        if proxy::is_proxied(url) {
+            store = store.with_liveness(false);
         }
         store.migrate().await.expect("migrate");
         // With `TI_BATCHED_CLAIMS=connections,max` the suite runs again with lease

@@ -20,6 +20,18 @@ use tokio::{
 
 use super::database_url;
 
+/// The addresses of the proxies started in this process (see [`is_proxied`]).
+static PROXIES: Mutex<Vec<SocketAddr>> = Mutex::new(Vec::new());
+
+/// Whether `url` names a host that is one of this process's proxies.
+pub fn is_proxied(url: &str) -> bool {
+    PROXIES
+        .lock()
+        .expect("proxies")
+        .iter()
+        .any(|addr| url.contains(&addr.to_string()))
+}
+
 struct Shared {
     executes: AtomicU64,
     commits: AtomicU64,
@@ -86,6 +98,7 @@ impl PgProxy {
         let (upstream, _) = upstream();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
+        PROXIES.lock().expect("proxies").push(addr);
         let shared = Arc::new(Shared {
             executes: AtomicU64::new(0),
             commits: AtomicU64::new(0),

@@ -20,7 +20,11 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// An in-memory [`Store`] for one process: examples, demos and tests of layer logic.
 ///
 /// Claims are atomic within the process. Nothing survives a restart and nothing is
-/// shared between replicas: use [`PostgresStore`](super::PostgresStore) for that.
+/// shared between replicas: use [`PostgresStore`](super::PostgresStore) for that. So a
+/// holder never outlives its claims' store: a process that dies takes its running keys
+/// with it, and nothing waits for a lease (what
+/// [`PostgresStore::with_liveness`](super::PostgresStore::with_liveness) does across
+/// processes needs nothing here).
 ///
 /// **What it keeps, and for how long.** A record per key: its scope, the key, the
 /// request's fingerprint and, once the handler's response is stored, its status, stored

@@ -362,7 +362,16 @@ async fn send_batch(
     let leases: Vec<i64> = claims.iter().map(|c| ms(c.lease)).collect();
     let ttls: Vec<i64> = claims.iter().map(|c| ms(c.ttl)).collect();
     let tokens: Vec<i64> = claims.iter().map(|c| c.token.get()).collect();
-    let params: [&(dyn ToSql + Sync); 6] = [&scopes, &keys, &fingerprints, &leases, &ttls, &tokens];
+    let holder = store.holder();
+    let params: [&(dyn ToSql + Sync); 7] = [
+        &scopes,
+        &keys,
+        &fingerprints,
+        &leases,
+        &ttls,
+        &tokens,
+        &holder,
+    ];
     // A batch of one (a claim that found every pooled connection checked out, or the
     // only one left of its batch) is sent as the claim of one key: the same row, and
     // a statement PostgreSQL plans once per connection, where the batch's, with its
@@ -374,7 +383,15 @@ async fn send_batch(
         &one.fingerprint.as_bytes()[..],
     );
     let (lease, ttl) = (ms(one.lease), ms(one.ttl));
-    let alone: [&(dyn ToSql + Sync); 6] = [&scope, &key, &fingerprint, &lease, &ttl, &one.token];
+    let alone: [&(dyn ToSql + Sync); 7] = [
+        &scope,
+        &key,
+        &fingerprint,
+        &lease,
+        &ttl,
+        &one.token,
+        &holder,
+    ];
     let sent = {
         let statement = if claims.len() == 1 {
             store.query_on(&client, &store.sql.claim, &alone)
@@ -485,12 +502,15 @@ impl PostgresStore {
                 Found::Claim(Some(claim)) => return Ok(claim),
                 Found::Claim(None) => {}
                 Found::TakeOver(seen) => {
-                    // Rare (a lapsed lease, an expired record): alone, as `claim_once`.
+                    // Rare (a lapsed lease, an expired record, a holder gone): alone, as
+                    // `claim_once`.
                     // A takeover in doubt took a token unknown here; it lapses with
                     // its lease, as one sent alone does.
                     let client = self.client().await?;
-                    let taken =
-                        again_if_it_lost_a_race(|| self.take_over(&client, req, seen)).await;
+                    let taken = again_if_it_lost_a_race(|| {
+                        self.take_over(&client, req, seen, self.holder())
+                    })
+                    .await;
                     client.done();
                     if let Some(claim) = taken? {
                         return Ok(claim);

@@ -3,7 +3,7 @@
 //! the response only under the token that holds the key.
 
 use std::{
-    sync::Arc,
+    sync::{Arc, atomic::Ordering},
     time::{Duration, SystemTime},
 };
 
@@ -121,45 +121,38 @@ impl PostgresStore {
         claimed
     }
 
-    /// Claims on `client`, which may be inside a transaction (a conflicting row that
-    /// another transaction has not committed yet is then waited for). A fresh row gets
-    /// `token`; the caller keeps it to release a claim in doubt.
+    /// Claims on `client` in lease mode, the claim naming this store as its holder if
+    /// it has liveness (`with_liveness`). A fresh row gets `token`; the caller keeps it
+    /// to release a claim in doubt.
     pub(crate) async fn claim_on(
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
-        self.claim_at(client, req, token)
+        self.claim_within(Within::Alone, client, req, token, self.holder())
             .await
             .map(|(claim, _)| claim)
     }
 
-    /// [`claim_on`](Self::claim_on), with the database's `now()` as the claim read it:
-    /// inside a transaction, the time it started, which a claim row inserted or taken
-    /// over in it carries as `created_at`.
-    pub(crate) async fn claim_at(
-        &self,
-        client: &ClientWrapper,
-        req: &ClaimRequest<'_>,
-        token: FencingToken,
-    ) -> Result<(Claim, SystemTime), StoreError> {
-        self.claim_within(Within::Alone, client, req, token).await
-    }
-
-    /// [`claim_at`](Self::claim_at), `within` its own statement or the transaction a
-    /// `BEGIN` sent with it opened (see [`Within`]).
+    /// Claims on `client`, `within` its own statement or the transaction a `BEGIN` sent
+    /// with it opened (see [`Within`]; a conflicting row that another transaction has
+    /// not committed yet is then waited for), for `holder` (`None`: judged by its lease
+    /// alone, as transactional mode's claims are). Returns the database's `now()` as
+    /// the claim read it: inside a transaction, the time it started, which a claim row
+    /// inserted or taken over in it carries as `created_at`.
     pub(super) async fn claim_within(
         &self,
         within: Within,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: FencingToken,
+        holder: Option<i64>,
     ) -> Result<(Claim, SystemTime), StoreError> {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
-            if let (Some(claim), now) = self.claim_once(within, client, req, token).await? {
+            if let (Some(claim), now) = self.claim_once(within, client, req, token, holder).await? {
                 return Ok((claim, now));
             }
         }
@@ -253,6 +246,7 @@ impl PostgresStore {
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: FencingToken,
+        holder: Option<i64>,
     ) -> Result<(Option<Claim>, SystemTime), StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
@@ -272,6 +266,7 @@ impl PostgresStore {
                     &lease_ms,
                     &ttl_ms,
                     &token,
+                    &holder,
                 ],
             )
             .await?;
@@ -287,17 +282,21 @@ impl PostgresStore {
         };
         match found(row, req)? {
             (Found::Claim(claim), now) => Ok((claim, now)),
-            (Found::TakeOver(seen), now) => Ok((self.take_over(client, req, seen).await?, now)),
+            (Found::TakeOver(seen), now) => {
+                Ok((self.take_over(client, req, seen, holder).await?, now))
+            }
         }
     }
 
-    /// Takes over the lapsed lease (or the expired record) of `req`'s key, whose token
-    /// the claim read as `seen`; `None` when another request changed it first.
+    /// Takes over the lapsed lease (or the expired record, or the claim whose holder
+    /// is gone) of `req`'s key, whose token the claim read, for `holder`; `None` when
+    /// another request changed it first, or its holder is not gone after all.
     pub(super) async fn take_over(
         &self,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
-        seen: i64,
+        seen: Seen,
+        holder: Option<i64>,
     ) -> Result<Option<Claim>, StoreError> {
         let fp: &[u8] = req.fingerprint.as_bytes();
         let rows = self
@@ -307,21 +306,41 @@ impl PostgresStore {
                 &[
                     &req.scope.as_str(),
                     &req.key,
-                    &seen,
+                    &seen.token,
                     &fp,
                     &ms(req.lease),
                     &ms(req.ttl),
+                    &holder,
                 ],
             )
             .await?;
-        Ok(rows.first().map(|r| {
-            Claim::Acquired(Lease {
-                scope: req.scope.clone(),
-                key: Arc::from(req.key),
-                token: FencingToken::new(r.get("token")),
-            })
-        }))
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let token = FencingToken::new(row.get("token"));
+        if seen.holder_gone {
+            if let Some(liveness) = &self.liveness {
+                liveness.takeovers.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::info!(
+                %token,
+                "took over a running key whose holder's process is gone (its lease had not lapsed)"
+            );
+        }
+        Ok(Some(Claim::Acquired(Lease {
+            scope: req.scope.clone(),
+            key: Arc::from(req.key),
+            token,
+        })))
     }
+}
+
+/// What a takeover is asked to take over: the token the claim read, and whether it
+/// found the holder gone (rather than the lease lapsed or the record expired).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Seen {
+    pub(super) token: i64,
+    pub(super) holder_gone: bool,
 }
 
 /// What a claim statement's row says of the key.
@@ -329,8 +348,9 @@ pub(super) enum Found {
     /// The claim's answer; `None`: look again (a concurrent request inserted the key
     /// after the statement's snapshot, or released it in between).
     Claim(Option<Claim>),
-    /// A lapsed lease, or an expired record, to take over: the token read.
-    TakeOver(i64),
+    /// A lapsed lease, an expired record, or a claim whose holder is gone, to take
+    /// over.
+    TakeOver(Seen),
 }
 
 /// Reads a claim statement's `row` (the columns of `col`) for `req`, with the
@@ -360,11 +380,16 @@ pub(super) fn found(
     let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
     let expires_at: SystemTime = row.get(col::EXPIRES_AT);
     let state: &str = row.get(col::STATE);
+    // Asked of a running row with a holder, a live lease and this fingerprint only.
+    let gone: Option<bool> = row.get(col::GONE);
     let lapsed = locked_until.is_some_and(|until| until <= now);
     let expired = expires_at <= now && (state == "completed" || lapsed);
-    let take_over = expired || (state == "running" && lapsed && fingerprint == req.fingerprint);
+    let holder_gone = gone == Some(true) && !expired;
+    let take_over = expired
+        || (state == "running" && (lapsed || holder_gone) && fingerprint == req.fingerprint);
     if take_over {
-        return Ok((Found::TakeOver(token), now));
+        let seen = Seen { token, holder_gone };
+        return Ok((Found::TakeOver(seen), now));
     }
     let found = match state {
         "running" => Claim::Running {

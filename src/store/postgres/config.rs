@@ -13,6 +13,7 @@ use super::{
     PostgresStore,
     batch::Batcher,
     listener::Listener,
+    liveness::Liveness,
     purge::{self, BackgroundPurge},
     reserve::{self, SessionSetup, Setup},
     shared::{Opened, Shared},
@@ -36,7 +37,10 @@ pub(super) struct Options {
     generations: Option<Duration>,
     /// Batched claims: connections (0: off) and claims per statement.
     batching: (usize, usize),
-    /// What the app runs on each reserve connection (`with_session_setup`).
+    /// Liveness, if there is a notification connection to hold its lock on.
+    liveness: bool,
+    /// What the app runs on each connection the store makes outside its pool to write
+    /// the table (`with_session_setup`): the reserve's, and liveness's.
     session_setup: Option<SessionSetup>,
 }
 
@@ -112,6 +116,7 @@ impl PostgresStore {
                 transaction_pooling: false,
                 generations: None,
                 batching: (0, 0),
+                liveness: true,
                 session_setup: None,
             },
         )
@@ -182,6 +187,7 @@ impl PostgresStore {
                 .batcher
                 .as_ref()
                 .map_or((0, 0), |b| (b.connections(), b.max_claims())),
+            liveness: self.liveness_on,
             session_setup: self.reserve.session_setup(),
         }
     }
@@ -199,6 +205,7 @@ impl PostgresStore {
             transaction_pooling,
             generations,
             batching,
+            liveness,
             session_setup,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
@@ -241,9 +248,20 @@ impl PostgresStore {
                 .zip(sql.generations.clone())
                 .map(|(period, names)| super::generations::Rotator::new(period, names)),
         ));
+        let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
+            Arc::new(Liveness::new(
+                config,
+                connector.clone(),
+                pool.clone(),
+                session_setup.clone(),
+                &sql,
+            ))
+        });
         Self {
             location,
             purge,
+            liveness: liveness_of,
+            liveness_on: liveness,
             transaction_pooling,
             tx_claims,
             listener: Arc::new(Listener::new(
@@ -312,6 +330,9 @@ impl PostgresStore {
     /// meanwhile. Through transaction pooling the check
     /// may still pass, when the pooler hands back the server connection that listens,
     /// so it does not make such a connection safe to use.
+    ///
+    /// The store's liveness connection ([`with_liveness`](Self::with_liveness)) is made
+    /// with the same configuration, and needs a session of its own just as much.
     pub fn with_notifications(self, config: tokio_postgres::Config) -> Self {
         let options = Options {
             listen_config: Some(config),
@@ -371,7 +392,9 @@ impl PostgresStore {
     /// without its hooks, which deadpool runs only on connections it makes for the pool.
     /// A login role with no rights of its own, whose pool's hook takes on a role that
     /// has them, would then renew as the login role, fail, and lose the lease under a
-    /// live handler: a retry would run it again. Pass the same function to both.
+    /// live handler: a retry would run it again. Pass the same function to both. The
+    /// connections of [`with_liveness`](Self::with_liveness) (the one that holds the
+    /// store's lock, and the heartbeat's), which write `<table>_holders`, run it too.
     ///
     /// Each reserve connection is checked before it serves, set up or not: its role
     /// (`current_user`) must be allowed to read and write the table. One that is not is
@@ -641,6 +664,54 @@ impl PostgresStore {
     pub fn with_generations(self, period: Duration) -> Self {
         let options = Options {
             generations: Some(period.min(crate::settings::TEN_YEARS)),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// Whether a running claim whose holder's process is gone is taken over as soon as
+    /// PostgreSQL sees it gone, instead of when its lease lapses (default `true`, for a
+    /// store with a notification connection: [`connect`](Self::connect) or
+    /// [`with_notifications`](Self::with_notifications); without one, claims are judged
+    /// by their lease alone, as with `false`).
+    ///
+    /// The store holds a session-level advisory lock of its own on a connection made
+    /// with the notification connection's configuration (a direct one: never a
+    /// transaction-pooling PgBouncer), and its lease-mode claims name it as their
+    /// holder. A duplicate that finds a running claim takes it over, with the next
+    /// fencing token as after a lapsed lease, once the holder's lock is free and the
+    /// holder has shown no sign of life for a second: a process killed (`kill -9`, the
+    /// OOM killer) frees its keys about a second after its connections close, not a
+    /// lease later. A live holder is never taken over so, through a database restart,
+    /// a failover, a stalled runtime or a lost liveness connection: docs/postgres.md,
+    /// "Liveness", says why, and what it cannot see (a network partition, where the
+    /// lease stays the bound, as without it). Transactional mode does not need it: a
+    /// dead holder's transaction rolls back, and its key is free at once.
+    ///
+    /// It costs two more connections per store: one held, idle, with the lock, and one
+    /// made by the pool's manager for the heartbeat once the store runs claims past
+    /// 250 ms; a few reads on the path of a claim that finds its key running; and,
+    /// while the store runs claims, a statement every 250 ms that renews its sign of
+    /// life in an unlogged table (no WAL). A duplicate waiting for a running key
+    /// ([`wait_for_running`](crate::IdempotencyLayer::wait_for_running)) looks again
+    /// every second. [`migrate`](Self::migrate) creates what it needs (migration 0004).
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?;
+    /// store.migrate().await?;
+    /// // Its lock held from the start, rather than from the first claim.
+    /// store.start_liveness().await?;
+    /// // Or, every key judged by its lease alone:
+    /// let by_lease_alone = store.clone().with_liveness(false);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_liveness(self, on: bool) -> Self {
+        let options = Options {
+            liveness: on,
             ..self.options()
         };
         Self::build(self.pool, options)

@@ -22,16 +22,23 @@ use tokio_postgres::types::Type;
 use super::{Checkout, errors::describe, tls::Connector};
 use crate::store::{StoreError, StoreErrorKind};
 
-/// The version `<table>_migrations` records once the generations' functions are
-/// applied (after the numbered migrations, whose versions stay below it).
-pub(super) const VERSION: i32 = 1001;
-
 /// The partitioned table, made instead of 0001's when it does not exist yet.
 const CREATE: &str = include_str!("../../../migrations/generations/create.sql");
 
-/// The functions of a table in generations, applied as [`VERSION`] after the numbered
-/// migrations (`migrate::scripts`).
-pub(super) const FUNCTIONS: &str = include_str!("../../../migrations/generations/generations.sql");
+/// The functions of a table in generations, in order, each with the version
+/// `<table>_migrations` records once it is applied, after the numbered migrations,
+/// whose versions stay below them (`migrate::scripts`): the functions themselves, then
+/// the claim's insert that names its holder (migration 0004's, for generations).
+pub(super) const VERSIONS: &[(i32, &str)] = &[
+    (
+        1001,
+        include_str!("../../../migrations/generations/generations.sql"),
+    ),
+    (
+        1002,
+        include_str!("../../../migrations/generations/holder.sql"),
+    ),
+];
 
 /// How long emptying a generation waits for the lock of its partition (claims and
 /// completions queue behind that wait); past it, the next round tries again.

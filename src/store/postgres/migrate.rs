@@ -17,6 +17,7 @@ pub(super) const MIGRATIONS: &[(i32, &str)] = &[
     ),
     (2, include_str!("../../../migrations/0002_waiters.sql")),
     (3, include_str!("../../../migrations/0003_claim_insert.sql")),
+    (4, include_str!("../../../migrations/0004_holders.sql")),
 ];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
@@ -67,14 +68,18 @@ enum Step {
 
 /// The migrations of `sql`'s table, with its names in place, in the order `migrate`
 /// applies them: those of `migrations/`, then, for a table in generations, its
-/// functions (`migrations/generations/generations.sql`).
+/// functions (`migrations/generations/`, `generations::VERSIONS`).
 pub(super) fn scripts(sql: &Sql) -> Vec<(i32, String)> {
     let mut scripts: Vec<(i32, String)> = MIGRATIONS
         .iter()
         .map(|(version, text)| (*version, render(sql, text)))
         .collect();
     if sql.generations.is_some() {
-        scripts.push((generations::VERSION, render(sql, generations::FUNCTIONS)));
+        scripts.extend(
+            generations::VERSIONS
+                .iter()
+                .map(|(version, text)| (*version, render(sql, text))),
+        );
     }
     scripts
 }
@@ -84,7 +89,9 @@ pub(super) fn render(sql: &Sql, text: &str) -> String {
     let text = without_notes(text)
         .replace("{{table}}", &sql.qualified)
         .replace("{{expires_index}}", &sql.expires_index)
-        .replace("{{claim_function}}", &sql.claim_function);
+        .replace("{{claim_function}}", &sql.claim_function)
+        .replace("{{holders}}", &sql.holders)
+        .replace("{{holder_gone_function}}", &sql.holder_gone_function);
     match &sql.generations {
         Some(names) => names.render(&text),
         None => text,

@@ -11,6 +11,7 @@ mod hosts;
 mod in_doubt;
 mod lead;
 mod listener;
+mod liveness;
 mod look_up;
 mod migrate;
 mod purge;
@@ -43,6 +44,7 @@ use errors::again_if_it_lost_a_race;
 pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
+use liveness::Liveness;
 pub use migrate::Migration;
 use purge::BackgroundPurge;
 use shared::Shared;
@@ -84,7 +86,7 @@ pub(crate) mod transaction {
 /// | claim of a new key | 1 (a primary-key read that, finding no row, inserts one with `INSERT … ON CONFLICT DO NOTHING`) |
 /// | replay, 409, 422 | 1 (the same statement) |
 /// | completion | 1 (`UPDATE … WHERE token = $lease`) |
-/// | takeover of a lapsed lease | 2 (the claim, then a token-checked `UPDATE`) |
+/// | takeover of a lapsed lease, or of a claim whose holder is gone ([`with_liveness`](Self::with_liveness)) | 2 (the claim, then a token-checked `UPDATE`) |
 ///
 /// The statements of a running claim (its lease renewals, its completion, its release)
 /// never queue for a connection behind the handlers' checkouts, which would let its
@@ -140,6 +142,12 @@ pub struct PostgresStore {
     /// Connections outside the pool for the statements of running claims when the
     /// pool has no idle one (`reserve`).
     reserve: Arc<Shared>,
+    /// This store as the holder of its lease-mode claims, if it has liveness
+    /// (`with_liveness`, on by default with a notification connection).
+    liveness: Option<Arc<Liveness>>,
+    /// Whether liveness is on (`with_liveness`), kept for a notification connection
+    /// given later.
+    liveness_on: bool,
 }
 
 /// What a [`PostgresStore`] (and its clones) has done so far; see
@@ -172,6 +180,12 @@ pub struct StoreMetrics {
     pub claim_batches: u64,
     /// Claims sent in them (a claim read again after a concurrent insert counts again).
     pub batched_claims: u64,
+    /// Running claims taken over because their holder's process was gone, before their
+    /// lease lapsed ([`with_liveness`](PostgresStore::with_liveness)).
+    pub gone_holder_takeovers: u64,
+    /// Renewals of this store's sign of life, sent while it runs claims
+    /// ([`with_liveness`](PostgresStore::with_liveness)); not among `statements`.
+    pub liveness_heartbeats: u64,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -195,6 +209,14 @@ impl PostgresStore {
             shared_claims_moved: self.shared.as_ref().map_or(0, |s| s.moved()),
             claim_batches: self.batcher.as_ref().map_or(0, |b| b.batches()),
             batched_claims: self.batcher.as_ref().map_or(0, |b| b.batched()),
+            gone_holder_takeovers: self
+                .liveness
+                .as_ref()
+                .map_or(0, |l| l.takeovers.load(Ordering::Relaxed)),
+            liveness_heartbeats: self
+                .liveness
+                .as_ref()
+                .map_or(0, |l| l.heartbeats.load(Ordering::Relaxed)),
         }
     }
 
@@ -238,6 +260,77 @@ impl PostgresStore {
     /// Whether the `LISTEN` connection is up and hears its own notifications.
     pub fn is_listening(&self) -> bool {
         self.listener.is_connected()
+    }
+
+    /// Starts the liveness connection and waits (up to 5 s) until it holds the store's
+    /// lock and has registered it ([`with_liveness`](Self::with_liveness)), so that
+    /// the keys of this process are taken over within a second of its death from its
+    /// first claim on. Call it at start-up; without it, the connection starts with the
+    /// first claim, and a claim made before it holds its lock is judged by its lease
+    /// alone.
+    ///
+    /// # Errors
+    ///
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) when the store has
+    /// no liveness (no notification connection, or turned off);
+    /// when it did not hold its lock within 5 s (it keeps trying in the background), the
+    /// error its connection last failed with, with the database's message: of kind
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) for a table not
+    /// migrated or a right missing (the role needs `SELECT`, `INSERT`, `UPDATE` and
+    /// `DELETE` on `<table>_holders`), [`Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// for a database that cannot be reached.
+    pub async fn start_liveness(&self) -> Result<(), StoreError> {
+        let Some(liveness) = &self.liveness else {
+            return Err(StoreError::new(
+                StoreErrorKind::Misconfigured,
+                "no liveness: build the store with connect() or with_notifications(), and leave with_liveness on",
+            ));
+        };
+        match liveness.held_within(Duration::from_secs(5)).await {
+            Ok(()) => Ok(()),
+            // Why it last failed, as the database said it, and what to do where the
+            // cause is likely (the table not migrated, a right missing).
+            Err(Some(e)) => {
+                let said = StoreError::new(
+                    e.kind(),
+                    format!(
+                        "the liveness connection did not hold its lock within 5 s: {}",
+                        e.source
+                    ),
+                );
+                Err(match e.hint() {
+                    Some(hint) => said.with_hint(hint.to_owned()),
+                    None => said,
+                })
+            }
+            Err(None) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the liveness connection did not hold its lock within 5 s (has migrate() run?)",
+            )),
+        }
+    }
+
+    /// Whether the liveness connection holds the store's lock and has registered it:
+    /// while it does, the keys this process runs are taken over within a second of its
+    /// death ([`with_liveness`](Self::with_liveness)).
+    pub fn is_live(&self) -> bool {
+        self.liveness.as_ref().is_some_and(|l| l.is_held())
+    }
+
+    /// The holder id this store's lease-mode claims carry (the `holder` column), if it
+    /// has liveness. Not part of the stable API.
+    #[doc(hidden)]
+    pub fn holder_id(&self) -> Option<i64> {
+        self.liveness.as_ref().map(|l| l.holder())
+    }
+
+    /// The holder id this store's lease-mode claims carry, starting its liveness
+    /// connection if it has not started.
+    fn holder(&self) -> Option<i64> {
+        self.liveness.as_ref().map(|l| {
+            l.start();
+            l.holder()
+        })
     }
 
     /// The id a key's notifications carry: unique per table, scope and key, and free of
@@ -292,6 +385,14 @@ impl PostgresStore {
         self.execute_pooled(&self.sql.purge, &[&batch]).await
     }
 
+    /// A claim of this store's was completed or released, or found lost: one fewer
+    /// for its liveness heartbeat to keep alive.
+    fn ended(&self, answer: &Result<Fenced, StoreError>) {
+        if let (Ok(_), Some(liveness)) = (answer, &self.liveness) {
+            liveness.ended();
+        }
+    }
+
     /// A permit to hold a connection for a transactional claim (see `tx_claims`).
     pub(crate) async fn tx_claim_permit(&self) -> tokio::sync::OwnedSemaphorePermit {
         match self.tx_claims.clone().acquire_owned().await {
@@ -309,7 +410,11 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             // One token for every attempt: only one of them can insert the row.
-            self.claim_with(request, FencingToken::fresh()).await
+            let claimed = self.claim_with(request, FencingToken::fresh()).await;
+            if let (Ok(Claim::Acquired(_)), Some(liveness)) = (&claimed, &self.liveness) {
+                liveness.acquired(request.lease);
+            }
+            claimed
         })
     }
 
@@ -327,7 +432,9 @@ impl Store for PostgresStore {
                 }
                 None => self.complete_alone(lease, response, ttl).await,
             };
-            self.kept_already(lease, response, fenced).await
+            let fenced = self.kept_already(lease, response, fenced).await;
+            self.ended(&fenced);
+            fenced
         })
     }
 
@@ -347,7 +454,9 @@ impl Store for PostgresStore {
                 again_if_it_lost_a_race(|| self.query_on(&client, &self.sql.release, &params));
             let released = client.answer(releasing).await;
             client.done(&released);
-            released.map(|rows| Fenced::kept_if(rows.len() == 1))
+            let released = released.map(|rows| Fenced::kept_if(rows.len() == 1));
+            self.ended(&released);
+            released
         })
     }
 
@@ -368,7 +477,11 @@ impl Store for PostgresStore {
                 again_if_it_lost_a_race(|| self.execute_on(&client, &self.sql.renew, &params));
             let renewed = client.answer(renewing).await;
             client.done(&renewed);
-            renewed.map(|n| Fenced::kept_if(n == 1))
+            let renewed = renewed.map(|n| Fenced::kept_if(n == 1));
+            if let (Ok(Fenced::Kept), Some(liveness)) = (&renewed, &self.liveness) {
+                liveness.renewed(duration);
+            }
+            renewed
         })
     }
 
@@ -413,6 +526,11 @@ impl Store for PostgresStore {
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         self.listener.changed(self.key_id(scope, key))
+    }
+
+    fn running_recheck(&self) -> Option<Duration> {
+        // A holder gone is found so a grace after its last sign of life.
+        self.liveness.as_ref().map(|_| liveness::GRACE)
     }
 
     fn look_up<'a>(

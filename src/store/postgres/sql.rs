@@ -45,7 +45,7 @@ impl Deref for Statement {
 pub(super) mod params {
     use tokio_postgres::types::Type;
 
-    /// scope, key, fingerprint, lease ms, ttl ms, token.
+    /// scope, key, fingerprint, lease ms, ttl ms, token, holder (or NULL).
     pub(in super::super) const CLAIM: &[Type] = &[
         Type::TEXT,
         Type::TEXT,
@@ -53,9 +53,10 @@ pub(super) mod params {
         Type::INT8,
         Type::INT8,
         Type::INT8,
+        Type::INT8,
     ];
     /// A batch of claims, one array element per claim: scopes, keys, fingerprints,
-    /// lease ms, ttl ms, tokens.
+    /// lease ms, ttl ms, tokens; and their holder.
     pub(in super::super) const CLAIM_BATCH: &[Type] = &[
         Type::TEXT_ARRAY,
         Type::TEXT_ARRAY,
@@ -63,13 +64,15 @@ pub(super) mod params {
         Type::INT8_ARRAY,
         Type::INT8_ARRAY,
         Type::INT8_ARRAY,
+        Type::INT8,
     ];
-    /// scope, key, token seen, fingerprint, lease ms, ttl ms.
+    /// scope, key, token seen, fingerprint, lease ms, ttl ms, holder (or NULL).
     pub(in super::super) const TAKEOVER: &[Type] = &[
         Type::TEXT,
         Type::TEXT,
         Type::INT8,
         Type::BYTEA,
+        Type::INT8,
         Type::INT8,
         Type::INT8,
     ];
@@ -151,6 +154,8 @@ pub(super) mod params {
     pub(in super::super) const PURGE: &[Type] = &[Type::INT8];
     /// batch, lock id.
     pub(in super::super) const PURGE_IN_TURN: &[Type] = &[Type::INT8, Type::INT8];
+    /// A holder's id.
+    pub(in super::super) const HOLDER: &[Type] = &[Type::INT8];
 }
 
 /// A fencing token is a `bigint` parameter.
@@ -183,8 +188,11 @@ pub(super) mod col {
     pub(in crate::store::postgres) const BODY: usize = 7;
     pub(in crate::store::postgres) const NOW: usize = 8;
     pub(in crate::store::postgres) const CLAIMED: usize = 9;
+    /// Whether the holder of a running claim is gone (`liveness`): NULL when the row
+    /// is not judged so (no holder, a lapsed lease, another fingerprint, no row).
+    pub(in crate::store::postgres) const GONE: usize = 10;
     /// The batched claim's own: the claim's position in its batch, from 1.
-    pub(in crate::store::postgres) const N: usize = 10;
+    pub(in crate::store::postgres) const N: usize = 11;
 }
 
 pub(super) struct Sql {
@@ -207,6 +215,10 @@ pub(super) struct Sql {
     pub(super) in_doubt_read: Statement,
     pub(super) purge: Statement,
     pub(super) purge_in_turn: Statement,
+    /// Liveness's own (`liveness`): the registration of a holder that holds its lock,
+    /// and the removal of holders long gone, on its liveness connection.
+    pub(super) register_holder: Statement,
+    pub(super) forget_holders: Statement,
     /// Transactional mode's own.
     pub(super) tx: super::tx::Statements,
     /// The role of a reserve connection, and whether it may do to the table what the
@@ -217,6 +229,9 @@ pub(super) struct Sql {
     pub(super) expires_index: String,
     pub(super) migrations_table: String,
     pub(super) claim_function: String,
+    /// `<table>_holders` and `<table>_holder_gone` (migration 0004).
+    pub(super) holders: String,
+    pub(super) holder_gone_function: String,
     /// The names of a table in generations, if it is one (`with_generations`).
     pub(super) generations: Option<super::generations::Names>,
 }
@@ -226,6 +241,20 @@ impl Sql {
         let names = in_generations.then(|| super::generations::Names::new(schema, table));
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_function = format!("\"{schema}\".\"{table}_claim\"");
+        let holders = format!("\"{schema}\".\"{table}_holders\"");
+        let holder_gone_function = format!("\"{schema}\".\"{table}_holder_gone\"");
+        // Whether a running row's holder is gone (migration 0004), for a row `f` that a
+        // claim with fingerprint `fp` found: asked only of a running row with a holder,
+        // a live lease and the claim's fingerprint, a row the claim could take over if
+        // its holder were gone; NULL for any other.
+        let grace = super::claim::ms(super::liveness::GRACE);
+        let gone = |f: &str, fp: &str| {
+            format!(
+                "CASE WHEN {f}.state = 'running' AND {f}.holder IS NOT NULL
+                           AND {f}.locked_until > now() AND {f}.fingerprint = {fp}
+                      THEN {holder_gone_function}({f}.holder, {f}.created_at, {grace}) END AS gone"
+            )
+        };
         let ms = "$ms::bigint * interval '1 millisecond'";
         // The notification is delivered when, and only if, the change commits. The
         // TTL counts from this statement: in transactional mode `now()` would be the
@@ -251,11 +280,17 @@ impl Sql {
         // against the database's `now()`, which is cheaper than numeric arithmetic in
         // SQL.
         // The columns are read by position: keep them in the order of `col`.
+        // A running row whose holder may be gone (its lease still live) is asked about
+        // here too (`gone`), so that a 409 stays one round trip; the takeover asks
+        // again, atomically, with the row's token. The claim's holder is `$7` (NULL in
+        // transactional mode, whose claims are judged by their transaction).
         let claim = format!(
             "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
                     f.status, f.headers, f.body, now() AS now,
-                    CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
-             FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
+                    CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6, $7) END AS claimed,
+                    {gone}
+             FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2",
+            gone = gone("f", "$3"),
         );
         Self {
             tx: super::tx::Statements::new(
@@ -284,29 +319,37 @@ impl Sql {
                     "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
                             f.status, f.headers, f.body, now() AS now,
                             CASE WHEN f.token IS NULL THEN {claim_function}(
-                                r.scope, r.key, r.fingerprint, r.lease_ms, r.ttl_ms, r.token) END AS claimed,
+                                r.scope, r.key, r.fingerprint, r.lease_ms, r.ttl_ms, r.token, $7) END AS claimed,
+                            {gone},
                             r.n
                      FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bigint[], $5::bigint[], $6::bigint[])
                           WITH ORDINALITY AS r(scope, key, fingerprint, lease_ms, ttl_ms, token, n)
                      LEFT JOIN LATERAL (
                          SELECT k.token, k.fingerprint, k.state, k.locked_until, k.expires_at,
-                                k.status, k.headers, k.body
+                                k.status, k.headers, k.body, k.holder, k.created_at
                          FROM {t} AS k WHERE k.scope = r.scope AND k.key = r.key OFFSET 0) AS f ON true
                      WHERE r.n >= 1 AND r.n <= array_length($2::text[], 1)
-                     ORDER BY r.n"
+                     ORDER BY r.n",
+                    gone = gone("f", "r.fingerprint"),
                 ),
                 params::CLAIM_BATCH,
             ),
             // A record taken over after it completed starts with nobody waiting on it
             // (the old value of `state` is read): a lapsed running one keeps its waiters.
+            // A running one is taken over when its lease has lapsed, or, its lease still
+            // live, when its holder is gone (migration 0004: asked last, the condition
+            // costliest to evaluate, and only of the row whose token the claim saw).
+            // The new holder is `$7` (NULL in transactional mode).
             takeover: Statement::new(
                 format!(
                     "UPDATE {t} SET token = token + 1, state = 'running', fingerprint = $4,
                             locked_until = now() + {l}, expires_at = now() + {e}, created_at = now(),
                             completed_at = NULL, status = NULL, headers = NULL, body = NULL,
-                            waiters = (state = 'running' AND waiters)
+                            waiters = (state = 'running' AND waiters), holder = $7
                      WHERE scope = $1 AND key = $2 AND token = $3
-                       AND (state = 'completed' OR locked_until <= now())
+                       AND (state = 'completed' OR locked_until <= now()
+                            OR (state = 'running' AND fingerprint = $4 AND holder IS NOT NULL
+                                AND {holder_gone_function}(holder, created_at, {grace})))
                        AND (expires_at <= now() OR (state = 'running' AND fingerprint = $4))
                      RETURNING token",
                     l = ms.replace("$ms", "$5"),
@@ -441,6 +484,30 @@ impl Sql {
                 ),
                 params::PURGE_IN_TURN,
             ),
+            // On the liveness connection, once it holds the holder's lock (`$1`): this
+            // server's start, so that a restart is told apart.
+            register_holder: Statement::new(
+                format!(
+                    "INSERT INTO {holders} (holder, postmaster_start, seen_at)
+                     VALUES ($1, pg_postmaster_start_time(), now())
+                     ON CONFLICT (holder) DO UPDATE
+                     SET postmaster_start = excluded.postmaster_start, seen_at = excluded.seen_at"
+                ),
+                params::HOLDER,
+            ),
+            // Holders unseen for a day whose lock is free: processes gone (a live one
+            // registers again when it next holds its lock). A few at a time, each lock
+            // tried only for them, and held until the statement commits.
+            forget_holders: Statement::new(
+                format!(
+                    "WITH old AS MATERIALIZED (
+                        SELECT holder FROM {holders}
+                        WHERE holder <> $1 AND seen_at < now() - interval '1 day' LIMIT 64)
+                     DELETE FROM {holders} AS h USING old
+                     WHERE h.holder = old.holder AND pg_try_advisory_xact_lock(h.holder)"
+                ),
+                params::HOLDER,
+            ),
             // Names are checked identifiers (`validate_identifier`), safe inside a
             // literal; the schema's is taken as it is, the table's parsed (quoted).
             reserve_check: format!(
@@ -453,6 +520,8 @@ impl Sql {
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,
+            holders,
+            holder_gone_function,
             generations: names,
             expires_index: format!("\"{table}_expires_at\""),
             qualified: t,
@@ -500,6 +569,7 @@ mod tests {
             (col::BODY, "body"),
             (col::NOW, "now"),
             (col::CLAIMED, "claimed"),
+            (col::GONE, "gone"),
         ];
         assert_eq!(names.len(), expected.len(), "{names:?}");
         for (index, name) in expected {

@@ -328,7 +328,9 @@ impl PostgresStore {
         let reset = then_lock_timeout.map(set_lock_timeout);
         let (begun, claim, reset) = tokio::join!(
             client.simple_query(&begin),
-            self.claim_within(Within::ItsTransaction, client, request, token),
+            // Judged by the transaction, not by a holder's liveness: its rollback frees
+            // the key of a process that dies.
+            self.claim_within(Within::ItsTransaction, client, request, token, None),
             async {
                 match &reset {
                     Some(reset) => client.batch_execute(reset).await,

@@ -19,14 +19,15 @@ use crate::store::{StoreError, StoreErrorKind};
 
 /// What the catalog says of the objects of one table, in schema `$1`, named `$2` or
 /// beginning with `$2_`, as rows of (kind, object, detail, rights held): its tables
-/// (not partitions, which come and go), their columns (type, `NOT NULL`, default),
+/// (not partitions, which come and go; plain, unlogged or partitioned), their columns
+/// (type, `NOT NULL`, default),
 /// constraints and indexes (their definitions, free of the schema's name), its
 /// functions (arguments and result), and the schema. Rights are the role's own, on the
 /// tables, the functions and the schema.
 const SHAPE: &str = "
 WITH ns AS (SELECT oid FROM pg_namespace WHERE nspname = $1),
 rel AS (
-    SELECT c.oid, c.relname::text AS relname, c.relkind
+    SELECT c.oid, c.relname::text AS relname, c.relkind, c.relpersistence
     FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
     WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
       AND (c.relname::text = $2 OR starts_with(c.relname::text, $2 || '_'))),
@@ -38,7 +39,9 @@ SELECT 'schema', $1::text, NULL::text,
        CASE WHEN has_schema_privilege(ns.oid, 'USAGE') THEN 'USAGE' ELSE '' END
 FROM ns
 UNION ALL
-SELECT 'table', relname, CASE relkind WHEN 'p' THEN 'partitioned' ELSE 'plain' END,
+SELECT 'table', relname,
+       CASE WHEN relkind = 'p' THEN 'partitioned'
+            WHEN relpersistence = 'u' THEN 'unlogged' ELSE 'plain' END,
        concat_ws(',', CASE WHEN has_table_privilege(oid, 'SELECT') THEN 'SELECT' END,
                       CASE WHEN has_table_privilege(oid, 'INSERT') THEN 'INSERT' END,
                       CASE WHEN has_table_privilege(oid, 'UPDATE') THEN 'UPDATE' END,
@@ -110,10 +113,38 @@ impl Shape {
             .any(|f| f.kind == kind && f.object == object && f.detail.as_deref() == detail)
     }
 
+    /// Says that the table `name` is unlogged (see [`unlogged_in_temporary`]).
+    fn unlogged(&mut self, name: &str) {
+        for fact in &mut self.0 {
+            if fact.kind == "table" && fact.object == name {
+                fact.detail = Some("unlogged".to_owned());
+            }
+        }
+    }
+
     /// The facts of `kind`.
     fn of<'a>(&'a self, kind: &'a str) -> impl Iterator<Item = &'a Fact> + 'a {
         self.0.iter().filter(move |f| f.kind == kind)
     }
+}
+
+/// `script`, to run in the temporary schema, where a table cannot be unlogged (every
+/// table there is temporary): its `CREATE UNLOGGED TABLE`s made plain, and the names
+/// of those tables, which the reference then says are unlogged.
+fn unlogged_in_temporary(script: &str) -> (String, Vec<String>) {
+    const UNLOGGED: &str = "CREATE UNLOGGED TABLE IF NOT EXISTS ";
+    let names = script
+        .match_indices(UNLOGGED)
+        .filter_map(|(at, _)| {
+            let qualified = script[at + UNLOGGED.len()..].split_whitespace().next()?;
+            let table = qualified.rsplit_once("\".\"").map_or(qualified, |(_, t)| t);
+            Some(table.trim_matches('"').to_owned())
+        })
+        .collect();
+    (
+        script.replace(UNLOGGED, "CREATE TABLE IF NOT EXISTS "),
+        names,
+    )
 }
 
 /// Whether `fact` records `right` among the rights held.
@@ -139,9 +170,9 @@ struct Findings {
 impl PostgresStore {
     /// Checks, changing nothing, that the schema this store finds is the one it needs:
     /// its table, with every column of the right type, nullability and default, its
-    /// primary key and other constraints, the indexes its statements rely on, its
-    /// functions (the claim's insert, a table in generations' own) with their
-    /// arguments and results, the record of every migration in `<table>_migrations`,
+    /// primary key and other constraints, the indexes its statements rely on, the
+    /// unlogged table its holders register in (liveness), its functions (the claim's
+    /// insert, a table in generations' own) with their arguments and results, the record of every migration in `<table>_migrations`,
     /// and the role's rights to serve (docs/postgres.md, "Privileges"). For an app
     /// whose team migrates with its own tool ([`migration_sql`](Self::migration_sql)),
     /// to call at start-up instead of [`migrate`](Self::migrate).
@@ -192,6 +223,7 @@ impl PostgresStore {
             script.push_str(&sql);
             script.push('\n');
         }
+        let (script, unlogged) = unlogged_in_temporary(&script);
         tx.batch_execute(&script)
             .await
             .map_err(|e| classify_with(e, temporary_hint))?;
@@ -200,9 +232,12 @@ impl PostgresStore {
             .await
             .map_err(plain)?
             .get(0);
-        let needed = Shape::read(&tx, &temporary, &self.table)
+        let mut needed = Shape::read(&tx, &temporary, &self.table)
             .await
             .map_err(plain)?;
+        for table in &unlogged {
+            needed.unlogged(table);
+        }
         let found = Shape::read(&tx, &self.schema, &self.table)
             .await
             .map_err(plain)?;
@@ -262,21 +297,36 @@ impl PostgresStore {
                 continue;
             };
             if there.detail != table.detail {
-                findings.shape.push(format!(
-                    "{} is a {} table, where this store needs a {} one{}",
-                    name(&table.object),
+                let (there, needs) = (
                     there.detail.as_deref().unwrap_or_default(),
                     table.detail.as_deref().unwrap_or_default(),
-                    if self.sql.generations.is_some() {
+                );
+                let a = |what: &str| {
+                    if what.starts_with(['a', 'e', 'i', 'o', 'u']) {
+                        "an"
+                    } else {
+                        "a"
+                    }
+                };
+                findings.shape.push(format!(
+                    "{} is {} {there} table, where this store needs {} {needs} one{}",
+                    name(&table.object),
+                    a(there),
+                    a(needs),
+                    if there != "partitioned" && needs != "partitioned" {
+                        ""
+                    } else if self.sql.generations.is_some() {
                         " (it is built with_generations)"
                     } else {
                         " (it is built without generations)"
                     }
                 ));
             }
-            // The table the store serves from is read and written; the others (a
-            // table in generations' list of them) are read.
-            let rights: &[&str] = if table.object == self.table {
+            // The table the store serves from, and the one its holders register in
+            // (liveness), are read and written; the others (a table in generations'
+            // list of them) are read.
+            let holders = format!("{}_holders", self.table);
+            let rights: &[&str] = if table.object == self.table || table.object == holders {
                 &["SELECT", "INSERT", "UPDATE", "DELETE"]
             } else {
                 &["SELECT"]
