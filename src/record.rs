@@ -46,8 +46,23 @@ impl StoredResponse {
         headers.len() == 1 && headers.contains_key(SEALED)
     }
 
-    /// Keeps the end-to-end headers of `headers`, minus those in `excluded`.
-    pub(crate) fn storable_headers(headers: &HeaderMap, excluded: &[HeaderName]) -> HeaderMap {
+    /// Keeps the end-to-end headers of `headers`, then lets `remove` take out what it
+    /// will not have stored (the app's [`unreplayed_headers_with`]); the reserved name of
+    /// a sealed record never stays.
+    ///
+    /// [`unreplayed_headers_with`]: crate::IdempotencyLayer::unreplayed_headers_with
+    pub(crate) fn storable_headers(
+        headers: &HeaderMap,
+        remove: &(dyn Fn(&mut HeaderMap) + Send + Sync),
+    ) -> HeaderMap {
+        let mut out = Self::end_to_end(headers);
+        remove(&mut out);
+        out.remove(SEALED);
+        out
+    }
+
+    /// The end-to-end headers of `headers`.
+    fn end_to_end(headers: &HeaderMap) -> HeaderMap {
         let connection_named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -59,7 +74,6 @@ impl StoredResponse {
         for (name, value) in headers {
             if NOT_STORED.contains(name)
                 || name == header::CONTENT_LENGTH
-                || excluded.contains(name)
                 || connection_named.contains(name)
             {
                 continue;
@@ -186,7 +200,10 @@ mod tests {
         h.append("upgrade", HeaderValue::from_static("h2c"));
         h.append("trailer", HeaderValue::from_static("x-checksum"));
         h.append("proxy-authenticate", HeaderValue::from_static("Basic"));
-        let kept = StoredResponse::storable_headers(&h, &[header::SET_COOKIE]);
+        h.append("tower-idempotency-sealed", HeaderValue::from_static("1"));
+        let kept = StoredResponse::storable_headers(&h, &|h: &mut HeaderMap| {
+            h.remove(header::SET_COOKIE);
+        });
         assert_eq!(kept.len(), 2, "{kept:?}");
         assert_eq!(kept["location"], "/payments/1");
         // End-to-end under RFC 9110: a replayed 407 keeps its challenge.

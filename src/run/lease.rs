@@ -10,7 +10,7 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::{
-    decision::lease_or_answer,
+    decision::opened_or_answer,
     handler::{Produced, run_inner},
     renewal::Renewal,
 };
@@ -31,12 +31,14 @@ use crate::{
 /// The guarded path of a request in lease mode, once its body is read and its claim
 /// request made: claims the key (waiting for a running holder if told to), runs the
 /// handler under its lease, and stores or releases its result.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve<S, ReqBody, ResBody>(
     config: Arc<Config>,
     inner: S,
     mut parts: http::request::Parts,
     body: Bytes,
     request: ClaimRequest<'_>,
+    key: &str,
     in_flight: InFlight,
     handoff: &Handoff,
 ) -> Answer<ResBody, S::Error>
@@ -48,12 +50,15 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let lease = match claim(&config, &request, handoff, &in_flight).await {
+    let lease = match claim(&config, &request, key, handoff, &in_flight).await {
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
+    if let Some(answer) = answer_in_clear(&config, &request, key, &lease, &in_flight).await {
+        return Ok(answer);
+    }
 
-    crate::request::hand_over(&mut parts.extensions, &request, &config, false);
+    crate::request::hand_over(&mut parts.extensions, &request, key, &config, false);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
@@ -77,6 +82,49 @@ where
     }
 }
 
+/// With encryption keys that accept clear records: if the client's key in clear holds a
+/// record from before encryption ([`clear_keys`](super::clear_keys)), the answer in the
+/// handler's stead (a replay, `409`, `422`; `503` if the store did not answer), the
+/// lease then released; `None`: run it.
+async fn answer_in_clear<B>(
+    config: &Config,
+    request: &ClaimRequest<'_>,
+    key: &str,
+    lease: &Lease,
+    in_flight: &InFlight,
+) -> Option<Response<ResponseBody<B>>> {
+    // The lease is not renewed yet: a read slower than a renewal's bound would leave it
+    // to lapse before the handler starts.
+    let bound = config.store_timeout.min(config.lease / 3);
+    let (scope, fingerprint) = (request.scope, request.fingerprint);
+    let standing = super::clear_keys::standing(
+        &config.sealing,
+        &config.store,
+        scope,
+        key,
+        fingerprint,
+        bound,
+    );
+    let answer = match standing.await {
+        Ok(None) => return None,
+        Ok(Some(claim)) => {
+            let clear = ClaimRequest {
+                key,
+                ..request.clone()
+            };
+            opened_or_answer(claim, &clear, key, config)
+                .err()
+                .unwrap_or_else(|| unavailable(&config.problems))
+        }
+        Err(e) => {
+            super::clear_keys::failed(&e);
+            unavailable(&config.problems)
+        }
+    };
+    config.leased().release(lease, in_flight.clone()).await;
+    Some(answer)
+}
+
 /// How long past a running key's lease a waiting duplicate looks again, so that it does
 /// not find the key a moment before the lease lapses and claim in a loop.
 const LAPSE_MARGIN: Duration = Duration::from_millis(10);
@@ -96,6 +144,7 @@ const UNREGISTERED_RECHECK: Duration = Duration::from_millis(250);
 async fn claim<B>(
     config: &Config,
     request: &ClaimRequest<'_>,
+    key: &str,
     handoff: &Handoff,
     in_flight: &InFlight,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
@@ -168,7 +217,7 @@ async fn claim<B>(
                 continue;
             }
             Ok(Ok(claim)) => {
-                return lease_or_answer(claim, request.fingerprint, config);
+                return opened_or_answer(claim, request, key, config);
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "claim failed; the handler was not run");

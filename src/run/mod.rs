@@ -12,12 +12,14 @@ use std::{sync::Arc, time::Duration};
 
 use crate::store::Store;
 
+pub(crate) mod clear_keys;
 pub(crate) mod decision;
 pub(crate) mod handler;
 pub(crate) mod job;
 pub(crate) mod lease;
 pub(crate) mod release;
 pub(crate) mod renewal;
+pub(crate) mod sealing;
 pub(crate) mod storing;
 #[cfg(feature = "postgres")]
 pub(crate) mod transactional;
@@ -31,4 +33,6 @@ pub(crate) struct Leased {
     pub(crate) lease: Duration,
     pub(crate) ttl: Duration,
     pub(crate) store_timeout: Duration,
+    /// Seals what is stored, if the owner has keys.
+    pub(crate) sealing: sealing::Sealing,
 }

@@ -15,7 +15,11 @@ use super::{
 use crate::{
     IdempotencyKey, ShutdownHandle,
     job::{JobContext, JobError, JobOutcome},
-    run::job::{found, started, stored},
+    run::{
+        clear_keys::{failed, standing_in_transaction},
+        job::{found, started, stored},
+        sealing::Sealing,
+    },
     shutdown::InFlight,
     store::{
         ClaimRequest, PostgresStore, StoreError, StoreErrorKind, transaction::roll_back_or_close,
@@ -30,7 +34,7 @@ pub(crate) async fn run_job<F, Fut, E>(
     (lock_timeout, store_timeout): (Duration, Duration),
     shutdown: &ShutdownHandle,
     request: &ClaimRequest<'_>,
-    key: IdempotencyKey,
+    (key, sealing): (IdempotencyKey, &Sealing),
     work: F,
     in_flight: InFlight,
 ) -> Result<JobOutcome, JobError<E>>
@@ -42,7 +46,7 @@ where
     let (conn, claimed) = match open(
         store,
         request,
-        &Arc::default(),
+        (&Arc::default(), sealing),
         lock_timeout,
         lock_timeout,
         store_timeout,
@@ -55,9 +59,48 @@ where
             roll_back_or_close(conn, store_timeout).await;
             return Err(JobError::ShuttingDown);
         }
-        Opened::Acquired(conn, claimed) => (conn, claimed),
+        Opened::Acquired(conn, claimed) => {
+            // A record from before encryption, under the key in clear, read in the
+            // transaction: answered from there, the transaction rolled back.
+            let fingerprint = request.fingerprint;
+            let standing = standing_in_transaction(
+                sealing,
+                store,
+                &conn,
+                request.scope,
+                key.as_str(),
+                fingerprint,
+                store_timeout,
+            );
+            let answer = match standing.await {
+                Ok(None) => None,
+                Ok(Some(claim)) => {
+                    let clear = ClaimRequest {
+                        key: key.as_str(),
+                        ..request.clone()
+                    };
+                    Some(match found(claim, &clear, key.as_str(), sealing) {
+                        Ok(Err(outcome)) => Ok(outcome),
+                        Err(e) => Err(e),
+                        Ok(Ok(_)) => Err(JobError::Store(StoreError::new(
+                            StoreErrorKind::Other,
+                            "a look-up answered a lease",
+                        ))),
+                    })
+                }
+                Err(e) => {
+                    failed(&e);
+                    Some(Err(JobError::Store(e)))
+                }
+            };
+            if let Some(answer) = answer {
+                roll_back_or_close(conn, store_timeout).await;
+                return answer;
+            }
+            (conn, claimed)
+        }
         Opened::Found(claim) => {
-            return match found(claim, request)? {
+            return match found(claim, request, key.as_str(), sealing)? {
                 Ok(_) => Err(JobError::Store(StoreError::new(
                     StoreErrorKind::Other,
                     "claim returned outside its transaction",

@@ -24,7 +24,7 @@ pub(crate) use job::run_job;
 pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
 
 use super::{
-    decision::lease_or_answer,
+    decision::opened_or_answer,
     handler::{Produced, run_inner},
 };
 use crate::{
@@ -144,6 +144,7 @@ pub(crate) async fn serve<S, ReqBody, ResBody>(
     mut parts: Parts,
     body: Bytes,
     request: ClaimRequest<'_>,
+    key: &str,
     in_flight: InFlight,
     handoff: &Handoff,
 ) -> Answer<ResBody, S::Error>
@@ -172,7 +173,7 @@ where
     let opened = open(
         &store,
         &request,
-        &config.problems,
+        (&config.problems, &config.sealing),
         claim_wait,
         config.lock_timeout,
         config.store_timeout,
@@ -200,7 +201,7 @@ where
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
-            return Ok(lease_or_answer(found, request.fingerprint, &config)
+            return Ok(opened_or_answer(found, &request, key, &config)
                 .err()
                 .unwrap_or_else(|| unavailable(&config.problems)));
         }
@@ -212,15 +213,62 @@ where
         }
     };
 
+    if let Some(answer) = answer_in_clear(&config, &store, &conn, &request, key).await {
+        roll_back_or_close(conn, store_timeout).await;
+        return Ok(answer);
+    }
+
     let (handle, slot) = TransactionHandle::holding(conn);
     parts.extensions.insert(handle);
-    crate::request::hand_over(&mut parts.extensions, &request, &config, true);
+    crate::request::hand_over(&mut parts.extensions, &request, key, &config, true);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.
     let _in_flight = in_flight;
     let run = run_and_end(&config, &store, inner, req, &slot, &claimed, &request);
     ended::keeping_claim(&store, &claimed, &request, run).await
+}
+
+/// With encryption keys that accept clear records: if the client's key in clear holds a
+/// committed record from before encryption ([`clear_keys`](super::clear_keys)), read
+/// in the transaction on `conn`, the answer in the handler's stead (a replay, `409`,
+/// `422`; `503` if the store did not answer), for the caller to roll back; `None`: run
+/// it.
+async fn answer_in_clear<B>(
+    config: &Config,
+    store: &PostgresStore,
+    conn: &Checkout,
+    request: &ClaimRequest<'_>,
+    key: &str,
+) -> Option<Response<ResponseBody<B>>> {
+    let (scope, fingerprint, bound) = (request.scope, request.fingerprint, config.store_timeout);
+    let standing = super::clear_keys::standing_in_transaction(
+        &config.sealing,
+        store,
+        conn,
+        scope,
+        key,
+        fingerprint,
+        bound,
+    );
+    match standing.await {
+        Ok(None) => None,
+        Ok(Some(claim)) => {
+            let clear = ClaimRequest {
+                key,
+                ..request.clone()
+            };
+            Some(
+                opened_or_answer(claim, &clear, key, config)
+                    .err()
+                    .unwrap_or_else(|| unavailable(&config.problems)),
+            )
+        }
+        Err(e) => {
+            super::clear_keys::failed(&e);
+            Some(unavailable(&config.problems))
+        }
+    }
 }
 
 /// Runs the handler in the transaction of `claimed`, then ends that transaction:

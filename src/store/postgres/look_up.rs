@@ -3,6 +3,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use deadpool_postgres::ClientWrapper;
 use tokio_postgres::{Row, types::ToSql};
 
 use super::{
@@ -25,6 +26,19 @@ impl PostgresStore {
     ) -> Result<Option<KeyRecord>, StoreError> {
         let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
         let rows = self.query_pooled(&self.sql.look_up, &params).await?;
+        rows.first().map(record).transpose()
+    }
+
+    /// The record of `key` in `scope`, read on `client`, which may be inside a
+    /// transaction (transactional mode looks a key up in the one that holds its claim).
+    pub(crate) async fn look_up_on(
+        &self,
+        client: &ClientWrapper,
+        scope: &Scope,
+        key: &str,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
+        let rows = self.query_on(client, &self.sql.look_up, &params).await?;
         rows.first().map(record).transpose()
     }
 }
