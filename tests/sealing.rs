@@ -515,3 +515,41 @@ async fn a_job_result_stored_before_encryption_is_still_done(kind: Kind) {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A completion whose answer was lost with its connection is sent again with the same
+/// sealed bytes (sealed once, not once per attempt): PostgreSQL tells it was this
+/// completion that landed, so the layer never takes it for a takeover.
+#[tokio::test]
+async fn a_completion_sent_again_after_its_answer_was_lost_is_the_same_sealed_response() {
+    let schema = TestSchema::new();
+    let proxy = common::proxy::PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let layer = IdempotencyLayer::new(store).encrypt_responses(keys());
+    let shutdown = layer.shutdown_handle();
+    let (router, counter) = app(layer);
+    // Warmed up: the statements are prepared, so the next reply is the completion's.
+    assert_eq!(send(&router, post("warm-up", &body())).await.status, 201);
+
+    let (printed, guard) = logs();
+    let held = common::post_with_headers("lost", &[("x-held", "1")]);
+    let running = common::in_flight(&router, held, &counter).await;
+    proxy.cut_at_next_reply();
+    counter.let_go(1);
+    let first = running.await.unwrap();
+    assert_eq!(first.status, 201);
+    shutdown.close();
+    shutdown.drain().await;
+    drop(guard);
+    let printed = String::from_utf8(printed.lock().unwrap().clone()).unwrap();
+    assert!(printed.contains("storing the result failed"), "{printed}");
+    assert!(!printed.contains("taken over"), "{printed}");
+    let rows = schema
+        .query(&format!(
+            "SELECT state FROM \"{}\".idempotency_keys WHERE key = '{}'",
+            schema.name,
+            keys().stored_key("lost")
+        ))
+        .await;
+    assert_eq!(rows[0].get::<_, String>(0), "completed");
+    assert_eq!(counter.runs(), 2);
+}
