@@ -6,9 +6,9 @@
 //! same app, client and database; and the race: concurrent duplicates of one key, with the
 //! handler's runs counted, through each.
 //!
-//! `cargo bench --bench e2e`; the settings are environment variables, described in
-//! `docs/benchmarks.md`. The results are printed as markdown tables and written to
-//! `target/bench/e2e.csv` and `target/bench/e2e-race.csv`.
+//! `cargo bench -p benches --bench e2e`; the settings are environment variables,
+//! described in `docs/benchmarks.md`. The results are printed as markdown tables and
+//! written to `target/bench/e2e.csv` and `target/bench/e2e-race.csv`.
 #![allow(missing_docs)]
 
 #[path = "support/delay.rs"]
@@ -169,7 +169,7 @@ impl Settings {
                 "BENCH_DATABASE_URL",
                 "postgres://postgres@127.0.0.1:5432/tower_idempotency_bench".to_owned(),
             ),
-            out_dir: PathBuf::from(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
+            out_dir: support::in_repository(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
             db_delay: Duration::from_micros(env_or("BENCH_DB_DELAY_US", 0)),
             client: match env_or("BENCH_CLIENT", "wire".to_owned()).as_str() {
                 c @ ("wire" | "hyper") => c.to_owned(),

@@ -1,9 +1,9 @@
 //! Growth: claim, completion and replay latency as the table grows (0, 1 M, 10 M rows),
 //! and a purge of expired rows in batches while claims run.
 //!
-//! `cargo bench --bench growth`; the settings are environment variables, described in
-//! `docs/benchmarks.md`. The results are printed as markdown tables and written to
-//! `target/bench/growth.csv`.
+//! `cargo bench -p benches --bench growth`; the settings are environment variables,
+//! described in `docs/benchmarks.md`. The results are printed as markdown tables and
+//! written to `target/bench/growth.csv`.
 //!
 //! Rows are bulk-loaded with `INSERT … SELECT generate_series` straight into the
 //! store's table: completed records of realistic size (a 69-character scope among 1000
@@ -97,7 +97,7 @@ impl Settings {
                 "BENCH_DATABASE_URL",
                 "postgres://postgres@127.0.0.1:5432/tower_idempotency_bench".to_owned(),
             ),
-            out_dir: PathBuf::from(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
+            out_dir: support::in_repository(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
         }
     }
 }

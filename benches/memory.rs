@@ -14,7 +14,7 @@
 //!    keys, read while it is idle between batches.
 //!
 //! ```sh
-//! cargo build --release --example payments && cargo bench --bench memory
+//! cargo build --release --example payments && cargo bench -p benches --bench memory
 //! ```
 //!
 //! `cargo bench` does not build examples: the demo is the one at
@@ -28,7 +28,7 @@ mod wire;
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpStream},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
         Arc,
@@ -154,7 +154,12 @@ async fn store_alone(keys: u64) {
 /// `target/release/examples/payments`, beside this bench's `target/release/deps/`.
 fn demo_binary() -> PathBuf {
     if let Ok(path) = std::env::var("MEMORY_DEMO") {
-        return path.into();
+        // From the repository's root, as the other paths the benchmarks are given:
+        // `cargo bench -p benches` runs this in `benches/`.
+        return Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("the benchmarks' crate is a directory of the repository")
+            .join(path);
     }
     let exe = std::env::current_exe().expect("the path of the bench binary");
     exe.parent()

@@ -3,7 +3,7 @@
 //! without a key passed through an Axum router, and what sealing stored responses costs
 //! a replay and a completion.
 //!
-//! `cargo bench --bench micro`
+//! `cargo bench -p benches --bench micro`
 #![allow(missing_docs)] // criterion_group! generates an undocumented function
 
 use std::hint::black_box;

@@ -3,7 +3,8 @@
 
     python3 benches/plot.py [--dir target/bench] [--out docs] [--e2e-name benchmarks.png]
 
-Reads e2e.csv and growth.csv (either may be missing) and writes
+Reads e2e.csv and growth.csv (either may be missing) from the repository's
+target/bench, where `cargo bench -p benches` writes them, and writes
 docs/benchmarks.png (throughput, latency, and CPU per request, the app's and
 PostgreSQL's) and docs/benchmarks-growth.png. Needs matplotlib.
 """
@@ -16,6 +17,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+# The repository's root: the defaults are its target/bench and docs, wherever this runs.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Rows shown, in this order, with short labels.
 E2E_ROWS = [
@@ -179,8 +183,8 @@ def plot_growth(rows, out):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", default="target/bench")
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--dir", default=os.path.join(ROOT, "target", "bench"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs"))
     parser.add_argument("--e2e-name", default="benchmarks.png",
                         help="the end-to-end plot's file name in --out")
     args = parser.parse_args()

@@ -2,8 +2,8 @@
 //! background purge of a plain table) and by dropping a generation
 //! (`PostgresStore::with_generations`), while new keys are claimed.
 //!
-//! `cargo bench --bench retention`; the settings are environment variables, described in
-//! `docs/benchmarks.md` ("Retention"). Each scheme gets a schema of its own in the
+//! `cargo bench -p benches --bench retention`; the settings are environment variables,
+//! described in `docs/benchmarks.md` ("Retention"). Each scheme gets a schema of its own in the
 //! benchmark database, holding `RETENTION_ROWS` completed records: half expired (the
 //! day that goes), half live (the day that stays); in generations, each half is a
 //! generation of its own. Both are loaded first, and claims of new keys measured on
@@ -85,7 +85,7 @@ impl Settings {
                 .unwrap_or_else(|| {
                     "postgres://postgres@127.0.0.1:5432/tower_idempotency_bench".to_owned()
                 }),
-            out_dir: PathBuf::from(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
+            out_dir: support::in_repository(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
         }
     }
 }

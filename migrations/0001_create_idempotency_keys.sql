@@ -1,5 +1,5 @@
--- One row per (scope, key). `{{table}}` (schema-qualified) and `{{expires_index}}` are
--- replaced with the validated, quoted identifiers configured on the PostgresStore.
+-- One row per (scope, key).
+-- {{table}} (schema-qualified), {{expires_index}}: the validated, quoted identifiers configured on the PostgresStore.
 CREATE TABLE IF NOT EXISTS {{table}} (
     scope        text        NOT NULL,
     key          text        NOT NULL,

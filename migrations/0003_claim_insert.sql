@@ -2,8 +2,7 @@
 -- row: an existing key (a replay, a 409, a 422) is then a plain primary-key read, with
 -- no data-modifying part for PostgreSQL to set up. Returns the new row's token, or NULL
 -- when a concurrent request inserted the key first (the claim then reads it again).
--- `{{table}}` and `{{claim_function}}` are the validated, quoted identifiers configured
--- on the PostgresStore.
+-- {{table}}, {{claim_function}}: the validated, quoted identifiers configured on the PostgresStore.
 CREATE OR REPLACE FUNCTION {{claim_function}}(
     p_scope text, p_key text, p_fingerprint bytea,
     p_lease_ms bigint, p_ttl_ms bigint, p_token bigint

@@ -45,6 +45,26 @@ pub(crate) fn nested_on_one_table<B>(problems: &Problems) -> Response<ResponseBo
     res
 }
 
+/// `500 misconfigured`: the layer requires a principal (`require_principal`), and the
+/// request reached it without one. Marked [`NoStore`](crate::NoStore), as
+/// [`nested_on_one_table`].
+pub(crate) fn no_principal<B>(
+    problems: &Problems,
+    parts: &http::request::Parts,
+) -> Response<ResponseBody<B>> {
+    tracing::error!(
+        route = crate::request::scoping::route(parts),
+        "a guarded request reached the idempotency layer without a Principal, which it requires (require_principal); nothing was run. The app's authentication middleware must insert the tower_idempotency::Principal, and be outside the idempotency layer (in axum, a .layer added after it), on every guarded route"
+    );
+    let mut res = reject(
+        problems,
+        Problem::Misconfigured,
+        "this request reached the idempotency layer without the authenticated principal it requires; the server's configuration must change, nothing was processed",
+    );
+    res.extensions_mut().insert(crate::NoStore);
+    res
+}
+
 pub(crate) fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Response<B> {
     res.extensions_mut().insert(outcome);
     res

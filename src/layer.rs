@@ -6,6 +6,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, StatusCode, header, request::Parts};
 use tower_layer::Layer;
 
+#[cfg(doc)]
+use crate::Principal;
 #[cfg(feature = "postgres")]
 use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
@@ -13,7 +15,7 @@ use crate::{
     policy::{PolicyFn, default_storage_policy},
     rejection::{Problems, Rejection},
     request::fingerprint::Fingerprinter,
-    request::scope::ScopeFn,
+    request::scoping::Scoping,
     settings::{self, MILLISECOND, SHORTEST_LEASE, TEN_YEARS},
     store::{IntoStore, Store},
 };
@@ -72,7 +74,7 @@ pub(crate) struct Config {
     pub(crate) request_body_limit: usize,
     pub(crate) response_body_limit: usize,
     pub(crate) store_timeout: Duration,
-    pub(crate) scope: ScopeFn,
+    pub(crate) scoping: Scoping,
     pub(crate) fingerprinter: Fingerprinter,
     pub(crate) policy: PolicyFn,
     pub(crate) unreplayed_headers: HeaderFilter,
@@ -115,8 +117,9 @@ impl Config {
 impl IdempotencyLayer {
     /// A layer over `store` with the defaults: POST and PATCH guarded, key optional,
     /// 30 s lease (renewed while the handler runs), 24 h TTL, 1 MiB request and stored
-    /// response limits, 5 s store timeout, scope from `Authorization`, fingerprint over
-    /// `Content-Type` and the body, `Set-Cookie` not stored.
+    /// response limits, 5 s store timeout, scope from the request's [`Principal`]
+    /// (else from `Authorization`), fingerprint over `Content-Type` and the body,
+    /// `Set-Cookie` not stored.
     pub fn new(store: impl IntoStore) -> Self {
         Self {
             config: Arc::new(Config {
@@ -129,7 +132,7 @@ impl IdempotencyLayer {
                 request_body_limit: 1024 * 1024,
                 response_body_limit: 1024 * 1024,
                 store_timeout: Duration::from_secs(5),
-                scope: Arc::new(Scope::from_authorization),
+                scoping: Scoping::default(),
                 fingerprinter: Fingerprinter::default(),
                 policy: Arc::new(default_storage_policy),
                 unreplayed_headers: Arc::new(|headers: &mut HeaderMap| {
@@ -372,30 +375,131 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Computes the scope of each request (default [`Scope::from_authorization`]).
+    /// Computes the scope of a request that carries no [`Principal`] (default: `auth:`
+    /// and a hash of its `Authorization` header, [`Scope::from_authorization`], or the
+    /// anonymous scope without one).
     ///
-    /// Derive it from what the app has authenticated, never from a header the client
-    /// sets unchecked: a client that can name any scope can read another's replays by
-    /// guessing its keys. Here the app's authentication, a layer outside this one, puts
-    /// the tenant in the request's extensions:
+    /// A [`Principal`] inserted by the app's authentication comes first, and is the
+    /// way to scope by account: this function is for apps that compute the scope from
+    /// the request's parts themselves. Derive it from what the app has authenticated,
+    /// never from a header the client sets unchecked: a client that can name any scope
+    /// can read another's replays by guessing its keys.
+    ///
+    /// Setting it keeps the layer from warning that it scopes by the `Authorization`
+    /// hash: `scope_with(Scope::from_authorization)` keeps that scope on purpose, for
+    /// credentials that never change (API keys). It still warns, once, when the
+    /// function gives the anonymous scope to a request that carries credentials
+    /// ([`credential_headers`](Self::credential_headers)).
     ///
     /// ```
     /// use tower_idempotency::{IdempotencyLayer, Scope, store::MemoryStore};
     ///
-    /// /// Set by the app's authentication layer.
-    /// #[derive(Clone)]
-    /// struct Tenant(u64);
-    ///
+    /// // One scope per tenant, named by the gateway in front, which checked the caller
+    /// // (and drops the header from what clients send).
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_with(|parts| {
-    ///     match parts.extensions.get::<Tenant>() {
-    ///         Some(Tenant(id)) => Scope::new(format!("tenant:{id}")),
-    ///         None => Scope::anonymous(),
+    ///     match parts.headers.get("x-verified-tenant").and_then(|v| v.to_str().ok()) {
+    ///         Some(tenant) => Scope::new(format!("tenant:{tenant}")),
+    ///         None => Scope::from_authorization(parts),
     ///     }
     /// });
     /// ```
     #[must_use]
     pub fn scope_with(mut self, scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
-        self.config().scope = Arc::new(scope);
+        self.config().scoping.custom = Some(Arc::new(scope));
+        self
+    }
+
+    /// Whether a guarded request without a [`Principal`] is refused (default `false`:
+    /// it is scoped by [`scope_with`](Self::scope_with), or the fallbacks).
+    ///
+    /// With `true`, a request with a key on a guarded method that reaches the layer
+    /// without a principal gets `500 misconfigured`, logged at `error` with its route:
+    /// the handler does not run, nothing is claimed or stored. That is what a layer
+    /// placed outside the app's authentication sees (in axum, an authentication
+    /// `.layer` added *before* the idempotency layer), and what a route the
+    /// authentication lets through unauthenticated sees: turn it on where every guarded
+    /// route is authenticated, so that a wiring mistake is an error at the first
+    /// request, not keys shared in one scope.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).require_principal(true);
+    /// ```
+    #[must_use]
+    pub fn require_principal(mut self, required: bool) -> Self {
+        self.config().scoping.require_principal = required;
+        self
+    }
+
+    /// The request headers that carry credentials the layer does not scope by
+    /// (default `Cookie` and `X-Api-Key`): a guarded request that carries one, and no
+    /// [`Principal`], put in the anonymous scope, makes the layer warn, once, at `warn`,
+    /// naming the route and the header. The list replaces the default: name `Cookie`
+    /// and `X-Api-Key` too to keep them.
+    ///
+    /// ```
+    /// use http::{HeaderName, header::COOKIE};
+    /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .credential_headers([COOKIE, HeaderName::from_static("x-session-token")]);
+    /// ```
+    #[must_use]
+    pub fn credential_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config().scoping.credential_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// The scope this layer computed before a deploy changed how it computes scopes
+    /// (default none): while the keys stored under it live, a request whose key is new
+    /// in its own scope is also looked for there, and is not run again if it ran.
+    ///
+    /// For a deploy that starts scoping by [`Principal`] where the layer hashed
+    /// `Authorization` (its default before), pass [`Scope::from_authorization`]. A
+    /// request whose claim takes a key new in its scope then looks the key up under the
+    /// scope this function gives it, when that differs (one primary-key read, on the
+    /// transaction's connection in transactional mode):
+    ///
+    /// - completed there by the same request (its fingerprint): its response is
+    ///   replayed, and the new claim released;
+    /// - there for a different request: `422 key-reused`; still running there:
+    ///   `409 in-progress` (in both cases the new claim is released);
+    /// - nothing there (or a record past its TTL, or a lapsed lease of the same
+    ///   request, which a takeover would run again): the handler runs, under the new
+    ///   scope;
+    /// - the store fails to answer: `503 store-unavailable`, and nothing runs.
+    ///
+    /// It costs nothing when it is not set, and nothing for a request whose claim finds
+    /// its key in its own scope (a replay, a `409`, a `422`). Keep it for one TTL (24 h
+    /// by default) after the deploy, then remove it: no key of the old scope is left.
+    ///
+    /// What it cannot cover: a retry sent with another credential than the first
+    /// attempt's (the old scope was that credential's; the old layer could not find it
+    /// either); with old and new processes side by side during a rolling deploy, a
+    /// request the *old* process runs after the new one looked (both run), a retry the
+    /// old process gets of a request the new one ran (it looks only in the old scope),
+    /// and in transactional mode a request still uncommitted in an old process (the
+    /// read sees committed rows only). Drain the old processes before the new ones take
+    /// traffic where that matters. The keys a handler derives
+    /// ([`IdempotencyKey::derive`](crate::IdempotencyKey::derive)) follow the scope: a
+    /// request whose first attempt was released (a `5xx`) before the deploy derives new
+    /// ones after it.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Scope, store::MemoryStore};
+    ///
+    /// // Principals from this deploy on; keys of the old Authorization scope honoured.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .require_principal(true)
+    ///     .previous_scope_with(Scope::from_authorization);
+    /// ```
+    #[must_use]
+    pub fn previous_scope_with(
+        mut self,
+        scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static,
+    ) -> Self {
+        self.config().scoping.previous = Some(Arc::new(scope));
         self
     }
 

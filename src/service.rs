@@ -13,7 +13,7 @@ use tracing::{Instrument, Span, field};
 
 use crate::{
     Outcome,
-    answers::{handler_failed, nested_on_one_table, reject, shutting_down},
+    answers::{handler_failed, nested_on_one_table, no_principal, reject, shutting_down},
     body::{BoxError, ResponseBody},
     catch_panic::catch_panic,
     future::{Answer, Handoff, ResponseFuture, answered, detach, pass_through},
@@ -118,6 +118,14 @@ where
                 return answered(nested_on_one_table(&config.problems));
             }
         }
+        // A request that must come with a principal and came without one: the
+        // authentication is not in front of this layer (or lets this route through).
+        if config.scoping.lacks_principal(req.extensions()) {
+            // Logged at `error` as it is answered.
+            crate::observe::count_request(Outcome::Rejected, mode);
+            let (parts, _) = req.into_parts();
+            return answered(no_principal(&config.problems, &parts));
+        }
         // A guarded request's future owns an instance of its own (it may finish in a task
         // of its own), and a fresh clone stays for the next call. The ready one is let
         // go, and readiness asked for again later (see `Idempotency`): in `run_inner`,
@@ -201,7 +209,7 @@ where
     let Some(in_flight) = config.shutdown.enter() else {
         return Ok(shutting_down(&config.problems));
     };
-    let scope = (config.scope)(&parts);
+    let scope = config.scoping.scope_of(&parts);
     // A tenant or user id may be personal data: traces carry its hash, computed only
     // when someone records the span.
     let span = Span::current();

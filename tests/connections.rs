@@ -1,6 +1,6 @@
 //! The store's connections, seen from outside: pools for a URL that names several
-//! hosts, shared claim connections, and the reserve that serves running claims when the
-//! pool is all checked out.
+//! hosts, shared claim connections, the reserve that serves running claims when the
+//! pool is all checked out, and a transaction pooler the store is not built for.
 //!
 //! A host that is gone without a word is a local listener that accepts connections and
 //! never answers; one that refuses is a port bound and never listened on. Everything
@@ -16,7 +16,7 @@ use tokio::net::TcpListener;
 use tokio_postgres::config::{Config, Host};
 use tower_idempotency::{
     Fingerprint, Scope,
-    store::{Claim, ClaimRequest, Lease, PostgresStore, Store, pool_for_url},
+    store::{Claim, ClaimRequest, Lease, PostgresStore, Store, StoreErrorKind, pool_for_url},
 };
 
 /// A port on this machine that accepts connections and never answers, as a frozen
@@ -229,11 +229,13 @@ async fn acquired(store: &PostgresStore, scope: &Scope, key: &str) -> Lease {
 async fn claims_one_at_a_time_stay_on_one_shared_connection() {
     let schema = TestSchema::new();
     let name = common::unique_name("ti_shared");
-    let store = schema
-        .store_at(&url_named(&name), 4)
-        .await
-        .with_background_purge(None)
-        .with_shared_claim_connections(4);
+    let store = common::sharing_claims(
+        schema
+            .store_at(&url_named(&name), 4)
+            .await
+            .with_background_purge(None),
+        4,
+    );
     let scope = Scope::new("s");
     for i in 0..6 {
         acquired(&store, &scope, &format!("k{i}")).await;
@@ -258,11 +260,13 @@ async fn claims_one_at_a_time_stay_on_one_shared_connection() {
 async fn a_claim_given_up_before_its_answer_leaves_its_shared_connection_behind() {
     let schema = TestSchema::new();
     let name = common::unique_name("ti_shared");
-    let store = schema
-        .store_at(&url_named(&name), 4)
-        .await
-        .with_background_purge(None)
-        .with_shared_claim_connections(1);
+    let store = common::sharing_claims(
+        schema
+            .store_at(&url_named(&name), 4)
+            .await
+            .with_background_purge(None),
+        1,
+    );
     let scope = Scope::new("s");
     acquired(&store, &scope, "first").await;
     let old = shared_backends(&schema, &name).await;
@@ -358,4 +362,149 @@ async fn reserve_connections_open_outside_a_pool_that_is_all_checked_out() {
     assert!(renewed.expect("a renewal").is_kept(), "the lease was lost");
     assert_eq!(store.metrics().reserve_statements, 1);
     drop(held);
+}
+
+/// A PgBouncer of the test's own in transaction pooling (`.ci/pgbouncer`), on a free
+/// port from 6600 on, in front of the test database; stopped when dropped.
+struct PgBouncer {
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl PgBouncer {
+    const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/pgbouncer");
+
+    fn start() -> Self {
+        let dir = std::env::temp_dir().join(common::unique_name("ti_pgbouncer"));
+        // A port another test (or engineer) takes meanwhile makes the script refuse it:
+        // the next is tried.
+        for port in 6600..6700 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                continue;
+            }
+            let started = std::process::Command::new(Self::SCRIPT)
+                .arg("start")
+                .arg(&dir)
+                .arg(port.to_string())
+                .status()
+                .expect("run .ci/pgbouncer");
+            if started.success() {
+                return Self { dir, port };
+            }
+        }
+        panic!("no free port for a PgBouncer from 6600 to 6699");
+    }
+
+    /// The test database through this PgBouncer.
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let stopped = std::process::Command::new(Self::SCRIPT)
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+        if !matches!(stopped, Ok(status) if status.success()) {
+            eprintln!("could not stop the PgBouncer in {}", self.dir.display());
+        }
+    }
+}
+
+/// The number in the name tokio-postgres gives the next statement it prepares in this
+/// process, at least (`s<n>`, from a counter of its own): read from the name of one
+/// prepared now, which only its `Debug` shows.
+async fn next_statement_number() -> usize {
+    let (client, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    let statement = client.prepare("SELECT 1").await.expect("prepare");
+    let shown = format!("{statement:?}");
+    let name = shown
+        .split("name: \"s")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("no statement name in {shown}"));
+    name + 1
+}
+
+/// Behind a transaction-pooling PgBouncer, a store not built for it prepares its
+/// statements on one server session and runs them on whichever the pooler lends next:
+/// where another client prepared a statement of the same name (another replica, whose
+/// driver counts its statements from 0 too), or where the statement does not exist.
+/// Either error says so, and what to set; the same store built
+/// `with_transaction_pooling` claims through the same pooler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_transaction_pooler_a_store_not_built_for_it_says_so() {
+    let schema = TestSchema::new();
+    schema.store_direct(2).await;
+    let bouncer = PgBouncer::start();
+    let scope = Scope::new("s");
+    let not_built_for_it = || {
+        PostgresStore::new(pool_for_url(&bouncer.url(), 1).expect("pool"))
+            .with_schema_name(&schema.name)
+            .expect("schema name")
+            .with_background_purge(None)
+    };
+    let says_so = |e: tower_idempotency::store::StoreError, sqlstate: &str| {
+        assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
+        let shown = e.to_string();
+        assert!(shown.contains(&format!("(SQLSTATE {sqlstate})")), "{shown}");
+        assert!(
+            shown.contains("behind a transaction-pooling proxy"),
+            "{shown}"
+        );
+        assert!(shown.contains("with_transaction_pooling(true)"), "{shown}");
+    };
+
+    // Another client's statements, prepared on the pooler's one server session under
+    // every name the store's driver may give its next ones (it counts them in this
+    // process, other tests' included: a margin of 2 000).
+    let (other, conn) = tokio_postgres::connect(&bouncer.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect through the pooler");
+    tokio::spawn(conn);
+    let next = next_statement_number().await;
+    let prepared: String = (next..next + 2_000)
+        .map(|n| format!("PREPARE s{n} AS SELECT 1;"))
+        .collect();
+    other.batch_execute(&prepared).await.expect("prepare");
+    let claimed = not_built_for_it().claim(&request(&scope, "taken")).await;
+    says_so(claimed.expect_err("a statement name taken"), "42P05");
+    other
+        .batch_execute("DEALLOCATE ALL")
+        .await
+        .expect("deallocate");
+    drop(other);
+
+    for pooling in [false, true] {
+        let store = not_built_for_it().with_transaction_pooling(pooling);
+        // The pooler's one server session runs the first claim (prepared there, when
+        // not built for the pooler)...
+        acquired(&store, &scope, &format!("first-{pooling}")).await;
+        // ... and is then held by another client's transaction.
+        let (holder, conn) = tokio_postgres::connect(&bouncer.url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect through the pooler");
+        tokio::spawn(conn);
+        holder
+            .batch_execute("BEGIN; SELECT 1")
+            .await
+            .expect("a transaction");
+        let key = format!("second-{pooling}");
+        let claimed = store.claim(&request(&scope, &key)).await;
+        holder.batch_execute("ROLLBACK").await.expect("rollback");
+        if pooling {
+            assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+            continue;
+        }
+        says_so(
+            claimed.expect_err("a statement prepared on another server session"),
+            "26000",
+        );
+    }
 }

@@ -319,9 +319,25 @@ async fn request(
     key: Option<&str>,
     body: &str,
 ) -> Result<Reply, BoxError> {
+    request_with(client, method, addr, path, key, body, &[]).await
+}
+
+/// [`request`] with more header fields.
+async fn request_with(
+    client: &HttpClient,
+    method: Method,
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Result<Reply, BoxError> {
     let mut req = Request::builder()
         .method(method)
         .uri(format!("http://{addr}{path}"));
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
     if let Some(key) = key {
         req = req.header("idempotency-key", key);
     }
@@ -566,6 +582,80 @@ async fn without_a_database_the_demo_uses_the_memory_store() {
     assert_eq!(
         stats(&client, demo.addr).await,
         json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
+
+/// Runs the demo with `args` until it exits by itself (within 30 s, else it is killed
+/// and the test fails): its exit status and what it printed on stderr.
+fn demo_exits(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(demo_binary())
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the payments demo");
+    let mut stderr = child.stderr.take().expect("the demo's stderr");
+    let reading = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    for _ in 0..POLL_ATTEMPTS {
+        if let Some(status) = child.try_wait().expect("the demo's status") {
+            return (status, reading.join().expect("stderr read"));
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!(
+        "the demo did not exit: {}",
+        reading.join().unwrap_or_default()
+    );
+}
+
+/// A role with no rights on a fresh database: the demo stops at start-up and says why,
+/// in PostgreSQL's words and with its SQLSTATE, and which right migrating needs.
+#[tokio::test]
+async fn a_role_with_no_rights_on_a_fresh_database_makes_the_demo_print_permission_denied() {
+    let role = common::TestRole::new().await;
+    let db = common::TestDatabase::new().await;
+    let url = db.url_as(&role.name);
+    let (status, stderr) = tokio::task::spawn_blocking(move || {
+        demo_exits(&["--addr", "127.0.0.1:0", "--database-url", &url])
+    })
+    .await
+    .expect("join");
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("permission denied"), "{stderr}");
+    assert!(stderr.contains("(SQLSTATE 42501)"), "{stderr}");
+    assert!(stderr.contains("CREATE on the database"), "{stderr}");
+}
+
+/// `--print-migration-sql` prints the store's migrations for `--schema` and exits,
+/// without a database.
+#[test]
+fn the_demo_prints_its_migrations_as_sql() {
+    let out = Command::new(demo_binary())
+        .args(["--print-migration-sql", "--schema", "ledger"])
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the payments demo");
+    assert!(out.status.success(), "{out:?}");
+    let sql = String::from_utf8(out.stdout).expect("UTF-8");
+    assert!(
+        sql.contains("CREATE TABLE IF NOT EXISTS \"ledger\".\"idempotency_keys\""),
+        "{sql}"
+    );
+    assert!(
+        sql.contains(
+            "INSERT INTO \"ledger\".\"idempotency_keys_migrations\" (version) VALUES (1);"
+        ),
+        "{sql}"
     );
 }
 
@@ -1329,4 +1419,101 @@ async fn with_an_encryption_key_no_bytea_column_holds_the_payment_or_its_key() {
         );
         demo.kill9();
     }
+}
+
+/// `POST /payments` with `key` and `body`, sent with `Authorization: Bearer <token>`.
+async fn post_payment_as(
+    client: &HttpClient,
+    addr: SocketAddr,
+    token: &str,
+    key: &str,
+    body: &str,
+) -> Reply {
+    let bearer = format!("Bearer {token}");
+    request_with(
+        client,
+        Method::POST,
+        addr,
+        "/payments",
+        Some(key),
+        body,
+        &[("authorization", &bearer)],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("POST /payments on {addr}: {e}"))
+}
+
+/// Keys are scoped by the account a bearer token names (`<account>.<secret>`): a retry
+/// with a refreshed token is the same payment, replayed; another account's key is its
+/// own payment; a request without `Authorization` is in the anonymous scope, as ever.
+async fn keys_are_scoped_by_account(client: &HttpClient, addr: SocketAddr) {
+    const KEY: &str = "account-payment-1";
+    const PAYMENT: &str = r#"{"amount":1000,"currency":"EUR"}"#;
+    let first = post_payment_as(client, addr, "acct7.first", KEY, PAYMENT).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed(), "{first:?}");
+    let refreshed = post_payment_as(client, addr, "acct7.second", KEY, PAYMENT).await;
+    assert_eq!(refreshed.status, StatusCode::CREATED, "{refreshed:?}");
+    assert!(
+        refreshed.replayed(),
+        "the refreshed token ran again: {refreshed:?}"
+    );
+    assert_eq!(refreshed.body, first.body);
+
+    let other = post_payment_as(client, addr, "acct8.x", KEY, PAYMENT).await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    assert!(
+        !other.replayed(),
+        "another account got acct7's payment: {other:?}"
+    );
+    assert_ne!(other.json()["payment_id"], first.json()["payment_id"]);
+    assert_ne!(other.json()["charge_id"], first.json()["charge_id"]);
+    // A token without a dot names itself: the account `acct8`.
+    let bare = post_payment_as(client, addr, "acct8", KEY, PAYMENT).await;
+    assert!(bare.replayed(), "{bare:?}");
+    assert_eq!(bare.body, other.body);
+
+    let anonymous = post_payment(client, addr, Some(KEY), PAYMENT).await;
+    assert_eq!(anonymous.status, StatusCode::CREATED, "{anonymous:?}");
+    assert!(!anonymous.replayed(), "{anonymous:?}");
+    let again = post_payment(client, addr, Some(KEY), PAYMENT).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, anonymous.body);
+    assert_eq!(
+        stats(client, addr).await,
+        json!({"handler_runs": 3, "psp_calls": 3, "charges": 3, "payments": 3})
+    );
+}
+
+#[tokio::test]
+async fn a_refreshed_token_pays_once_and_another_account_pays_its_own() {
+    let schema = Schema::new();
+    let client = client();
+    let mut demo = Demo::start(Some(&schema));
+    demo.wait_ready(&client).await;
+    keys_are_scoped_by_account(&client, demo.addr).await;
+    let scopes = query(&format!(
+        "SELECT DISTINCT scope FROM \"{}\".idempotency_keys ORDER BY scope",
+        schema.name
+    ))
+    .await;
+    let scopes: Vec<&str> = scopes.iter().map(|r| r.get(0)).collect();
+    assert_eq!(scopes, ["", "principal:acct7", "principal:acct8"]);
+}
+
+#[tokio::test]
+async fn a_refreshed_token_pays_once_on_the_memory_store_too() {
+    let client = client();
+    let mut demo = Demo::start(None);
+    demo.wait_ready(&client).await;
+    keys_are_scoped_by_account(&client, demo.addr).await;
+}
+
+#[tokio::test]
+async fn a_refreshed_token_pays_once_in_transactional_mode() {
+    let schema = Schema::new();
+    let client = client();
+    let mut demo = Demo::start_with(Some(&schema), &["--mode", "transactional"]);
+    demo.wait_ready(&client).await;
+    keys_are_scoped_by_account(&client, demo.addr).await;
 }

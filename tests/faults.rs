@@ -14,7 +14,7 @@ use common::{
 use tokio::io::AsyncWriteExt;
 use tower_idempotency::{
     Fingerprint, IdempotencyLayer, Outcome, Scope,
-    store::{Claim, ClaimRequest, PostgresStore, Store, pool_for_url},
+    store::{BoxFuture, Claim, ClaimRequest, PostgresStore, Store, pool_for_url},
 };
 
 /// The state of `key` in the test's table: (state, token).
@@ -52,10 +52,10 @@ async fn cut_shared_claim_connections_answer_503_or_recover_and_never_run_a_key_
 async fn cut_connections_answer_503_or_recover(shared_claim_connections: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema
-        .store_at(&proxy.url(), 4)
-        .await
-        .with_shared_claim_connections(shared_claim_connections);
+    let store = common::sharing_claims(
+        schema.store_at(&proxy.url(), 4).await,
+        shared_claim_connections,
+    );
     let (router, counter) = app(IdempotencyLayer::new(store.clone()));
     for i in 0..4 {
         assert_eq!(
@@ -121,10 +121,10 @@ async fn a_stalled_database_is_a_bounded_503_then_recovers_with_shared_claim_con
 async fn stalled_database_is_a_bounded_503_then_recovers(shared_claim_connections: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let store = schema
-        .store_at(&proxy.url(), 2)
-        .await
-        .with_shared_claim_connections(shared_claim_connections);
+    let store = common::sharing_claims(
+        schema.store_at(&proxy.url(), 2).await,
+        shared_claim_connections,
+    );
     let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
     let (router, counter) = app(layer);
     proxy.stall(true);
@@ -722,6 +722,198 @@ async fn a_pool_held_by_other_work_does_not_starve_running_claims() {
     // Over connections the store keeps outside its pool.
     assert!(store_a.metrics().reserve_statements >= 2);
     drop(held);
+}
+
+/// A login role with no rights of its own (`NOINHERIT`), which the pool's connections
+/// leave for `writer` in a `post_create` hook (`SET ROLE`), as a least-privilege setup
+/// does: (writer, login), dropped when the test ends.
+async fn roles_for_set_role(schema: &TestSchema) -> (common::TestRole, common::TestRole) {
+    let writer = common::TestRole::new().await;
+    let login = common::TestRole::new().await;
+    let (s, w, l) = (&schema.name, &writer.name, &login.name);
+    writer
+        .run(&format!(
+            "ALTER ROLE \"{w}\" NOLOGIN;
+             ALTER ROLE \"{l}\" NOINHERIT;
+             GRANT \"{w}\" TO \"{l}\";
+             GRANT USAGE ON SCHEMA \"{s}\" TO \"{w}\";
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{s}\" TO \"{w}\";"
+        ))
+        .await;
+    (writer, login)
+}
+
+/// What the pool's hook and the store's setup both run: `SET ROLE role`.
+fn acting_as(
+    role: &str,
+) -> impl for<'c> Fn(&'c tokio_postgres::Client) -> BoxFuture<'c, Result<(), tokio_postgres::Error>>
++ Clone
++ Send
++ Sync
++ 'static {
+    let sql: Arc<str> = format!("SET ROLE \"{role}\"").into();
+    move |client| {
+        let sql = sql.clone();
+        Box::pin(async move { client.batch_execute(&sql).await })
+    }
+}
+
+/// A store on a pool of two connections that log in as `login` and act as `writer`
+/// (`acting_as`, in its `post_create` hook), waiting `wait` for a connection; given
+/// the same setup for its own connections if `setup`. Straight to the database: the
+/// roles are the test's own, and a session's role would not hold behind a
+/// transaction pooler.
+fn store_acting_as(
+    schema: &TestSchema,
+    login: &common::TestRole,
+    writer: &common::TestRole,
+    wait: Duration,
+    setup: bool,
+) -> PostgresStore {
+    use deadpool_postgres::{Hook, HookError, Manager, Pool, Runtime};
+    let config: tokio_postgres::Config = common::url_as(&login.name).parse().expect("url");
+    let hook = acting_as(&writer.name);
+    let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+        .max_size(2)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(wait))
+        .create_timeout(Some(Duration::from_secs(5)))
+        .post_create(Hook::async_fn(move |client, _| {
+            let setting = hook(client);
+            Box::pin(async move { setting.await.map_err(HookError::Backend) })
+        }))
+        .build()
+        .expect("pool");
+    let mut store = PostgresStore::new(pool)
+        .with_schema_name(&schema.name)
+        .expect("schema name")
+        .with_background_purge(None);
+    if let Some(period) = common::generations() {
+        store = store.with_generations(period);
+    }
+    if setup {
+        store = store.with_session_setup(acting_as(&writer.name));
+    }
+    store
+}
+
+/// The pool's connections act as a role with rights the login role lacks, set in the
+/// pool's `post_create` hook; the store is given the same setup for its own
+/// (`with_session_setup`). With every pooled connection checked out, the running
+/// claim's renewals and its completion go over the reserve, as that role: its lease
+/// holds through several leases, so a retry on another replica gets 409 instead of
+/// running the handler again; then its response is stored and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_whose_hook_sets_the_role_keeps_its_leases_when_all_checked_out() {
+    let schema = TestSchema::new();
+    let other = schema.store().await;
+    let (writer, login) = roles_for_set_role(&schema).await;
+    let store = store_acting_as(&schema, &login, &writer, Duration::from_secs(5), true);
+    // Renewed every 100 ms.
+    let lease = Duration::from_millis(300);
+    let (router, runs) = app(IdempotencyLayer::new(store.clone()).lease_duration(lease));
+    let (other_router, other_runs) = app(IdempotencyLayer::new(other).lease_duration(lease));
+    let running = in_flight(&router, post_with_headers("k", &[("x-held", "1")]), &runs).await;
+    let mut held = Vec::new();
+    for _ in 0..store.pool().status().max_size {
+        held.push(store.pool().get().await.expect("a pooled connection"));
+    }
+    // Past three leases: had no renewal landed, the retry would take the key over.
+    tokio::time::sleep(3 * lease).await;
+    let retry = send(&other_router, post("k", "{}")).await;
+    assert_eq!(retry.status, 409, "the retry took the key over");
+    runs.let_go(1);
+    let stored = running.await.unwrap();
+    assert_eq!(stored.status, 201);
+    let replay = send(&other_router, post("k", "{}")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, stored.body);
+    assert_eq!((runs.runs_of("k"), other_runs.runs()), (1, 0));
+    // Renewed and stored over the reserve, the pool held throughout.
+    assert!(store.metrics().reserve_statements >= 2);
+    assert_eq!(store.pool().status().available, 0);
+    drop(held);
+}
+
+/// The same pool, its store not given the hook's setup: a reserve connection runs as
+/// the login role, and would renew, fail for want of privilege, and let the lease run
+/// out under a live handler. It is checked before it serves and refused: with the pool
+/// held, the renewal fails at once as misconfigured, saying what to do, and nothing
+/// runs on the reserve; once a pooled connection is free, renewals hold again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reserve_connection_without_the_pools_role_is_refused_not_used() {
+    use tower_idempotency::store::StoreErrorKind;
+    let schema = TestSchema::new();
+    schema.store().await;
+    let (writer, login) = roles_for_set_role(&schema).await;
+    let store = store_acting_as(&schema, &login, &writer, Duration::from_millis(200), false);
+    let scope = Scope::new("s");
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint([1; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+    };
+    let Claim::Acquired(lease) = store.claim(&request).await.expect("a claim") else {
+        panic!("the key was not acquired");
+    };
+    let mut held = Vec::new();
+    for _ in 0..store.pool().status().max_size {
+        held.push(store.pool().get().await.expect("a pooled connection"));
+    }
+    for _ in 0..2 {
+        let refused = store.renew(&lease, Duration::from_secs(30)).await;
+        let e = refused.expect_err("renewed as the login role");
+        assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
+        assert!(e.to_string().contains("with_session_setup"), "{e}");
+    }
+    assert_eq!(store.metrics().reserve_statements, 0);
+    drop(held);
+    let renewed = store.renew(&lease, Duration::from_secs(30)).await;
+    assert!(renewed.expect("a renewal").is_kept());
+}
+
+/// Batched claims and shared claim connections both asked for: claims go in batches.
+/// A claim held up on its way (a stalled network) past its caller's store timeout and
+/// the store's wait for abandoned claims lands after that wait is over: it is released
+/// by its token once it has, so the retry runs, instead of meeting 409 for the claim's
+/// whole lease, as when such a claim went to a shared connection and was waited for
+/// only as long as a batched one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_batching_and_shared_claim_connections_a_claim_that_lands_late_is_released() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema
+        .store_at(&proxy.url(), 4)
+        .await
+        .with_shared_claim_connections(2)
+        .with_batched_claims(1, 64);
+    let layer = IdempotencyLayer::new(store.clone())
+        .store_timeout(Duration::from_millis(300))
+        .lease_duration(Duration::from_secs(600));
+    let requests = layer.shutdown_handle();
+    let (router, counter) = app(layer);
+    // The claim statement prepared on the connection the claim below takes, so that
+    // it goes out whole, in one write.
+    assert_eq!(send(&router, post("warm", "{}")).await.status, 201);
+    proxy.stall(true);
+    assert_eq!(send(&router, post("k", "{}")).await.status, 503);
+    // No new connection from here until the claim has landed: no cancel request
+    // stops it on the way, and nothing releases it before it is seen to land.
+    proxy.refuse(true);
+    // The store stops waiting for the claim it gave up on (nothing of the request is
+    // in flight then); only then does the claim go through, and land.
+    eventually(|| requests.in_flight() == 0).await;
+    proxy.stall(false);
+    wait_for_state(&schema, "k", "running").await;
+    proxy.refuse(false);
+    let created = retry_until_created(&router, "k", &[409]).await;
+    assert_eq!(created.status, 201);
+    assert_eq!(counter.runs_of("k"), 1);
+    let metrics = store.metrics();
+    assert_eq!(metrics.shared_claims, 0);
+    assert!(metrics.batched_claims >= 2, "{metrics:?}");
 }
 
 #[tokio::test]

@@ -87,6 +87,91 @@ mod memory {
     }
 }
 
+/// A store that cannot look keys up (`Store::look_up`'s default), over a memory store.
+mod without_look_up {
+    use std::{sync::Arc, time::Duration};
+
+    use tower_idempotency::{
+        IdempotencyLayer, Outcome, Principal, Scope, StoredResponse,
+        store::{BoxFuture, Claim, ClaimRequest, Fenced, Lease, MemoryStore, Store, StoreError},
+    };
+
+    use crate::common::{app, app_behind_auth, post_as, send};
+
+    struct CannotLookUp(MemoryStore);
+
+    impl Store for CannotLookUp {
+        fn claim<'a>(
+            &'a self,
+            request: &'a ClaimRequest<'a>,
+        ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+            self.0.claim(request)
+        }
+
+        fn complete<'a>(
+            &'a self,
+            lease: &'a Lease,
+            response: &'a StoredResponse,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.0.complete(lease, response, ttl)
+        }
+
+        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.0.release(lease)
+        }
+
+        fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
+            self.0.purge(batch)
+        }
+
+        fn renew<'a>(
+            &'a self,
+            lease: &'a Lease,
+            duration: Duration,
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.0.renew(lease, duration)
+        }
+    }
+
+    /// A layer in transition whose look-up under the previous scope fails answers
+    /// `503 store-unavailable` and releases its claim: it never runs a request it could
+    /// not look up. Its replays, which look up nothing, are served.
+    #[tokio::test]
+    async fn a_look_up_that_fails_is_a_503_and_runs_nothing() {
+        let memory = MemoryStore::new();
+        let (old, _) = app(IdempotencyLayer::new(memory.clone()));
+        assert_eq!(
+            send(&old, post_as("acct7.first", "old", "{}")).await.status,
+            201
+        );
+        let store: Arc<dyn Store> = Arc::new(CannotLookUp(memory.clone()));
+        let layer = IdempotencyLayer::new(store).previous_scope_with(Scope::from_authorization);
+        let (new, counter) = app_behind_auth(layer);
+        for key in ["old", "new"] {
+            let refused = send(&new, post_as("acct7.first", key, "{}")).await;
+            assert_eq!(refused.status, 503);
+            assert_eq!(refused.problem(), "store-unavailable");
+            assert_eq!(refused.outcome, Some(Outcome::StoreError));
+            assert!(refused.header("retry-after").is_some());
+            let scope = Principal::new("acct7").scope().clone();
+            assert!(
+                memory.look_up(&scope, key).await.unwrap().is_none(),
+                "{key}"
+            );
+        }
+        assert_eq!(counter.runs(), 0);
+        // A key its own scope holds is answered from there, with no look-up.
+        let (plain, counter) = app_behind_auth(IdempotencyLayer::new(memory.clone()));
+        let ran = send(&plain, post_as("acct7.first", "mine", "{}")).await;
+        assert_eq!(ran.outcome, Some(Outcome::Executed));
+        let replayed = send(&new, post_as("acct7.second", "mine", "{}")).await;
+        assert_eq!(replayed.outcome, Some(Outcome::Replayed));
+        assert_eq!(replayed.body, ran.body);
+        assert_eq!(counter.runs(), 1);
+    }
+}
+
 mod postgres {
     use std::sync::Arc;
 
@@ -113,7 +198,7 @@ mod postgres_shared {
 
     async fn make() -> (Arc<dyn Store>, TestSchema) {
         let schema = TestSchema::new();
-        let store = schema.store().await.with_shared_claim_connections(2);
+        let store = crate::common::sharing_claims(schema.store().await, 2);
         (Arc::new(store), schema)
     }
 

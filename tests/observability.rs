@@ -12,7 +12,7 @@ use std::{
 use common::{
     app,
     completions::{AlteredCompletions, Completion},
-    eventually, post, send,
+    eventually, post, post_with_headers, send,
 };
 use tower_idempotency::{
     IdempotencyLayer, Scope,
@@ -35,6 +35,16 @@ struct Spans(Arc<Mutex<Vec<HashMap<String, String>>>>);
 struct Events(Arc<Mutex<Vec<HashMap<String, String>>>>);
 
 impl Events {
+    /// The events at `level` whose message contains `text`.
+    fn at(&self, level: &str, text: &str) -> Vec<HashMap<String, String>> {
+        let events = self.0.lock().unwrap();
+        events
+            .iter()
+            .filter(|e| e["level"] == level && e["message"].contains(text))
+            .cloned()
+            .collect()
+    }
+
     fn messages(&self) -> Vec<String> {
         let events = self.0.lock().unwrap();
         events.iter().map(|e| e["message"].clone()).collect()
@@ -67,6 +77,9 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Events {
     fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
         let mut fields = Fields::default();
         event.record(&mut fields);
+        fields
+            .0
+            .insert("level".to_owned(), event.metadata().level().to_string());
         if let Some(span) = ctx.event_span(event) {
             fields.0.insert("span".to_owned(), span.name().to_owned());
             if let Some(key) = span
@@ -518,4 +531,86 @@ async fn migrating_prints_no_notice_of_postgresql() {
     let printed = String::from_utf8(out.lock().unwrap().clone()).unwrap();
     assert!(printed.contains("tokio_postgres"), "{printed}");
     assert!(!printed.contains("NOTICE"), "{printed}");
+}
+
+/// What the anonymous fallback says of credentials it ignores: once per layer, at
+/// `warn`, naming the route, the header and the fix. A request with a principal, or a
+/// header not named as a credential, says nothing.
+#[tokio::test]
+async fn credentials_the_anonymous_scope_ignores_are_warned_of_once_per_layer() {
+    let (_spans, events, _guard) = recording();
+    const IGNORED: &str = "does not scope by";
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()));
+    send(&router, post_with_headers("a", &[("cookie", "session=1")])).await;
+    send(&router, post_with_headers("b", &[("cookie", "session=2")])).await;
+    send(&router, post_with_headers("c", &[("x-api-key", "k-1")])).await;
+    let warned = events.at("WARN", IGNORED);
+    assert_eq!(warned.len(), 1, "{:#?}", events.0.lock().unwrap());
+    assert_eq!(warned[0]["route"], "/payments");
+    assert_eq!(warned[0]["header"], "cookie");
+    assert!(warned[0]["message"].contains("Principal"), "{warned:?}");
+
+    // Another layer warns of its own, here of an API key.
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()));
+    send(&router, post_with_headers("a", &[("x-api-key", "k-1")])).await;
+    let warned = events.at("WARN", IGNORED);
+    assert_eq!(warned.len(), 2);
+    assert_eq!(warned[1]["header"], "x-api-key");
+
+    // With the principal in the request, the cookie is nobody's concern.
+    let (router, _) = common::app_behind_auth(IdempotencyLayer::new(MemoryStore::new()));
+    let mut req = common::post_as("acct7.first", "a", "{}");
+    req.headers_mut()
+        .insert("cookie", "session=1".parse().unwrap());
+    send(&router, req).await;
+    // Nor is a header the app does not name, where it names its own.
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .credential_headers([http::HeaderName::from_static("x-session")]);
+    let (router, _) = app(layer);
+    send(&router, post_with_headers("a", &[("cookie", "session=1")])).await;
+    assert_eq!(events.at("WARN", IGNORED).len(), 2);
+    send(&router, post_with_headers("b", &[("x-session", "s-1")])).await;
+    let warned = events.at("WARN", IGNORED);
+    assert_eq!(warned.len(), 3);
+    assert_eq!(warned[2]["header"], "x-session");
+}
+
+/// The `Authorization` hash, taken by default, says once per layer that a refreshed
+/// token is a new scope; chosen on purpose (`scope_with`), it says nothing.
+#[tokio::test]
+async fn the_authorization_hash_taken_by_default_is_warned_of_once() {
+    let (_spans, events, _guard) = recording();
+    const HASHED: &str = "hash of its Authorization header";
+    let with_token = |key: &str| post_with_headers(key, &[("authorization", "Bearer t-1")]);
+    let (router, _) = app(IdempotencyLayer::new(MemoryStore::new()));
+    send(&router, with_token("a")).await;
+    send(&router, with_token("b")).await;
+    let warned = events.at("WARN", HASHED);
+    assert_eq!(warned.len(), 1, "{:#?}", events.0.lock().unwrap());
+    assert_eq!(warned[0]["route"], "/payments");
+    assert!(warned[0]["message"].contains("Principal"), "{warned:?}");
+    assert!(!warned[0]["message"].contains("t-1"), "{warned:?}");
+    let chosen = IdempotencyLayer::new(MemoryStore::new()).scope_with(Scope::from_authorization);
+    let (router, _) = app(chosen);
+    send(&router, with_token("a")).await;
+    let (router, _) = common::app_behind_auth(IdempotencyLayer::new(MemoryStore::new()));
+    send(&router, common::post_as("acct7.first", "a", "{}")).await;
+    assert_eq!(events.at("WARN", HASHED).len(), 1);
+}
+
+/// A request refused for want of a principal (`require_principal`) is logged at
+/// `error`, each time, with its route and the fix.
+#[tokio::test]
+async fn a_missing_principal_is_logged_at_error_with_its_route() {
+    let (_spans, events, _guard) = recording();
+    let layer = IdempotencyLayer::new(MemoryStore::new()).require_principal(true);
+    let (router, _) = common::app_with_auth_inside(layer);
+    for key in ["a", "b"] {
+        let refused = send(&router, common::post_as("acct7.first", key, "{}")).await;
+        assert_eq!(refused.status, 500);
+    }
+    let logged = events.at("ERROR", "without a Principal");
+    assert_eq!(logged.len(), 2, "{:#?}", events.0.lock().unwrap());
+    assert_eq!(logged[0]["route"], "/payments");
+    assert!(logged[0]["message"].contains("outside the idempotency layer"));
 }

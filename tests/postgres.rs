@@ -212,6 +212,46 @@ async fn a_new_key_costs_two_statements_and_a_replay_one() {
     assert_eq!(proxy.executes(), before);
 }
 
+/// A layer in transition (`previous_scope_with`) costs a replay, a 409 and a 422
+/// nothing more, and a key new in its scope one primary-key read: the look-up under the
+/// previous scope. Where the two scopes are one (no principal, no credential), nothing.
+#[tokio::test]
+async fn a_transition_costs_one_read_per_new_key_and_nothing_per_replay() {
+    let schema = TestSchema::new();
+    let proxy = PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let layer = IdempotencyLayer::new(store.clone())
+        .previous_scope_with(tower_idempotency::Scope::from_authorization);
+    let (router, _) = common::app_behind_auth(layer);
+    send(&router, common::post_as("acct7.first", "warm-up", "{}")).await;
+    let cost = |req| {
+        let (router, proxy) = (router.clone(), &proxy);
+        async move {
+            let before = proxy.executes();
+            let reply = send(&router, req).await;
+            (reply.outcome, proxy.executes() - before)
+        }
+    };
+    assert_eq!(
+        cost(common::post_as("acct7.first", "k", "{}")).await,
+        (Some(Outcome::Executed), 3),
+        "the claim, the look-up, the completion"
+    );
+    assert_eq!(
+        cost(common::post_as("acct7.second", "k", "{}")).await,
+        (Some(Outcome::Replayed), 1)
+    );
+    assert_eq!(
+        cost(common::post_as("acct7.second", "k", "{\"a\":1}")).await,
+        (Some(Outcome::Mismatch), 1)
+    );
+    assert_eq!(
+        cost(post("anonymous", "{}")).await,
+        (Some(Outcome::Executed), 2),
+        "one scope before and after: nothing to look up"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_takes_no_row_lock_and_writes_nothing() {
     let schema = TestSchema::new();
@@ -887,12 +927,8 @@ async fn shared_claim_connections_serve_concurrent_duplicates_once() {
         return;
     }
     let schema = TestSchema::new();
-    let replica = || async {
-        schema
-            .store_at(&common::database_url(), 8)
-            .await
-            .with_shared_claim_connections(2)
-    };
+    let replica =
+        || async { common::sharing_claims(schema.store_at(&common::database_url(), 8).await, 2) };
     let (a, b) = (replica().await, replica().await);
     let (router_a, counter_a) = app(IdempotencyLayer::new(a.clone()));
     let (router_b, counter_b) = app(IdempotencyLayer::new(b.clone()));
@@ -951,7 +987,7 @@ async fn a_claim_waiting_on_a_row_lock_does_not_hold_up_the_shared_connection() 
         store::{Claim, ClaimRequest, Store},
     };
     let schema = TestSchema::new();
-    let store = schema.store().await.with_shared_claim_connections(1);
+    let store = common::sharing_claims(schema.store().await, 1);
     fn request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
         ClaimRequest {
             scope,
@@ -1016,10 +1052,7 @@ async fn terminated_shared_claim_connections_are_replaced() {
         "{url}{}application_name={app_name}",
         if url.contains('?') { '&' } else { '?' }
     );
-    let store = schema
-        .store_at(&url, 4)
-        .await
-        .with_shared_claim_connections(2);
+    let store = common::sharing_claims(schema.store_at(&url, 4).await, 2);
     let scope = Scope::new("s");
     let claim = |key: String| {
         let (store, scope) = (store.clone(), scope.clone());

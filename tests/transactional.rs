@@ -717,8 +717,10 @@ async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
     eventually(|| proxy.received() > before).await;
     client.abort();
     proxy.stall(false);
-    // Its connection was closed with the transaction open: the claim rolled back, and
-    // the retry runs as a new request.
+    // Its connection was closed, and a cancel request sent: the claim rolled back with
+    // the transaction (or, had the cancel reached the BEGIN as it started, ran
+    // nowhere: `a_claim_whose_begin_fails_claims_nothing`), and the retry runs as a new
+    // request.
     let retry = common::retry_until_created_with(&router, || post_with("k", &[]), &[409]).await;
     assert_eq!(retry.outcome, Some(Outcome::Executed));
     assert_eq!(counter.runs(), 2, "the warm-up and the retry");
@@ -730,6 +732,32 @@ async fn a_client_that_hangs_up_before_its_claim_is_acquired_leaves_nothing() {
         .await,
         1
     );
+}
+
+/// The claim goes on the wire right behind its `BEGIN`, in the same round trip, as a
+/// message of its own. A `BEGIN` that fails before it runs (misspelt here; a cancel
+/// request that reaches it as it starts fails it so, as a client that hangs up while
+/// its claim is on the way sends one) leaves the session outside any transaction: the
+/// claim must claim nothing there. Run alone, it would commit the key `running`, with
+/// no transaction to roll it back and nobody to finish it, and every retry would get
+/// `409` until the lease lapsed.
+#[tokio::test]
+async fn a_claim_whose_begin_fails_claims_nothing() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 2).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    proxy.break_begin(true);
+    let failed = send(&router, post_with("k", &[])).await;
+    proxy.break_begin(false);
+    assert_eq!(failed.status, 503, "{:?}", failed.body);
+    assert_eq!(counter.runs(), 0);
+    assert_eq!(records_of(&schema, "k").await, 0, "the key was claimed");
+    // The key is free: the retry runs at once.
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 #[tokio::test]
@@ -2391,5 +2419,101 @@ async fn the_handler_s_lock_waits_keep_lock_timeout_not_the_claim_s() {
         assert_eq!(created.status, 201);
         assert_eq!(created.body, expected);
     }
+    common::idle(&store).await;
+}
+
+/// [`app`] behind the tests' authentication, outside the layer: `Bearer
+/// <account>.<secret>` names the request's principal.
+fn app_behind_auth(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
+    let (router, counter) = app(layer, table);
+    let router = router.layer(axum::middleware::from_fn(common::authenticate));
+    (router, counter)
+}
+
+/// In transactional mode too, keys are scoped by the principal: a retry with a
+/// refreshed token is replayed and writes nothing; another account's key is its own.
+#[tokio::test]
+async fn a_refreshed_token_is_replayed_in_transactional_mode() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let layer = IdempotencyLayer::transactional(store.clone()).require_principal(true);
+    let (router, counter) = app_behind_auth(layer, &table);
+    let first = send(&router, common::post_as("acct7.first", "k", "{}")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let refreshed = send(&router, common::post_as("acct7.second", "k", "{}")).await;
+    assert_eq!(refreshed.outcome, Some(Outcome::Replayed));
+    assert_eq!(refreshed.body, first.body);
+    let other = send(&router, common::post_as("acct8.x", "k", "{}")).await;
+    assert_eq!(other.outcome, Some(Outcome::Executed));
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(rows_in(&schema, &table).await, 2);
+    let scopes = schema
+        .query(&format!(
+            "SELECT scope FROM \"{}\".idempotency_keys WHERE key = 'k' ORDER BY scope",
+            schema.name
+        ))
+        .await;
+    let scopes: Vec<String> = scopes.iter().map(|r| r.get(0)).collect();
+    assert_eq!(scopes, ["principal:acct7", "principal:acct8"]);
+    common::idle(&store).await;
+}
+
+/// A deploy of transactional mode that starts scoping by principal where it scoped by
+/// the `Authorization` hash: a retry of a request committed before is replayed, its
+/// claim under the principal rolled back, and the handler writes nothing again; a key
+/// the old scope never had runs. The transition costs a replay nothing: one read more
+/// for a new key only.
+#[tokio::test]
+async fn an_upgrade_to_principals_replays_keys_committed_under_the_authorization_hash() {
+    let schema = TestSchema::new();
+    let (proxy, store, table) = through_proxy(&schema, 1).await;
+    let (old, old_counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    let first = send(&old, common::post_as("acct7.first", "done", "{}")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+
+    let layer = IdempotencyLayer::transactional(store.clone())
+        .require_principal(true)
+        .previous_scope_with(tower_idempotency::Scope::from_authorization);
+    let (new, counter) = app_behind_auth(layer, &table);
+    let commits = proxy.commits();
+    let retry = send(&new, common::post_as("acct7.first", "done", "{}")).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    let other = send(&new, common::post_as("acct7.first", "done", "{\"a\":1}")).await;
+    assert_eq!(other.status, 422);
+    assert_eq!(other.problem(), "key-reused");
+    assert_eq!(counter.runs(), 0);
+    assert_eq!(proxy.commits(), commits, "nothing committed");
+    assert_eq!(rows_in(&schema, &table).await, 1);
+    assert_eq!(
+        records_of(&schema, "done").await,
+        1,
+        "the new claims rolled back"
+    );
+
+    // What a new key and a replay cost without the transition, on the old layer...
+    let cost = |router: Router, token: &'static str, key: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let before = proxy.executes();
+            let reply = send(&router, common::post_as(token, key, "{}")).await;
+            (reply, proxy.executes() - before)
+        }
+    };
+    let (_, new_key) = cost(old.clone(), "acct7.first", "before").await;
+    let (_, replay) = cost(old.clone(), "acct7.first", "before").await;
+    // ...and with it: one read more for a key new in both scopes (once its statement is
+    // prepared on the connection), nothing for a replay.
+    cost(new.clone(), "acct7.first", "warm-up").await;
+    let (fresh, with_transition) = cost(new.clone(), "acct7.first", "fresh").await;
+    assert_eq!(fresh.outcome, Some(Outcome::Executed));
+    assert_eq!(with_transition, new_key + 1);
+    let (again, with_transition) = cost(new.clone(), "acct7.second", "fresh").await;
+    assert_eq!(again.outcome, Some(Outcome::Replayed));
+    assert_eq!(again.body, fresh.body);
+    assert_eq!(with_transition, replay);
+    assert_eq!((counter.runs(), old_counter.runs()), (2, 2));
+    assert_eq!(rows_in(&schema, &table).await, 4);
     common::idle(&store).await;
 }

@@ -1,7 +1,19 @@
 //! What the benchmarks share: a database of their own, so that its commit counters
-//! count the benchmark alone.
+//! count the benchmark alone, and paths taken from the repository's root.
+
+use std::path::{Path, PathBuf};
 
 use tokio_postgres::NoTls;
+
+/// `path` from the repository's root (absolute paths as they are), wherever the
+/// benchmark runs: `cargo bench -p benches` runs it in `benches/`, and
+/// `BENCH_OUT_DIR=target/bench` means the repository's `target/bench`.
+pub(crate) fn in_repository(path: impl AsRef<Path>) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the benchmarks' crate is a directory of the repository")
+        .join(path)
+}
 
 /// The benchmark database, created if missing (and then dropped by `drop_if_created`),
 /// with a connection to the maintenance database `postgres` to manage and observe it.

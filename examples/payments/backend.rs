@@ -98,6 +98,34 @@ impl<V: Clone> Ledger<V> {
     }
 }
 
+/// `e` as the demo prints it: the database's message and SQLSTATE (and its detail and
+/// hint) for an error of the demo's own statements, which the driver's `Display` leaves
+/// out ("db error"); the idempotency store's errors say so themselves.
+pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let Some(db) = e
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::as_db_error)
+    else {
+        return e.to_string();
+    };
+    let mut shown = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+    if let Some(detail) = db.detail() {
+        shown.push_str(&format!("; detail: {detail}"));
+    }
+    if let Some(hint) = db.hint() {
+        shown.push_str(&format!("; hint: {hint}"));
+    }
+    shown
+}
+
+/// The idempotency store's migrations as SQL, for `schema`. Nothing connects: without
+/// a database URL, any will do.
+pub(crate) fn migration_sql(url: Option<&str>, schema: &str) -> Result<String, Error> {
+    let url = url.unwrap_or("postgres://localhost/postgres");
+    let store = PostgresStore::connect(url)?.with_schema_name(schema)?;
+    Ok(store.migration_sql())
+}
+
 /// Runs `sql` on `client`: prepared once per connection, or, behind a transaction
 /// pooler (`pooled`), unnamed, as the store's statements are there
 /// (`PostgresStore::with_transaction_pooling`).

@@ -4,7 +4,7 @@
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
-//!     [--encryption-key HEX]
+//!     [--encryption-key HEX] [--print-migration-sql]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -19,9 +19,19 @@
 //!   `{"payment_id", "charge_id", "amount", "currency"}`. A key the fake provider
 //!   charged under for another amount or currency (its first payment failed after the
 //!   charge, and was released) gets a 422 that is not stored.
+//!   `Authorization: Bearer <account>.<secret>` names the payment's account (a
+//!   stand-in for a token check; a token without a dot names itself): keys are scoped
+//!   by account, so a retry with a refreshed token (`Bearer acct7.second` after
+//!   `Bearer acct7.first`) is replayed, and another account's key is its own. Without
+//!   `Authorization` (or with another scheme) keys are scoped as the layer does by
+//!   default.
 //! - `GET /stats` → `{"handler_runs", "psp_calls", "charges", "payments"}`.
 //! - `GET /stats/store` → the idempotency store's counters (PostgreSQL): statements,
 //!   notifications received, waiters woken by a notification or by the fallback timer.
+//!
+//! `--print-migration-sql` prints the idempotency store's migrations as SQL for
+//! `--schema` (what a team applies with its own migration tool, then checks with
+//! `PostgresStore::verify`), and exits; nothing connects.
 //!
 //! `--mode transactional` (PostgreSQL only) records the payment inside the request's
 //! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms (in
@@ -39,15 +49,16 @@ use std::{net::SocketAddr, process::ExitCode, time::Duration};
 
 use axum::{
     Json, Router,
-    extract::State,
-    http::{StatusCode, header},
+    extract::{Request, State},
+    http::{HeaderMap, StatusCode, header},
+    middleware::{self, Next},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, NoStore, encryption::EncryptionKeys, store::MemoryStore,
-    transactional::TransactionHandle,
+    IdempotencyKey, IdempotencyLayer, NoStore, Principal, encryption::EncryptionKeys,
+    store::MemoryStore, transactional::TransactionHandle,
 };
 
 use backend::{Backend, Charged};
@@ -70,9 +81,11 @@ struct Args {
     listen_url: Option<String>,
     /// Seals stored responses, and hashes keys, under this key (id 1).
     encryption_key: Option<[u8; 32]>,
+    /// Print the store's migrations as SQL, and exit.
+    print_migration_sql: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--print-migration-sql]";
 
 /// 64 hex digits as 32 bytes.
 fn parse_key(hex: &str) -> Result<[u8; 32], String> {
@@ -105,6 +118,7 @@ fn parse_args() -> Result<Args, String> {
         transaction_pooler: false,
         listen_url: None,
         encryption_key: None,
+        print_migration_sql: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -151,6 +165,7 @@ fn parse_args() -> Result<Args, String> {
             "--encryption-key" => {
                 args.encryption_key = Some(parse_key(&value("--encryption-key")?)?)
             }
+            "--print-migration-sql" => args.print_migration_sql = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -173,10 +188,22 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.print_migration_sql {
+        return match backend::migration_sql(args.database_url.as_deref(), &args.schema) {
+            Ok(sql) => {
+                print!("{sql}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("payments: {}", backend::describe(&*e));
+                ExitCode::from(2)
+            }
+        };
+    }
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("payments: {e}");
+            eprintln!("payments: {}", backend::describe(&*e));
             ExitCode::FAILURE
         }
     }
@@ -249,6 +276,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         .route("/payments", post(create_payment).route_layer(layer))
         .route("/stats", get(stats))
         .route("/stats/store", get(store_stats))
+        // Outside the idempotency layer (a `.layer` wraps the routes before it), so that
+        // the principal is in the request when the layer scopes its key.
+        .layer(middleware::from_fn(authenticate))
         .with_state(backend);
 
     let listener = tokio::net::TcpListener::bind(args.addr).await?;
@@ -341,6 +371,32 @@ impl Termination {
             SIGINT
         }
     }
+}
+
+/// The demo's authentication, a stand-in for a token check: `Authorization: Bearer
+/// <account>.<secret>` names its account, put into the request as its [`Principal`], so
+/// that the layer scopes keys by account: a client that refreshed its token retries as
+/// the same account. A request without a bearer token goes on without a principal, and
+/// its keys are scoped by the layer's default.
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    if let Some(account) = bearer_account(req.headers()) {
+        let principal = Principal::new(account);
+        req.extensions_mut().insert(principal);
+    }
+    next.run(req).await
+}
+
+/// The account a bearer token names: what comes before its first dot, or the whole
+/// token without one. `None` without a bearer token, or with an empty account.
+fn bearer_account(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = value.split_once([' ', '\t'])?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = token.trim_start();
+    let account = token.split_once('.').map_or(token, |(account, _)| account);
+    (!account.is_empty()).then_some(account)
 }
 
 /// A 422 for a body the demo cannot accept. Not stored (the layer's default for a
@@ -517,7 +573,7 @@ fn key_used_for_another_payment(amount: i64, currency: &str) -> Response {
 /// to the client; the key is released (a 5xx is not stored), so a retry with it runs
 /// again, and the provider, given the same derived key, charges once.
 fn internal(e: backend::Error) -> Response {
-    tracing::error!(error = %e, "payment failed");
+    tracing::error!(error = %backend::describe(&*e), "payment failed");
     backend_failed("the payment could not be completed; retry with the same Idempotency-Key")
 }
 
@@ -561,7 +617,7 @@ async fn stats(State(backend): State<Backend>) -> Response {
         }))
         .into_response(),
         Err(e) => {
-            tracing::error!(error = %e, "statistics unavailable");
+            tracing::error!(error = %backend::describe(&*e), "statistics unavailable");
             backend_failed("the statistics could not be read; try again")
         }
     }

@@ -5,8 +5,7 @@
 -- 0001 and 0002, plus `generation`. The primary key of a partitioned table must
 -- include the partition key, so it keeps `(scope, key)` unique per generation only:
 -- the functions of `generations.sql` keep it unique across them.
--- `{{table}}`, `{{generations}}` and `{{first_partition}}` are the validated, quoted
--- identifiers configured on the PostgresStore.
+-- {{table}}, {{generations}}, {{first_partition}}: the validated, quoted identifiers configured on the PostgresStore.
 CREATE TABLE {{table}} (
     scope        text        NOT NULL,
     key          text        NOT NULL,

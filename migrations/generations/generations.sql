@@ -1,7 +1,6 @@
 -- The functions of a table in generations (see create.sql), applied after the
--- numbered migrations. `{{…}}` are the validated, quoted identifiers configured on the
--- PostgresStore (`{{schema_literal}}` and `{{table_literal}}`: the bare names, as SQL
--- strings).
+-- numbered migrations.
+-- {{…}}: the validated, quoted identifiers configured on the PostgresStore ({{schema_literal}}, {{table_literal}}: the bare names, as SQL strings).
 
 -- Running rows, so that a generation's check for a live lease does not read its
 -- whole partition.

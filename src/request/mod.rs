@@ -1,11 +1,13 @@
-//! What a guarded request brings: its key ([`key`]), its scope ([`scope`]), its
-//! fingerprint ([`fingerprint`]) and its body, read within bounds; and what a layer
-//! leaves in its extensions ([`marks`]).
+//! What a guarded request brings: its key ([`key`]), its scope ([`scope`]; found from
+//! its [`principal`] or otherwise, [`scoping`]), its fingerprint ([`fingerprint`]) and
+//! its body, read within bounds; and what a layer leaves in its extensions ([`marks`]).
 
 pub(crate) mod fingerprint;
 pub(crate) mod key;
 mod marks;
+pub(crate) mod principal;
 pub(crate) mod scope;
+pub(crate) mod scoping;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::{Response, header};

@@ -1,18 +1,19 @@
 //! Scopes: whose keys are whose.
 //!
 //! Keys are unique per scope, never globally: two callers that happen to pick the same
-//! key get two executions and each sees only its own response. The default scope is
-//! derived from the `Authorization` header (its SHA-256, never the credential itself);
-//! requests without one share the anonymous scope `""`. Apps with tenants or users set
-//! their own with [`IdempotencyLayer::scope_with`](crate::IdempotencyLayer::scope_with).
+//! key get two executions and each sees only its own response. A request's scope is
+//! its [`Principal`](crate::Principal)'s, which the app's authentication inserts; the
+//! app's own function's ([`IdempotencyLayer::scope_with`](crate::IdempotencyLayer::scope_with));
+//! or, as fallbacks, derived from the `Authorization` header (its SHA-256, never the
+//! credential itself), or the anonymous scope `""` that requests without one share.
 //!
 //! The hash is unsalted: whoever reads the table can test guesses of a credential
 //! against it. Random API keys and tokens are beyond guessing; for passwords (`Basic`
 //! authentication), scope by the authenticated principal instead.
 //!
-//! Mind that a refreshed or rotated token changes the default scope: a retry sent with
-//! a new token is then a new request and runs again. For payments, scope by a stable
-//! principal (account, user, API key id) instead; see docs/security.md.
+//! Mind that a refreshed or rotated token changes the `Authorization` scope: a retry
+//! sent with a new token is then a new request and runs again. For payments, scope by
+//! the principal (account, user, API key id); see docs/security.md.
 
 use std::{fmt, sync::Arc};
 
@@ -56,8 +57,13 @@ impl Scope {
         &self.0
     }
 
-    /// The default scope of a request: `auth:` and the hex SHA-256 of its
-    /// `Authorization` header, or [`Scope::anonymous`] without one.
+    /// The fallback scope of a request without a [`Principal`](crate::Principal):
+    /// `auth:` and the hex SHA-256 of its `Authorization` header, or
+    /// [`Scope::anonymous`] without one. A refreshed token is a new scope. Given to
+    /// [`scope_with`](crate::IdempotencyLayer::scope_with), it keeps this scope on
+    /// purpose (for credentials that never change), without the layer's warning; given
+    /// to [`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with), it
+    /// names the scope a layer used before scoping by principal.
     ///
     /// The header is hashed as one credential, whatever its spelling: the
     /// authentication scheme is case-insensitive (RFC 9110, section 11.1), so

@@ -57,6 +57,12 @@ where
     if let Some(answer) = answer_in_clear(&config, &request, key, &lease, &in_flight).await {
         return Ok(answer);
     }
+    // Taken under this scope; the one the layer used before a deploy may hold it.
+    let previously =
+        super::previous::answer_in_lease(&config, &parts, &request, key, &lease, &in_flight);
+    if let Some(answer) = previously.await {
+        return Ok(answer);
+    }
 
     crate::request::hand_over(&mut parts.extensions, &request, key, &config, false);
     let req = Request::from_parts(parts, ReqBody::from(body));

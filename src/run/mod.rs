@@ -6,7 +6,9 @@
 //!   or refuse;
 //! - [`handler`]: the inner service called, and its response read within bounds;
 //! - [`renewal`], [`storing`], [`release`]: a lease kept while the work runs, its
-//!   result stored, its key released, each tried again while the store is away.
+//!   result stored, its key released, each tried again while the store is away;
+//! - [`previous`]: a key new in its scope looked for under the scope the layer used
+//!   before a deploy changed it.
 
 use std::{sync::Arc, time::Duration};
 
@@ -17,6 +19,7 @@ pub(crate) mod decision;
 pub(crate) mod handler;
 pub(crate) mod job;
 pub(crate) mod lease;
+pub(crate) mod previous;
 pub(crate) mod release;
 pub(crate) mod renewal;
 pub(crate) mod sealing;

@@ -1,5 +1,7 @@
-//! What a store holds for one key, read without changing it ([`Store::look_up`]): what
-//! an operator asks when a client says "what happened to my request?".
+//! What a store holds for one key, read without changing it ([`Store::look_up`]): the
+//! record a layer in transition looks for under the scope it used before
+//! ([`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with)), and what an
+//! operator asks when a client says "what happened to my request?".
 
 use std::time::Duration;
 

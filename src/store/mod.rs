@@ -34,7 +34,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::{fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{borrow::Cow, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use crate::{Fingerprint, Scope, StoredResponse};
 
@@ -50,7 +50,7 @@ pub use memory::MemoryStore;
 pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    ConfigError, GenerationRotation, PostgresStore, StoreMetrics, pool_for_url,
+    ConfigError, GenerationRotation, Migration, PostgresStore, StoreMetrics, pool_for_url,
     pool_for_url_with_tls,
 };
 
@@ -291,10 +291,20 @@ pub enum Claim {
 }
 
 /// What went wrong talking to a store.
+///
+/// Its `Display` says what happened and why: the class of the error, the cause (for
+/// [`PostgresStore`], the database's message and SQLSTATE, with its detail and hint if
+/// it gave them), and, where the store can tell the likely cause, what to do about it
+/// ([`hint`](Self::hint)):
+///
+/// ```text
+/// idempotency store misconfigured: permission denied for table idempotency_keys (SQLSTATE 42501); the app's role needs …
+/// ```
 #[derive(Debug)]
 pub struct StoreError {
     kind: StoreErrorKind,
     source: Box<dyn std::error::Error + Send + Sync>,
+    hint: Option<Cow<'static, str>>,
 }
 
 /// The class of a [`StoreError`].
@@ -307,7 +317,9 @@ pub enum StoreErrorKind {
     Unavailable,
     /// No answer within the bound (pool wait, lock wait, statement timeout).
     Timeout,
-    /// The table is missing or has the wrong shape: run `migrate()`.
+    /// The store cannot serve as it is set up: its table or functions missing or of
+    /// another shape, a right its role lacks, a transaction pooler it is not built for.
+    /// The error says which, and what to do where the store can tell.
     Misconfigured,
     /// A stored record could not be decoded.
     Corrupt,
@@ -324,12 +336,47 @@ impl StoreError {
         Self {
             kind,
             source: source.into(),
+            hint: None,
         }
+    }
+
+    /// This error, with what to do about it: for a store that can tell the likely
+    /// cause. `Display` shows it after the cause.
+    ///
+    /// ```
+    /// use tower_idempotency::store::{StoreError, StoreErrorKind};
+    ///
+    /// let e = StoreError::new(StoreErrorKind::Misconfigured, "no such table: keys")
+    ///     .with_hint("create it first");
+    /// assert_eq!(e.hint(), Some("create it first"));
+    /// assert_eq!(e.to_string(), "idempotency store misconfigured: no such table: keys; create it first");
+    /// ```
+    #[must_use]
+    pub fn with_hint(mut self, hint: impl Into<Cow<'static, str>>) -> Self {
+        self.hint = Some(hint.into());
+        self
     }
 
     /// The class of the error.
     pub fn kind(&self) -> StoreErrorKind {
         self.kind
+    }
+
+    /// What to do about it, where the store could tell the likely cause (run
+    /// `migrate()`, the rights a role lacks, a transaction pooler to configure for).
+    pub fn hint(&self) -> Option<&str> {
+        self.hint.as_deref()
+    }
+
+    /// A copy of this error, for a second caller that failed with it (errors are not
+    /// `Clone`): its kind, its hint, and its source as text, so that it reads the same.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn copied(&self) -> Self {
+        Self {
+            kind: self.kind,
+            source: self.source.to_string().into(),
+            hint: self.hint.clone(),
+        }
     }
 }
 
@@ -338,11 +385,15 @@ impl fmt::Display for StoreError {
         let what = match self.kind {
             StoreErrorKind::Unavailable => "idempotency store unavailable",
             StoreErrorKind::Timeout => "idempotency store timed out",
-            StoreErrorKind::Misconfigured => "idempotency store misconfigured (was migrate() run?)",
+            StoreErrorKind::Misconfigured => "idempotency store misconfigured",
             StoreErrorKind::Corrupt => "idempotency record corrupt",
             StoreErrorKind::Other => "idempotency store error",
         };
-        write!(f, "{what}: {}", self.source)
+        write!(f, "{what}: {}", self.source)?;
+        match &self.hint {
+            Some(hint) => write!(f, "; {hint}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -391,7 +442,9 @@ pub trait Store: Send + Sync + 'static {
     /// yet is read as it is ([`KeyRecord::is_free`] says whether a claim would take it
     /// afresh).
     ///
-    /// What an operator asks about a client's key. [`PostgresStore`] reads it in one
+    /// What a layer in transition looks for under the scope it used before
+    /// ([`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with)), and what
+    /// an operator asks about a client's key. [`PostgresStore`] reads it in one
     /// primary-key read (committed rows only: a claim still uncommitted in a
     /// transactional request is not seen). The default answers an error of kind
     /// [`Misconfigured`](StoreErrorKind::Misconfigured), for stores that cannot: a

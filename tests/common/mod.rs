@@ -84,7 +84,12 @@ pub fn url_with_options(options: &str) -> String {
 /// trusts local connections).
 #[allow(dead_code)] // not every test binary uses it
 pub fn url_as(user: &str) -> String {
-    let url = database_url();
+    with_user(&database_url(), user)
+}
+
+/// `url` as `user` (no password).
+#[allow(dead_code)] // not every test binary uses it
+pub fn with_user(url: &str, user: &str) -> String {
     let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
     let host = rest.split_once('@').map_or(rest, |(_, host)| host);
     format!("{scheme}://{user}@{host}")
@@ -291,6 +296,20 @@ pub fn batched_claims() -> Option<(usize, usize)> {
     Some((connections.trim().parse().ok()?, max.trim().parse().ok()?))
 }
 
+/// `store` with its lease-mode claims on `n` shared connections
+/// (`with_shared_claim_connections`), and not batched, whatever `TI_BATCHED_CLAIMS`
+/// says: batching turns shared claim connections off, and a test of them must run
+/// with them. `store` itself with `n` = 0.
+#[allow(dead_code)] // not every test binary uses it
+pub fn sharing_claims(store: PostgresStore, n: usize) -> PostgresStore {
+    if n == 0 {
+        return store;
+    }
+    store
+        .with_batched_claims(0, 1)
+        .with_shared_claim_connections(n)
+}
+
 /// A schema of its own for one test, dropped (with everything in it) when the test
 /// ends, whether it passed or panicked.
 pub struct TestSchema {
@@ -477,6 +496,23 @@ impl TestDatabase {
     }
 }
 
+#[allow(dead_code)] // not every test binary uses it
+impl TestDatabase {
+    /// [`url`](Self::url) as `user` (no password: for a role of the test's own).
+    pub fn url_as(&self, user: &str) -> String {
+        with_user(&self.url(), user)
+    }
+
+    /// Runs `sql` in this database as the server's superuser (grants, say).
+    pub async fn run(&self, sql: &str) {
+        let (client, conn) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect to the test's database");
+        tokio::spawn(conn);
+        client.batch_execute(sql).await.expect("as the superuser");
+    }
+}
+
 impl Drop for TestDatabase {
     fn drop(&mut self) {
         let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
@@ -625,6 +661,71 @@ pub fn app(layer: IdempotencyLayer) -> (Router, Counter) {
         .layer(layer)
         .with_state(counter.clone());
     (router, counter)
+}
+
+/// The app's authentication, as the tests stand it in: `Authorization: Bearer
+/// <account>.<secret>` names its account (a token without a dot names itself), put into
+/// the request as its [`Principal`](tower_idempotency::Principal). A request without a
+/// bearer token goes on without one.
+pub async fn authenticate(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let account = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|token| token.split('.').next().unwrap_or(token).to_owned());
+    if let Some(account) = account {
+        req.extensions_mut()
+            .insert(tower_idempotency::Principal::new(account));
+    }
+    next.run(req).await
+}
+
+/// [`app`] behind [`authenticate`], which is outside the layer (a `.layer` added after
+/// it), as an app must put its authentication.
+pub fn app_behind_auth(layer: IdempotencyLayer) -> (Router, Counter) {
+    let (router, counter) = app(layer);
+    (
+        router.layer(axum::middleware::from_fn(authenticate)),
+        counter,
+    )
+}
+
+/// [`app_behind_auth`] with the layer on the route (`route_layer`) instead of the router.
+pub fn route_behind_auth(layer: IdempotencyLayer) -> (Router, Counter) {
+    let counter = Counter::default();
+    let router = Router::new()
+        .route(
+            "/payments",
+            axum::routing::post(create).patch(create).route_layer(layer),
+        )
+        .layer(axum::middleware::from_fn(authenticate))
+        .with_state(counter.clone());
+    (router, counter)
+}
+
+/// [`app`] with [`authenticate`] inside the layer (a `.layer` added before it): the
+/// mistake an app can make, where the layer sees no principal.
+pub fn app_with_auth_inside(layer: IdempotencyLayer) -> (Router, Counter) {
+    let counter = Counter::default();
+    let router = Router::new()
+        .route("/payments", axum::routing::post(create))
+        .layer(axum::middleware::from_fn(authenticate))
+        .layer(layer)
+        .with_state(counter.clone());
+    (router, counter)
+}
+
+/// `POST /payments` with `key` and `body`, sent with `Authorization: Bearer <token>`.
+pub fn post_as(token: &str, key: &str, body: &str) -> Request<Body> {
+    req("POST")
+        .header("idempotency-key", key)
+        .header("authorization", format!("Bearer {token}"))
+        .body(Body::from(body.to_owned()))
+        .expect("request")
 }
 
 /// Polls until `f` holds, at most ~10 s: a bounded wait, not a timing claim.

@@ -1,8 +1,8 @@
 //! A TCP proxy between a pool and PostgreSQL that reads the wire protocol: it counts the
 //! statements executed (`Execute` and simple `Query` messages, not `Parse`), and can
 //! stall traffic, drop the connections open at a moment silently, lose a `COMMIT` or
-//! its answer, hold one connection at its `COMMIT` or `ROLLBACK`, make `LISTEN` fail or
-//! listen elsewhere, or refuse new ones.
+//! its answer, hold one connection at its `COMMIT` or `ROLLBACK`, make `LISTEN` or
+//! `BEGIN` fail, make `LISTEN` listen elsewhere, or refuse new ones.
 
 use std::{
     net::SocketAddr,
@@ -47,6 +47,9 @@ struct Shared {
     breaking_listen: AtomicBool,
     /// While set, `LISTEN` reaches the server on another channel, and succeeds there.
     deafening_listen: AtomicBool,
+    /// While set, a simple query that starts with `BEGIN` reaches the server misspelt,
+    /// and fails there.
+    breaking_begin: AtomicBool,
     /// Bumped to close every open connection at once.
     cuts: tokio::sync::watch::Sender<u64>,
 }
@@ -96,6 +99,7 @@ impl PgProxy {
             lose_commit_reply: AtomicBool::new(false),
             breaking_listen: AtomicBool::new(false),
             deafening_listen: AtomicBool::new(false),
+            breaking_begin: AtomicBool::new(false),
             drop_commit: AtomicBool::new(false),
             hold_commit: AtomicU8::new(NO_HOLD),
             hold_rollback: AtomicU8::new(NO_HOLD),
@@ -264,6 +268,15 @@ impl PgProxy {
         self.shared.breaking_listen.store(on, Ordering::SeqCst);
     }
 
+    /// While `on`, every simple query that starts with `BEGIN` fails at the server, with
+    /// a syntax error (the proxy misspells it on the way), before any of its statements
+    /// runs: as one fails that a cancel request reaches as it starts (PostgreSQL checks
+    /// for one before each statement of a query). The session lives on, outside any
+    /// transaction.
+    pub fn break_begin(&self, on: bool) {
+        self.shared.breaking_begin.store(on, Ordering::SeqCst);
+    }
+
     /// While `on`, every `LISTEN` succeeds on another channel than the one it names:
     /// the connection answers every statement, and hears no notification, as through
     /// a transaction-pooling PgBouncer.
@@ -354,6 +367,18 @@ async fn pump_frontend(
             // Same length, so the message's framing holds.
             if let Some(at) = buf[..n].windows(8).position(|w| w == b"LISTEN \"") {
                 buf[at + 5] = b'X';
+            }
+        }
+        if s.breaking_begin.load(Ordering::SeqCst) {
+            // A simple query's text starts after its type and length: same length.
+            let begins: Vec<usize> = buf[..n]
+                .windows(10)
+                .enumerate()
+                .filter(|(_, w)| w[0] == b'Q' && w[5..] == *b"BEGIN")
+                .map(|(at, _)| at)
+                .collect();
+            for at in begins {
+                buf[at + 9] = b'X';
             }
         }
         if s.deafening_listen.load(Ordering::SeqCst) {

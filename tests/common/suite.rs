@@ -17,7 +17,8 @@ macro_rules! layer_suite {
 
             use $crate::common::completions::{AlteredCompletions, Completion};
             use $crate::common::{
-                app, eventually, in_flight, post, post_with_headers, req, retry_until_created, send,
+                app, app_behind_auth, app_with_auth_inside, eventually, in_flight, post, post_as,
+                post_with_headers, req, retry_until_created, route_behind_auth, send,
             };
 
             async fn layer() -> (IdempotencyLayer, Arc<dyn Store>, impl Sized) {
@@ -713,6 +714,149 @@ macro_rules! layer_suite {
                 // The credential is not.
                 assert_eq!(send(&router, with("Bearer TOK-123")).await.status, 201);
                 assert_eq!(counter.runs(), 2);
+            }
+
+            /// A client whose answer was lost refreshes its token and retries with the
+            /// same key: the same account, so the same request, replayed. Another
+            /// account's key is its own, whatever the layer's `scope_with` says.
+            async fn a_refreshed_token_is_the_same_account(
+                (router, counter): (axum::Router, $crate::common::Counter),
+                k: &str,
+            ) {
+                let body = "{\"amount\":1000}";
+                let first = send(&router, post_as("acct7.first", k, body)).await;
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let refreshed = send(&router, post_as("acct7.second", k, body)).await;
+                assert_eq!(refreshed.outcome, Some(Outcome::Replayed));
+                assert_eq!(refreshed.body, first.body);
+                assert_eq!(counter.runs(), 1);
+                let other = send(&router, post_as("acct8.x", k, body)).await;
+                assert_eq!(other.outcome, Some(Outcome::Executed));
+                assert_ne!(other.body, first.body);
+                // And without a principal, the key is the anonymous scope's own.
+                let anonymous = send(&router, post(k, body)).await;
+                assert_eq!(anonymous.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 3);
+                let again = send(&router, post_as("acct8.y", k, body)).await;
+                assert_eq!(again.body, other.body);
+                assert_eq!(counter.runs(), 3);
+            }
+
+            #[tokio::test]
+            async fn keys_are_scoped_by_the_principal_not_by_the_token() {
+                let (layer, store, _g) = layer().await;
+                a_refreshed_token_is_the_same_account(app_behind_auth(layer), "k1").await;
+                // The principal comes before the app's scope function.
+                let shared = IdempotencyLayer::new(store.clone()).scope_with(|_| Scope::new("all"));
+                a_refreshed_token_is_the_same_account(app_behind_auth(shared), "k2").await;
+                // A layer on the route reads it the same.
+                let on_route = IdempotencyLayer::new(store).scope_with(|_| Scope::new("route"));
+                a_refreshed_token_is_the_same_account(route_behind_auth(on_route), "k3").await;
+            }
+
+            /// `require_principal(true)`: a layer the authentication is not in front of
+            /// answers `500 misconfigured`, runs nothing and keeps nothing; placed
+            /// right, it serves.
+            #[tokio::test]
+            async fn a_required_principal_missing_is_500_misconfigured_and_runs_nothing() {
+                let (layer, store, _g) = layer().await;
+                let layer = layer.require_principal(true).require_key(true);
+                let (wrong, counter) = app_with_auth_inside(layer.clone());
+                let refused = send(&wrong, post_as("acct7.first", "k", "{}")).await;
+                assert_eq!(refused.status, 500);
+                assert_eq!(refused.problem(), "misconfigured");
+                assert_eq!(refused.outcome, Some(Outcome::Rejected));
+                assert_eq!(refused.header("cache-control"), Some("no-store"));
+                assert_eq!(counter.runs(), 0);
+                let hashed = {
+                    let (parts, _) = post_as("acct7.first", "k", "{}").into_parts();
+                    Scope::from_authorization(&parts)
+                };
+                for scope in [hashed, Scope::anonymous()] {
+                    assert!(store.look_up(&scope, "k").await.unwrap().is_none());
+                }
+                // A request the layer does not guard passes as ever: a key is checked
+                // first.
+                let keyless = req("POST").body(Body::from("{}")).unwrap();
+                assert_eq!(send(&wrong, keyless).await.problem(), "key-missing");
+                assert_eq!(counter.runs(), 0);
+                // The authentication outside it: the key runs once, scoped by account.
+                let (right, counter) = app_behind_auth(layer);
+                let ran = send(&right, post_as("acct7.first", "k", "{}")).await;
+                assert_eq!(ran.outcome, Some(Outcome::Executed));
+                let replayed = send(&right, post_as("acct7.second", "k", "{}")).await;
+                assert_eq!(replayed.outcome, Some(Outcome::Replayed));
+                assert_eq!(counter.runs(), 1);
+            }
+
+            /// A deploy that starts scoping by principal where the layer scoped by the
+            /// `Authorization` hash: a retry of a request the old layer ran is
+            /// replayed, one of a request it still runs gets 409, another request
+            /// under its key 422; only a key the old scope never had runs. Without the
+            /// transition setting, the retry would run again.
+            #[tokio::test]
+            async fn an_upgrade_to_principals_replays_keys_stored_under_the_authorization_hash() {
+                let (old_layer, store, _g) = layer().await;
+                let old_layer = old_layer.lease_duration(Duration::from_secs(60));
+                let (old, old_counter) = app(old_layer);
+                let body = "{\"amount\":1000}";
+                let first = send(&old, post_as("acct7.first", "done", body)).await;
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let held = post_as("acct7.first", "running", "{}");
+                let (parts, _) = held.into_parts();
+                let mut held = axum::http::Request::from_parts(parts, Body::from("{}"));
+                held.headers_mut().insert("x-held", "1".parse().unwrap());
+                let running = in_flight(&old, held, &old_counter).await;
+
+                let new_layer = IdempotencyLayer::new(store.clone())
+                    .require_principal(true)
+                    .previous_scope_with(Scope::from_authorization);
+                let (new, counter) = app_behind_auth(new_layer);
+                let retry = send(&new, post_as("acct7.first", "done", body)).await;
+                assert_eq!(retry.outcome, Some(Outcome::Replayed));
+                assert_eq!(retry.body, first.body);
+                assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+                let principal = tower_idempotency::Principal::new("acct7");
+                // The claim it took under the principal is let go.
+                assert!(
+                    store
+                        .look_up(principal.scope(), "done")
+                        .await
+                        .unwrap()
+                        .is_none()
+                );
+                let other = send(&new, post_as("acct7.first", "done", "{\"amount\":1}")).await;
+                assert_eq!(other.status, 422);
+                assert_eq!(other.problem(), "key-reused");
+                let dup = send(&new, post_as("acct7.first", "running", "{}")).await;
+                assert_eq!(dup.status, 409);
+                assert_eq!(dup.problem(), "in-progress");
+                assert_eq!(counter.runs(), 0);
+                assert!(
+                    store
+                        .look_up(principal.scope(), "running")
+                        .await
+                        .unwrap()
+                        .is_none()
+                );
+                old_counter.let_go(1);
+                let ran = running.await.unwrap();
+                assert_eq!(ran.status, 201);
+                let after = send(&new, post_as("acct7.first", "running", "{}")).await;
+                assert_eq!(after.outcome, Some(Outcome::Replayed));
+                assert_eq!(after.body, ran.body);
+                // A key the old scope never had runs, under the principal, once.
+                let fresh = send(&new, post_as("acct7.first", "fresh", "{}")).await;
+                assert_eq!(fresh.outcome, Some(Outcome::Executed));
+                let refreshed = send(&new, post_as("acct7.second", "fresh", "{}")).await;
+                assert_eq!(refreshed.outcome, Some(Outcome::Replayed));
+                assert_eq!((counter.runs(), old_counter.runs()), (1, 2));
+
+                // The same deploy without the setting runs the retry a second time.
+                let (unaware, unaware_counter) = app_behind_auth(IdempotencyLayer::new(store));
+                let again = send(&unaware, post_as("acct7.first", "done", body)).await;
+                assert_eq!(again.outcome, Some(Outcome::Executed));
+                assert_eq!(unaware_counter.runs(), 1);
             }
 
             /// `Store::look_up` reads a key's record and changes nothing.

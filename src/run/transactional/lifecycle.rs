@@ -15,8 +15,8 @@ use crate::{
     store::{
         Claim, ClaimRequest, Fenced, Lease, PostgresStore, StoreErrorKind,
         transaction::{
-            Backend, Checkout, Resolution, again_if_it_lost_a_race, begin, commit_on,
-            connection_lost, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
+            Backend, Checkout, Resolution, again_if_it_lost_a_race, commit_on, connection_lost,
+            describe, in_an_aborted_transaction, roll_back_keeping, roll_back_or_close,
             statement_cancelled,
         },
     },
@@ -106,7 +106,6 @@ async fn claim_in(
             return Opened::Unavailable;
         }
     };
-    let begin = begin("", claim_wait);
     let claimed = timeout(store_timeout + claim_wait, async {
         let client = &*conn;
         // Where transactions default to repeatable read or serializable, a duplicate
@@ -115,7 +114,6 @@ async fn claim_in(
         let mut again = false;
         again_if_it_lost_a_race(|| {
             let retry = std::mem::replace(&mut again, true);
-            let begin = &begin;
             async move {
                 if retry {
                     store.send_rollback(client).await?;
@@ -123,7 +121,7 @@ async fn claim_in(
                 let token = crate::store::FencingToken::fresh();
                 let then = (claim_wait != lock_timeout).then_some(lock_timeout);
                 store
-                    .begin_and_claim(client, begin, request, token, then)
+                    .begin_and_claim(client, claim_wait, request, token, then)
                     .await
             }
         })
@@ -344,7 +342,7 @@ async fn complete_and_commit(
         Err(_) => Err("no answer in time".to_owned()),
     };
     let committed = match committed {
-        Ok(committed) => committed.map_err(|e| e.to_string()),
+        Ok(committed) => committed.map_err(|e| describe(&e)),
         Err(_) => Err("no answer in time".to_owned()),
     };
     if lost {

@@ -194,6 +194,19 @@ where
             return Ok(shutting_down(&config.problems));
         }
         Opened::Acquired(conn, claimed) => {
+            // Claimed under this scope; the one the layer used before a deploy may hold
+            // the key. Rolled back, the claim is let go.
+            if let Some(answer) = answer_in_clear(&config, &store, &conn, &request, key).await {
+                roll_back_or_close(conn, store_timeout).await;
+                return Ok(answer);
+            }
+            let previously = super::previous::answer_in_transaction(
+                &config, &store, &conn, &parts, &request, key,
+            );
+            if let Some(answer) = previously.await {
+                roll_back_or_close(conn, store_timeout).await;
+                return Ok(answer);
+            }
             // Until now, dropping the request dropped its connection, which rolled
             // back anything claimed; from now on it finishes even if its client goes.
             handoff.hold();
@@ -212,11 +225,6 @@ where
             return Ok(in_progress(&config.problems, hint, hint));
         }
     };
-
-    if let Some(answer) = answer_in_clear(&config, &store, &conn, &request, key).await {
-        roll_back_or_close(conn, store_timeout).await;
-        return Ok(answer);
-    }
 
     let (handle, slot) = TransactionHandle::holding(conn);
     parts.extensions.insert(handle);

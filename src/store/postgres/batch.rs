@@ -171,12 +171,6 @@ impl Drop for Landed {
     }
 }
 
-/// A copy of `e` for another claim of its batch (errors are not `Clone`): its kind
-/// and its message.
-fn copy(e: &StoreError) -> StoreError {
-    StoreError::new(e.kind(), e.to_string())
-}
-
 impl Batcher {
     /// `connections` batching connections, `max_claims` (at least 1) per statement.
     pub(super) fn new(connections: usize, max_claims: usize) -> Self {
@@ -355,7 +349,7 @@ async fn send_batch(
     let client = match client {
         Ok(client) => client,
         Err(e) => {
-            answer_all(replies, &|| Answer::Failed(copy(&e)));
+            answer_all(replies, &|| Answer::Failed(e.copied()));
             return;
         }
     };

@@ -186,9 +186,7 @@ async fn send_batch(store: PostgresStore, mut members: Vec<Member>) {
         Ok(client) => client,
         Err(e) => {
             for m in members {
-                let _ = m
-                    .reply
-                    .send(Done::Failed(StoreError::new(e.kind(), e.to_string())));
+                let _ = m.reply.send(Done::Failed(e.copied()));
             }
             return;
         }

@@ -24,6 +24,17 @@ use crate::{
     store::{Claim, ClaimRequest, Fenced, FencingToken, Lease, StoreError, StoreErrorKind},
 };
 
+/// Where a claim runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Within {
+    /// Its own statement, committed as it ends (lease mode).
+    Alone,
+    /// The transaction that the `BEGIN` sent with it opened (transactional mode): it
+    /// claims nothing, and returns no row, if that transaction did not begin (see
+    /// `tx::Statements::claim`).
+    ItsTransaction,
+}
+
 /// How many times a claim is re-read when the row changes under it.
 pub(super) const CLAIM_ATTEMPTS: usize = 16;
 
@@ -133,10 +144,22 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: FencingToken,
     ) -> Result<(Claim, SystemTime), StoreError> {
+        self.claim_within(Within::Alone, client, req, token).await
+    }
+
+    /// [`claim_at`](Self::claim_at), `within` its own statement or the transaction a
+    /// `BEGIN` sent with it opened (see [`Within`]).
+    pub(super) async fn claim_within(
+        &self,
+        within: Within,
+        client: &ClientWrapper,
+        req: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<(Claim, SystemTime), StoreError> {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
-            if let (Some(claim), now) = self.claim_once(client, req, token).await? {
+            if let (Some(claim), now) = self.claim_once(within, client, req, token).await? {
                 return Ok((claim, now));
             }
         }
@@ -226,6 +249,7 @@ impl PostgresStore {
 
     pub(super) async fn claim_once(
         &self,
+        within: Within,
         client: &ClientWrapper,
         req: &ClaimRequest<'_>,
         token: FencingToken,
@@ -233,10 +257,14 @@ impl PostgresStore {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
         let fp: &[u8] = req.fingerprint.as_bytes();
+        let sql = match within {
+            Within::Alone => &self.sql.claim,
+            Within::ItsTransaction => &self.sql.tx.claim,
+        };
         let rows = self
             .query_on(
                 client,
-                &self.sql.claim,
+                sql,
                 &[
                     &req.scope.as_str(),
                     &req.key,
@@ -247,9 +275,16 @@ impl PostgresStore {
                 ],
             )
             .await?;
-        let row = rows
-            .first()
-            .ok_or_else(|| corrupt("the claim returned no row"))?;
+        let row = match (rows.first(), within) {
+            (Some(row), _) => row,
+            (None, Within::Alone) => return Err(corrupt("the claim returned no row")),
+            (None, Within::ItsTransaction) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the claim found no transaction of its own (its BEGIN failed), and claimed nothing",
+                ));
+            }
+        };
         match found(row, req)? {
             (Found::Claim(claim), now) => Ok((claim, now)),
             (Found::TakeOver(seen), now) => Ok((self.take_over(client, req, seen).await?, now)),

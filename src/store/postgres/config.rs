@@ -14,12 +14,13 @@ use super::{
     batch::Batcher,
     listener::Listener,
     purge::{self, BackgroundPurge},
-    reserve,
+    reserve::{self, SessionSetup, Setup},
     shared::{Opened, Shared},
     sql::Sql,
     tls::Connector,
     url::{parse_url, pool_for_url, pool_for_url_with_tls},
 };
+use crate::store::BoxFuture;
 
 /// What a [`PostgresStore`] is built with besides its pool (see `PostgresStore::build`).
 pub(super) struct Options {
@@ -35,6 +36,8 @@ pub(super) struct Options {
     generations: Option<Duration>,
     /// Batched claims: connections (0: off) and claims per statement.
     batching: (usize, usize),
+    /// What the app runs on each reserve connection (`with_session_setup`).
+    session_setup: Option<SessionSetup>,
 }
 
 /// A rejected store setting.
@@ -109,6 +112,7 @@ impl PostgresStore {
                 transaction_pooling: false,
                 generations: None,
                 batching: (0, 0),
+                session_setup: None,
             },
         )
     }
@@ -178,6 +182,7 @@ impl PostgresStore {
                 .batcher
                 .as_ref()
                 .map_or((0, 0), |b| (b.connections(), b.max_claims())),
+            session_setup: self.reserve.session_setup(),
         }
     }
 
@@ -194,16 +199,26 @@ impl PostgresStore {
             transaction_pooling,
             generations,
             batching,
+            session_setup,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
-        // transaction pooler would hand to other clients' transactions.
-        let shared = if !transaction_pooling || shared == 0 {
-            shared
-        } else {
+        // transaction pooler would hand to other clients' transactions. With batching,
+        // claims go in batches: a store takes one path for its claims, and the wait for
+        // a claim given up on (`Store::abandoned_claim_wait`) follows it.
+        let shared = if shared == 0 {
+            0
+        } else if transaction_pooling {
             tracing::warn!(
                 "shared claim connections are off behind a transaction pooler: their session setting would leak to other clients"
             );
             0
+        } else if batching.0 > 0 {
+            tracing::warn!(
+                "shared claim connections are off with batched claims: claims go in batches"
+            );
+            0
+        } else {
+            shared
         };
         let channel = format!("{table}_done");
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
@@ -231,7 +246,6 @@ impl PostgresStore {
             purge,
             transaction_pooling,
             tx_claims,
-            sql: Arc::new(sql),
             listener: Arc::new(Listener::new(
                 listen_config.clone(),
                 channel,
@@ -245,7 +259,11 @@ impl PostgresStore {
             statements: Arc::default(),
             shared: (shared > 0).then(|| Arc::new(Shared::new(shared, Opened::ForClaims))),
             batcher: (batching.0 > 0).then(|| Arc::new(Batcher::new(batching.0, batching.1))),
-            reserve: Arc::new(Shared::new(reserve::RESERVE, Opened::Reserve)),
+            reserve: Arc::new(Shared::new(
+                reserve::RESERVE,
+                Opened::Reserve(Setup::new(session_setup, sql.reserve_check.clone())),
+            )),
+            sql: Arc::new(sql),
         }
     }
 
@@ -342,6 +360,68 @@ impl PostgresStore {
         Self::build(self.pool, options)
     }
 
+    /// Runs `setup` on each connection the store makes outside its pool, before the
+    /// connection serves: give it what the pool's `post_create` hook runs on the
+    /// pool's connections (`SET ROLE`, say), so that the statements of running claims
+    /// run as the pool's do.
+    ///
+    /// When every pooled connection is checked out, a running claim's renewals, its
+    /// completion and its release go over the store's reserve (see [`PostgresStore`]):
+    /// connections made by the pool's manager, with its configuration and TLS, but
+    /// without its hooks, which deadpool runs only on connections it makes for the pool.
+    /// A login role with no rights of its own, whose pool's hook takes on a role that
+    /// has them, would then renew as the login role, fail, and lose the lease under a
+    /// live handler: a retry would run it again. Pass the same function to both.
+    ///
+    /// Each reserve connection is checked before it serves, set up or not: its role
+    /// (`current_user`) must be allowed to read and write the table. One that is not is
+    /// closed, the reserve is refused from then on with an error in the log, and those
+    /// statements wait for the pool as they would without a reserve, failing with
+    /// [`Misconfigured`](crate::store::StoreErrorKind::Misconfigured) if none comes. A
+    /// setup that fails fails the connection in the same way. Behind a transaction
+    /// pooler a session setting does not hold, on the pool's connections nor on these:
+    /// give the role to the pooler's user instead.
+    ///
+    /// ```no_run
+    /// use deadpool_postgres::{Hook, HookError, Manager, Pool};
+    /// use tower_idempotency::store::{BoxFuture, PostgresStore};
+    ///
+    /// /// The pool's connections log in as `app_login`, which has no rights of its
+    /// /// own, and act as `app_writer`.
+    /// fn act_as_writer(
+    ///     client: &tokio_postgres::Client,
+    /// ) -> BoxFuture<'_, Result<(), tokio_postgres::Error>> {
+    ///     Box::pin(client.batch_execute("SET ROLE app_writer"))
+    /// }
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config: tokio_postgres::Config = "postgres://app_login@db.internal/payments".parse()?;
+    /// let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+    ///     .max_size(16)
+    ///     .post_create(Hook::async_fn(|client, _| {
+    ///         Box::pin(async move { act_as_writer(client).await.map_err(HookError::Backend) })
+    ///     }))
+    ///     .build()?;
+    /// let store = PostgresStore::new(pool).with_session_setup(act_as_writer);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_session_setup<F>(self, setup: F) -> Self
+    where
+        F: for<'c> Fn(
+                &'c tokio_postgres::Client,
+            ) -> BoxFuture<'c, Result<(), tokio_postgres::Error>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let options = Options {
+            session_setup: Some(Arc::new(setup)),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
     /// Runs lease mode's claims (and so its replays, 409s and 422s) on `n` connections
     /// shared by all requests, instead of on a pooled connection each; `0`, the
     /// default, turns sharing off.
@@ -370,6 +450,10 @@ impl PostgresStore {
     /// The `lock_timeout` is a session setting: connect directly or through session
     /// pooling. Behind PgBouncer's transaction pooling it would leak to other clients'
     /// transactions and not hold for the claims; leave sharing off there.
+    ///
+    /// Not with [`with_batched_claims`](Self::with_batched_claims): claims then go in
+    /// batches, and shared claim connections are off (a warning says so when the
+    /// store is built with both).
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
@@ -406,9 +490,11 @@ impl PostgresStore {
     /// each row checked by its own fencing token), on the connections a completion
     /// takes alone. Each batch of claims is sent on a pooled connection, checked out
     /// for it, so this works behind a transaction pooler too. Transactional mode,
-    /// releases and renewals are sent as before. With batching on, shared claim
-    /// connections ([`with_shared_claim_connections`](Self::with_shared_claim_connections))
-    /// are not used for claims.
+    /// releases and renewals are sent as before. Batching wins over shared claim
+    /// connections ([`with_shared_claim_connections`](Self::with_shared_claim_connections)):
+    /// with both set, in either order, claims go in batches and no shared claim
+    /// connection is opened (a warning says so), so that a claim given up on is
+    /// waited for, and released if it lands, as a batched claim is.
     ///
     /// When it pays: measured in one quiet run on two cores, at 64 concurrent requests
     /// new keys ran at twice the hand-written statements' throughput at a third of their

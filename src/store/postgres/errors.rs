@@ -1,8 +1,10 @@
-//! What a database error means: classified by SQLSTATE (never by message), and the
-//! questions the store asks of one (a lost connection, a lost race, a lock waited for),
-//! with the retry of a statement that lost a race under repeatable read or serializable.
+//! What a database error means: classified by SQLSTATE (never by message), shown with
+//! the database's own words and, where the SQLSTATE makes the cause likely, what to do
+//! about it; and the questions the store asks of one (a lost connection, a lost race, a
+//! lock waited for), with the retry of a statement that lost a race under repeatable
+//! read or serializable.
 
-use std::time::Duration;
+use std::{borrow::Cow, fmt, time::Duration};
 
 use deadpool_postgres::PoolError;
 use tokio_postgres::error::SqlState;
@@ -16,8 +18,93 @@ use crate::store::{StoreError, StoreErrorKind};
 pub(super) const RACE_BACKOFF_FIRST: Duration = Duration::from_millis(1);
 pub(super) const RACE_BACKOFF_CAP: Duration = Duration::from_millis(32);
 
-/// Classifies a database error by its SQLSTATE, never by its message.
+/// The hint of an error a transaction pooler causes in a store not built for one: a
+/// statement prepared on one server session and executed on another, where it is
+/// missing (`26000`) or another client's of the same name (`42P05`).
+const BEHIND_A_POOLER: &str = "behind a transaction-pooling proxy (PgBouncer's pool_mode = transaction)? use with_transaction_pooling(true) (docs/postgres.md, \"Behind PgBouncer\")";
+
+/// The hint of a table, column, function or schema missing while serving.
+const NOT_MIGRATED: &str = "the store's table or one of its functions is missing or out of date: run migrate(), or apply migration_sql() with your migration tool; verify() names what differs";
+
+/// The hint of a right missing while serving.
+const APP_RIGHTS: &str = "the app's role needs CONNECT on the database, USAGE on the table's schema, SELECT, INSERT, UPDATE and DELETE on the table, and EXECUTE on its functions (docs/postgres.md, \"Privileges\")";
+
+/// A database error as the store shows it: the database's message, its SQLSTATE, and
+/// its detail and hint where it gave them; or, for an error that did not come from the
+/// database (a connection refused, a TLS handshake), the driver's error and its causes.
+/// Its `source` is the driver's error.
+#[derive(Debug)]
+pub(super) struct DatabaseError(pub(super) tokio_postgres::Error);
+
+impl fmt::Display for DatabaseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        Shown(&self.0).fmt(f)
+    }
+}
+
+/// A driver's error shown as [`DatabaseError`] shows it, for a log line.
+pub(super) struct Shown<'a>(pub(super) &'a tokio_postgres::Error);
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(db) = self.0.as_db_error() {
+            write!(f, "{} (SQLSTATE {})", db.message(), db.code().code())?;
+            // Sentences of their own, their full stop left out where the next part
+            // follows.
+            if let Some(detail) = db.detail() {
+                write!(f, "; detail: {}", detail.trim_end_matches('.'))?;
+            }
+            if let Some(hint) = db.hint() {
+                write!(f, "; hint: {}", hint.trim_end_matches('.'))?;
+            }
+            return Ok(());
+        }
+        // The driver's `Display` names the kind of failure only ("error connecting to
+        // server"): its causes say which.
+        write!(f, "{}", self.0)?;
+        let mut cause = std::error::Error::source(self.0);
+        while let Some(e) = cause {
+            write!(f, ": {e}")?;
+            cause = e.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for DatabaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// `e` as the store shows it (see [`DatabaseError`]).
+pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
+    Shown(e).to_string()
+}
+
+/// Classifies a database error by its SQLSTATE, never by its message, for the
+/// statements that serve requests: a missing table or function is likely a store not
+/// migrated, a missing right a role not granted it, a missing prepared statement a
+/// transaction pooler, and the error says so.
 pub(super) fn classify(e: tokio_postgres::Error) -> StoreError {
+    classify_with(e, |code| match *code {
+        SqlState::UNDEFINED_TABLE
+        | SqlState::UNDEFINED_COLUMN
+        | SqlState::UNDEFINED_FUNCTION
+        | SqlState::INVALID_SCHEMA_NAME => Some(NOT_MIGRATED.into()),
+        SqlState::INSUFFICIENT_PRIVILEGE => Some(APP_RIGHTS.into()),
+        _ => None,
+    })
+}
+
+/// Classifies a database error by its SQLSTATE, with the hint `hint` gives for its
+/// SQLSTATE where the caller knows the likely cause (errors without one, that did not
+/// come from the database, get none). The errors of a transaction pooler get theirs
+/// whatever the caller.
+pub(super) fn classify_with(
+    e: tokio_postgres::Error,
+    hint: impl FnOnce(&SqlState) -> Option<Cow<'static, str>>,
+) -> StoreError {
     let kind = match e.code() {
         None => StoreErrorKind::Unavailable,
         Some(code) if code.code().starts_with("08") => StoreErrorKind::Unavailable,
@@ -35,12 +122,34 @@ pub(super) fn classify(e: tokio_postgres::Error) -> StoreError {
             | SqlState::UNDEFINED_FUNCTION
             | SqlState::INVALID_SCHEMA_NAME
             | SqlState::INSUFFICIENT_PRIVILEGE
+            | SqlState::INVALID_SQL_STATEMENT_NAME
+            | SqlState::DUPLICATE_PSTATEMENT
             // A table in generations claimed under repeatable read or serializable.
             | SqlState::FEATURE_NOT_SUPPORTED => StoreErrorKind::Misconfigured,
             _ => StoreErrorKind::Other,
         },
     };
-    StoreError::new(kind, e)
+    let hint = match e.code() {
+        // The store never prepares a statement with SQL (`PREPARE`): a prepared
+        // statement missing, or already there, is the driver's, prepared on one server
+        // session and executed on another.
+        Some(&SqlState::INVALID_SQL_STATEMENT_NAME | &SqlState::DUPLICATE_PSTATEMENT) => {
+            Some(BEHIND_A_POOLER.into())
+        }
+        Some(code) => hint(code),
+        None => None,
+    };
+    let error = StoreError::new(kind, DatabaseError(e));
+    match hint {
+        Some(hint) => error.with_hint(hint),
+        None => error,
+    }
+}
+
+/// A database error of a statement whose failure means the database could not be
+/// reached (a `BEGIN`, a `ROLLBACK`), whatever its SQLSTATE.
+pub(super) fn unavailable(e: tokio_postgres::Error) -> StoreError {
+    StoreError::new(StoreErrorKind::Unavailable, DatabaseError(e))
 }
 
 pub(super) fn classify_pool(e: PoolError) -> StoreError {
@@ -55,8 +164,8 @@ pub(super) fn classify_pool(e: PoolError) -> StoreError {
 /// The SQLSTATE of the database error behind `e`, if there is one.
 pub(super) fn sqlstate(e: &StoreError) -> Option<&SqlState> {
     e.source
-        .downcast_ref::<tokio_postgres::Error>()
-        .and_then(tokio_postgres::Error::code)
+        .downcast_ref::<DatabaseError>()
+        .and_then(|e| e.0.code())
 }
 
 /// Whether `e` is a statement refused because an earlier one failed in its transaction
@@ -125,8 +234,8 @@ pub(super) fn race_backoff(losses: usize, random: u64) -> Duration {
 /// Whether `e` ended its connection ([`connection_lost`]).
 pub(super) fn lost_its_connection(e: &StoreError) -> bool {
     e.source
-        .downcast_ref::<tokio_postgres::Error>()
-        .is_some_and(connection_lost)
+        .downcast_ref::<DatabaseError>()
+        .is_some_and(|e| connection_lost(&e.0))
 }
 
 /// Whether `e` ended the connection: an I/O error or a closed connection (no

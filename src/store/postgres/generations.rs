@@ -19,7 +19,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio_postgres::types::Type;
 
-use super::{Checkout, tls::Connector};
+use super::{Checkout, errors::describe, tls::Connector};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// The version `<table>_migrations` records once the generations' functions are
@@ -29,7 +29,8 @@ pub(super) const VERSION: i32 = 1001;
 /// The partitioned table, made instead of 0001's when it does not exist yet.
 const CREATE: &str = include_str!("../../../migrations/generations/create.sql");
 
-/// The functions of a table in generations, applied as [`VERSION`].
+/// The functions of a table in generations, applied as [`VERSION`] after the numbered
+/// migrations (`migrate::scripts`).
 pub(super) const FUNCTIONS: &str = include_str!("../../../migrations/generations/generations.sql");
 
 /// How long emptying a generation waits for the lock of its partition (claims and
@@ -262,27 +263,27 @@ impl Rotator {
     }
 }
 
-/// What went wrong, with the server's message if it sent one.
-fn describe(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => format!("{e}: {}", db.message()),
-        None => e.to_string(),
-    }
-}
-
 /// A pooled connection, closed (its statement cancelled) if dropped before it is done.
 async fn checkout(pool: &Pool, connector: Option<&Connector>) -> Result<Checkout, String> {
     let client = pool.get().await.map_err(|e| e.to_string())?;
     Ok(Checkout(Some(client), connector.cloned()))
 }
 
+/// The statements that create the table in generations, with `names` in place.
+pub(super) fn create_sql(names: &Names) -> String {
+    names
+        .render(&super::migrate::without_notes(CREATE))
+        .replace("{{table}}", &names.qualified)
+}
+
 /// In the migration's transaction, before the numbered migrations: creates the table
 /// in generations if it does not exist yet; refuses a plain table of that name, which
 /// cannot be turned into a partitioned one in place (docs/postgres.md says how to move
-/// it).
+/// it). `failed`: how a failed statement is reported.
 pub(super) async fn create_if_absent(
     tx: &impl deadpool_postgres::GenericClient,
     names: &Names,
+    failed: impl Fn(tokio_postgres::Error) -> StoreError,
 ) -> Result<(), StoreError> {
     let kind: Option<String> = tx
         .query_opt(
@@ -290,15 +291,10 @@ pub(super) async fn create_if_absent(
             &[&names.qualified],
         )
         .await
-        .map_err(super::errors::classify)?
+        .map_err(&failed)?
         .map(|row| row.get(0));
     match kind.as_deref() {
-        None => {
-            let sql = names.render(CREATE).replace("{{table}}", &names.qualified);
-            tx.batch_execute(&sql)
-                .await
-                .map_err(super::errors::classify)
-        }
+        None => tx.batch_execute(&create_sql(names)).await.map_err(failed),
         Some("p") => Ok(()),
         Some(_) => Err(StoreError::new(
             StoreErrorKind::Misconfigured,
@@ -326,41 +322,11 @@ impl super::PostgresStore {
     pub(super) async fn create_generations_if_absent(
         &self,
         tx: &impl deadpool_postgres::GenericClient,
+        failed: impl Fn(tokio_postgres::Error) -> StoreError,
     ) -> Result<(), StoreError> {
         match &self.sql.generations {
-            Some(names) => create_if_absent(tx, names).await,
+            Some(names) => create_if_absent(tx, names, failed).await,
             None => Ok(()),
         }
-    }
-
-    /// After the numbered migrations: the generations' functions, once.
-    pub(super) async fn migrate_generations(
-        &self,
-        tx: &impl deadpool_postgres::GenericClient,
-        applied: &[i32],
-    ) -> Result<(), StoreError> {
-        let Some(names) = &self.sql.generations else {
-            return Ok(());
-        };
-        if applied.contains(&VERSION) {
-            return Ok(());
-        }
-        let sql = names
-            .render(FUNCTIONS)
-            .replace("{{table}}", &self.sql.qualified)
-            .replace("{{claim_function}}", &self.sql.claim_function);
-        tx.batch_execute(&sql)
-            .await
-            .map_err(super::errors::classify)?;
-        tx.execute(
-            &format!(
-                "INSERT INTO {} (version) VALUES ($1)",
-                self.sql.migrations_table
-            ),
-            &[&VERSION],
-        )
-        .await
-        .map_err(super::errors::classify)?;
-        Ok(())
     }
 }

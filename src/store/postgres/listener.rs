@@ -18,7 +18,7 @@ use std::{
 
 use tokio_postgres::AsyncMessage;
 
-use super::{hosts::Hosts, tls::Connector};
+use super::{errors::Shown, hosts::Hosts, tls::Connector};
 use crate::store::{BoxFuture, waiters::Waiters};
 
 /// How often a waiter looks again while no listener connection is up.
@@ -242,7 +242,7 @@ async fn listen(me: Weak<Listener>, hosts: Arc<Hosts>, connector: Connector, cha
                                 let failed = match r {
                                     Ok(Ok(true)) => None,
                                     Ok(Ok(false)) => Some("the check after LISTEN failed".to_owned()),
-                                    Ok(Err(e)) => Some(e.to_string()),
+                                    Ok(Err(e)) => Some(Shown(&e).to_string()),
                                     Err(_) => Some(
                                         "no answer to LISTEN, or the notification it sent itself did not come back (through a transaction-pooling PgBouncer, say)"
                                             .to_owned(),
@@ -297,7 +297,7 @@ async fn listen(me: Weak<Listener>, hosts: Arc<Hosts>, connector: Connector, cha
                         }
                         Event::Message(Some(Ok(_))) => {}
                         Event::Message(Some(Err(e))) => {
-                            tracing::warn!(error = %e, "the idempotency listener connection failed");
+                            tracing::warn!(error = %Shown(&e), "the idempotency listener connection failed");
                             break;
                         }
                         Event::Message(None) => break,
@@ -318,7 +318,9 @@ async fn listen(me: Weak<Listener>, hosts: Arc<Hosts>, connector: Connector, cha
                     me.wake_everyone();
                 }
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "the idempotency listener cannot connect"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %Shown(&e), "the idempotency listener cannot connect");
+            }
             Err(_) => tracing::warn!(
                 "the idempotency listener cannot connect: no connection within {} s",
                 CONNECT_TIMEOUT.as_secs()

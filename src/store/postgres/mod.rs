@@ -21,6 +21,7 @@ mod sql;
 mod tls;
 mod tx;
 mod url;
+mod verify;
 
 use std::{
     fmt,
@@ -42,6 +43,7 @@ use errors::again_if_it_lost_a_race;
 pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
 use listener::Listener;
+pub use migrate::Migration;
 use purge::BackgroundPurge;
 use shared::Shared;
 use sql::Sql;
@@ -62,11 +64,11 @@ pub(crate) mod transaction {
     pub(crate) use super::{
         checkout::Checkout,
         errors::{
-            again_if_it_lost_a_race, connection_lost, in_an_aborted_transaction,
+            again_if_it_lost_a_race, connection_lost, describe, in_an_aborted_transaction,
             statement_cancelled,
         },
         tx::{
-            Backend, Ending, Resolution, begin, commit_on, kept_if_rolled_back, roll_back_keeping,
+            Backend, Ending, Resolution, commit_on, kept_if_rolled_back, roll_back_keeping,
             roll_back_or_close,
         },
     };
@@ -91,7 +93,11 @@ pub(crate) mod transaction {
 /// reserve of two connections that the store makes with the pool's manager, outside
 /// its `max_size` (up to four while broken ones are replaced), and shares among them,
 /// pipelined. Count them against the server's `max_connections`
-/// ([`StoreMetrics::reserve_statements`] says how often they serve).
+/// ([`StoreMetrics::reserve_statements`] says how often they serve). The pool's hooks
+/// do not run on them: a pool whose `post_create` hook sets its sessions up (`SET
+/// ROLE`) gives the store the same setup with
+/// [`with_session_setup`](Self::with_session_setup); a reserve connection whose role
+/// may not write the table is refused, loudly, rather than used.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
@@ -371,12 +377,15 @@ impl Store for PostgresStore {
     }
 
     fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
-        // A claim on a shared connection is not closed with it when dropped (the
-        // connection carries others'), and may land later than a release in doubt
-        // would look: it is waited for, as before, for a lease.
-        // A batched claim dropped unanswered is released by its batch, or, sent alone
-        // by its caller, in doubt as without batching (`batch`).
-        if self.shared.is_some() && self.batcher.is_none() {
+        // The path claims take (`claim_with`): shared connections if the store has
+        // them (never with batching: `build` turns them off), else a batch or a pooled
+        // connection. A claim on a shared connection is not closed with it when
+        // dropped (the connection carries others'), and may land later than a release
+        // in doubt would look: it is waited for, as before, for a lease. A batched
+        // claim dropped unanswered is released by its batch, or, sent alone by its
+        // caller, in doubt as without batching (`batch`).
+        debug_assert!(self.shared.is_none() || self.batcher.is_none());
+        if self.shared.is_some() {
             lease
         } else {
             lease.min(ABANDONED_CLAIM_WAIT)

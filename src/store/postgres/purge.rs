@@ -26,6 +26,7 @@ use tokio_postgres::types::ToSql;
 
 use super::{
     Checkout,
+    errors::describe,
     generations::{GenerationRotation, Rotator},
     sql::{self, Statement},
     tls::Connector,
@@ -187,14 +188,14 @@ impl BackgroundPurge {
             let statement = conn
                 .prepare_cached(&self.statement)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| describe(&e))?;
             conn.execute(&statement, &params).await
         } else {
             let typed = sql::typed(&self.statement, &params);
             conn.execute_typed(&self.statement, &typed).await
         };
         conn.done();
-        deleted.map_err(|e| e.to_string())
+        deleted.map_err(|e| describe(&e))
     }
 }
 

@@ -30,11 +30,12 @@ use deadpool_postgres::{ClientWrapper, Object, Pool};
 
 pub(super) use super::slots::SharedClient;
 use super::{
-    checkout::{POOL_WAIT, pooled},
+    checkout::pooled,
     errors::classify,
+    reserve::{SessionSetup, Setup},
     slots::Slots,
 };
-use crate::store::{StoreError, StoreErrorKind};
+use crate::store::StoreError;
 
 /// The `lock_timeout` of a shared connection: how long one claim may hold up the
 /// claims queued behind it before it moves to a connection of its own.
@@ -48,15 +49,16 @@ const LOCK_TIMEOUT: Duration = Duration::from_millis(50);
 pub(super) const STALLED: Duration = Duration::from_secs(1);
 
 /// Where shared connections come from, and what they are set up for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub(super) enum Opened {
     /// Claims: taken out of the pool for good (the pool may open others in their
     /// place), with a short `lock_timeout` (`LOCK_TIMEOUT`).
     ForClaims,
     /// The reserve: made by the pool's manager (its configuration, its TLS) outside the
     /// pool's `max_size`, so that they open while every pooled connection is checked
-    /// out, with no session setting (safe behind any pooler).
-    Reserve,
+    /// out, set up as the app says and checked before they serve (`reserve::Setup`);
+    /// with no session setting of the store's own.
+    Reserve(Setup),
 }
 
 /// `n` connections, taken from the pool when first used and kept, and dealt to claims
@@ -71,37 +73,17 @@ pub(super) struct Shared {
 /// A connection for a slot, `opened` so. One for claims is taken out of the pool for
 /// good: the pool may open another in its place, and this one, with its own
 /// `lock_timeout`, never goes back to serve a transaction. One for the reserve is made
-/// by the pool's manager, the pool never knowing of it.
-async fn connect(pool: &Pool, opened: Opened) -> Result<ClientWrapper, StoreError> {
-    let client = match opened {
-        Opened::ForClaims => Object::take(pooled(pool).await?),
-        Opened::Reserve => made(pool).await?,
-    };
-    if opened == Opened::ForClaims {
-        let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
-        client.batch_execute(&set).await.map_err(classify)?;
-    }
-    Ok(client)
-}
-
-/// A new connection made by `pool`'s manager, as the pool makes its own, but outside
-/// it: however many pooled connections are checked out. Bounded by the pool's create
-/// timeout, or `POOL_WAIT` if it sets none. Its statement cache is detached from the
-/// manager's, as those of connections taken out of the pool are.
-async fn made(pool: &Pool) -> Result<ClientWrapper, StoreError> {
-    use deadpool::managed::Manager as _;
-    let bound = pool.timeouts().create.unwrap_or(POOL_WAIT);
-    let mut client = match tokio::time::timeout(bound, pool.manager().create()).await {
-        Ok(made) => made.map_err(classify)?,
-        Err(_) => {
-            return Err(StoreError::new(
-                StoreErrorKind::Timeout,
-                "a reserve connection did not open within the pool's create timeout",
-            ));
+/// by the pool's manager, the pool never knowing of it (`Setup::open`).
+async fn connect(pool: &Pool, opened: &Opened) -> Result<ClientWrapper, StoreError> {
+    match opened {
+        Opened::ForClaims => {
+            let client = Object::take(pooled(pool).await?);
+            let set = format!("SET lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
+            client.batch_execute(&set).await.map_err(classify)?;
+            Ok(client)
         }
-    };
-    pool.manager().detach(&mut client);
-    Ok(client)
+        Opened::Reserve(setup) => setup.open(pool).await,
+    }
 }
 
 impl Shared {
@@ -118,7 +100,15 @@ impl Shared {
     /// opened (or reopened) from `pool` if need be; `None`, for a pooled connection
     /// instead (see `Slots::get`).
     pub(super) async fn get(&self, pool: &Pool) -> Result<Option<SharedClient<'_>>, StoreError> {
-        self.slots.get(|| connect(pool, self.opened)).await
+        self.slots.get(|| connect(pool, &self.opened)).await
+    }
+
+    /// The app's session setup of reserve connections, if it gave one.
+    pub(super) fn session_setup(&self) -> Option<SessionSetup> {
+        match &self.opened {
+            Opened::ForClaims => None,
+            Opened::Reserve(setup) => setup.session(),
+        }
     }
 
     /// Forgets `client` after it lost its connection or stopped answering (`STALLED`):
@@ -200,19 +190,17 @@ mod tests {
     #[tokio::test]
     async fn a_claim_cancelled_while_its_connection_opens_gives_its_counts_back() {
         let pool = unanswered_pool(Duration::from_secs(60)).await;
-        for opened in [Opened::ForClaims, Opened::Reserve] {
+        let reserve = Opened::Reserve(Setup::new(None, "SELECT".into()));
+        for (opened, how) in [(Opened::ForClaims, "claims"), (reserve, "reserve")] {
             let shared = Shared::new(1, opened);
             // Polled once (counted, then waiting for its new connection), dropped.
             let pending = {
                 let mut get = std::pin::pin!(shared.get(&pool));
                 std::future::poll_fn(|cx| Poll::Ready(get.as_mut().poll(cx).is_pending())).await
             };
-            assert!(
-                pending,
-                "{opened:?}: the claim did not wait for its connection"
-            );
-            assert_eq!(shared.slots.open_count(), 0, "{opened:?}");
-            assert_eq!(shared.slots.in_flight(), [0], "{opened:?}");
+            assert!(pending, "{how}: the claim did not wait for its connection");
+            assert_eq!(shared.slots.open_count(), 0, "{how}");
+            assert_eq!(shared.slots.in_flight(), [0], "{how}");
         }
     }
 }

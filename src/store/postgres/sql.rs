@@ -209,6 +209,10 @@ pub(super) struct Sql {
     pub(super) purge_in_turn: Statement,
     /// Transactional mode's own.
     pub(super) tx: super::tx::Statements,
+    /// The role of a reserve connection, and whether it may do to the table what the
+    /// statements of running claims do (`reserve::Setup::open`). Sent unnamed, once
+    /// per connection opened.
+    pub(super) reserve_check: String,
     pub(super) qualified: String,
     pub(super) expires_index: String,
     pub(super) migrations_table: String,
@@ -238,25 +242,29 @@ impl Sql {
                 e = ms.replace("$ms", "$7"),
             )
         };
+        // A primary-key read that inserts only when the key has no row: the insert is a
+        // function (migration 0003) called from a branch that an existing key never
+        // takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain read
+        // does (0.9x its rate, docs/postgres.md). Two requests that both find nothing
+        // race on the insert, and its `ON CONFLICT` settles it; the loser gets neither a
+        // row nor a token and reads again (`claim_on`). Times are compared in Rust
+        // against the database's `now()`, which is cheaper than numeric arithmetic in
+        // SQL.
+        // The columns are read by position: keep them in the order of `col`.
+        let claim = format!(
+            "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
+                    f.status, f.headers, f.body, now() AS now,
+                    CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
+             FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
+        );
         Self {
-            // A primary-key read that inserts only when the key has no row: the insert
-            // is a function (migration 0003) called from a branch that an existing key
-            // never takes, so a replay, a 409 or a 422 costs PostgreSQL about what a plain
-            // read does (0.9x its rate, docs/postgres.md). Two requests that both find
-            // nothing race on the insert, and its `ON CONFLICT` settles it; the loser gets
-            // neither a row nor a token and reads again (`claim_on`). Times are compared
-            // in Rust against the database's `now()`, which is cheaper than numeric
-            // arithmetic in SQL.
-            // The columns are read by position: keep them in the order of `col`.
-            claim: Statement::new(
-                format!(
-                    "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
-                            f.status, f.headers, f.body, now() AS now,
-                            CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6) END AS claimed
-                     FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2"
-                ),
-                params::CLAIM,
+            tx: super::tx::Statements::new(
+                &t,
+                &claim,
+                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
+                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
+            claim: Statement::new(claim, params::CLAIM),
             // The claim of many keys at once (`batch`): the same columns per key, and its
             // position in the batch. Each key is read as the claim reads it, and the
             // missing ones are inserted by the same function, one after another in the
@@ -335,11 +343,6 @@ impl Sql {
                        AND status = $4 AND headers = $5 AND body = $6"
                 ),
                 params::COMPLETED_BY,
-            ),
-            tx: super::tx::Statements::new(
-                &t,
-                Statement::new(complete(super::tx::WRITTEN_BY_THIS_TRANSACTION), params::COMPLETE),
-                names.as_ref().map(|n| n.insert_completed_function.as_str()),
             ),
             release: Statement::new(
                 format!(
@@ -437,6 +440,16 @@ impl Sql {
                      AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
                 ),
                 params::PURGE_IN_TURN,
+            ),
+            // Names are checked identifiers (`validate_identifier`), safe inside a
+            // literal; the schema's is taken as it is, the table's parsed (quoted).
+            reserve_check: format!(
+                "SELECT current_user::text,
+                        has_schema_privilege('{schema}', 'USAGE')
+                        AND has_table_privilege('{t}', 'SELECT')
+                        AND has_table_privilege('{t}', 'INSERT')
+                        AND has_table_privilege('{t}', 'UPDATE')
+                        AND has_table_privilege('{t}', 'DELETE')"
             ),
             migrations_table: format!("\"{schema}\".\"{table}_migrations\""),
             claim_function,

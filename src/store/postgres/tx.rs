@@ -14,7 +14,7 @@ use tokio_postgres::{Row, SimpleQueryMessage, types::ToSql};
 
 use super::{
     Checkout, PostgresStore,
-    claim::ms,
+    claim::{Within, ms},
     sql::{Statement, params},
 };
 use crate::{
@@ -32,6 +32,12 @@ use crate::{
 pub(super) const WRITTEN_BY_THIS_TRANSACTION: &str =
     " AND xmin = pg_current_xact_id_if_assigned()::xid";
 
+/// A setting local to the transaction a claim's `BEGIN` opens, set there to the claim's
+/// token (`begin_claiming`): the claim, sent right behind the `BEGIN` in the same round
+/// trip as a message of its own, runs only where it holds
+/// (`Statements::claim`), that is, in that transaction.
+const CLAIM_MARK: &str = "tower_idempotency.claim";
+
 /// The server session and the transaction a claim opened: what tells that transaction
 /// apart from any other, on that backend or behind a pooler that lends it to others
 /// once the transaction ends.
@@ -46,6 +52,8 @@ pub(crate) struct Backend {
 
 /// Statements of transactional mode (see `Sql`).
 pub(super) struct Statements {
+    /// The claim, in the transaction its `BEGIN` opened, or nowhere.
+    pub(super) claim: Statement,
     /// The completion, matching only the row this transaction wrote.
     complete: Statement,
     /// Whether the claim row is still this transaction's.
@@ -61,10 +69,17 @@ pub(super) struct Statements {
 }
 
 impl Statements {
-    /// `t`: the qualified table; `complete`: the completion, restricted to the row
-    /// this transaction wrote; `insert_completed`: the function that inserts a
-    /// completed row into a table in generations (`generations.sql`), if it is one.
-    pub(super) fn new(t: &str, complete: Statement, insert_completed: Option<&str>) -> Self {
+    /// `t`: the qualified table; `claim`: the claim's text (one row, from
+    /// `FROM (VALUES (1)) LEFT JOIN`, its token `$6`); `complete`: the completion,
+    /// restricted to the row this transaction wrote; `insert_completed`: the function
+    /// that inserts a completed row into a table in generations (`generations.sql`), if
+    /// it is one.
+    pub(super) fn new(
+        t: &str,
+        claim: &str,
+        complete: Statement,
+        insert_completed: Option<&str>,
+    ) -> Self {
         let ttl = "$8::bigint * interval '1 millisecond'";
         // No row at all: a completed one is inserted, unless another request inserted
         // the key in the meantime. In generations, the key is unique across them only
@@ -85,6 +100,17 @@ impl Statements {
                 .replace("{insert}", insert),
         };
         Self {
+            // The claim goes on the wire right behind its `BEGIN`, as a message of its
+            // own: a `BEGIN` that fails before it runs (a cancel request that reaches
+            // it as it starts, say, as a client that hangs up sends one) leaves the
+            // session outside any transaction, where the claim alone would commit the
+            // key `running`, with nobody to finish it. Only the transaction that `BEGIN`
+            // opened carries the mark with this claim's token: anywhere else the
+            // filter, which no row depends on, holds for none, and nothing is called.
+            claim: Statement::new(
+                format!("{claim} WHERE current_setting('{CLAIM_MARK}', true) = $6::text"),
+                params::CLAIM,
+            ),
             complete,
             ours: Statement::new(
                 format!(
@@ -164,10 +190,20 @@ impl Statements {
 /// `BEGIN` (with `isolation`, e.g. `" ISOLATION LEVEL READ COMMITTED"`, or `""`) and
 /// the transaction's `lock_timeout`, as one simple query that also returns the
 /// backend's pid.
-pub(crate) fn begin(isolation: &str, lock_timeout: Duration) -> String {
+fn begin(isolation: &str, lock_timeout: Duration) -> String {
     format!(
         "BEGIN{isolation}; {}; SELECT pg_backend_pid()",
         set_lock_timeout(lock_timeout)
+    )
+}
+
+/// [`begin`] for a claim sent right behind it, with `token`: the transaction it opens
+/// carries the mark the claim checks (see `Statements::claim`).
+fn begin_claiming(lock_timeout: Duration, token: FencingToken) -> String {
+    format!(
+        "BEGIN; {}; SELECT pg_backend_pid(), set_config('{CLAIM_MARK}', '{}', true)",
+        set_lock_timeout(lock_timeout),
+        token.get()
     )
 }
 
@@ -268,28 +304,31 @@ pub(crate) enum Resolution {
 }
 
 impl PostgresStore {
-    /// Sends `begin` (see [`begin`]) and the claim together, one round trip: the claim
-    /// with the database's `now()` and the pid of the backend that runs it. With
-    /// `then_lock_timeout`, the transaction's `lock_timeout` is set to it right after
-    /// the claim, in the same round trip: the claim waits on another request's row for
-    /// `begin`'s bound, and the handler's statements for this one.
+    /// Sends `BEGIN`, with `claim_wait` as the transaction's `lock_timeout`, and the
+    /// claim together, one round trip: the claim with the database's `now()` and the pid
+    /// of the backend that runs it. The claim runs in that transaction or not at all: if
+    /// the `BEGIN` fails, nothing is claimed. With `then_lock_timeout`, the transaction's
+    /// `lock_timeout` is set to it right after the claim, in the same round trip: the
+    /// claim waits on another request's row for `claim_wait`, and the handler's
+    /// statements for this one.
     pub(crate) async fn begin_and_claim(
         &self,
         client: &ClientWrapper,
-        begin: &str,
+        claim_wait: Duration,
         request: &ClaimRequest<'_>,
         token: FencingToken,
         then_lock_timeout: Option<Duration>,
     ) -> Result<(Claim, Backend), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let failed = super::errors::unavailable;
         // Prepared first (once per connection), so that the claim's execution goes on
         // the wire between the `BEGIN` and the reset of the lock timeout. (Unnamed, it
         // goes whole at its first poll.)
-        self.prepare_on(client, &self.sql.claim).await?;
+        self.prepare_on(client, &self.sql.tx.claim).await?;
+        let begin = begin_claiming(claim_wait, token);
         let reset = then_lock_timeout.map(set_lock_timeout);
         let (begun, claim, reset) = tokio::join!(
-            client.simple_query(begin),
-            self.claim_at(client, request, token),
+            client.simple_query(&begin),
+            self.claim_within(Within::ItsTransaction, client, request, token),
             async {
                 match &reset {
                     Some(reset) => client.batch_execute(reset).await,
@@ -313,7 +352,7 @@ impl PostgresStore {
         client: &ClientWrapper,
         lock_timeout: Duration,
     ) -> Result<(), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let failed = super::errors::unavailable;
         client
             .batch_execute(&begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout))
             .await
@@ -323,7 +362,7 @@ impl PostgresStore {
     /// Sends `ROLLBACK` on `client` and waits for its answer; the connection stays the
     /// caller's (to begin another transaction on, say).
     pub(crate) async fn send_rollback(&self, client: &ClientWrapper) -> Result<(), StoreError> {
-        let failed = |e| StoreError::new(StoreErrorKind::Unavailable, e);
+        let failed = super::errors::unavailable;
         client.batch_execute("ROLLBACK").await.map_err(failed)
     }
 
