@@ -40,8 +40,8 @@ use crate::{
     observe::Mode,
     run::{
         Leased,
-        clear_keys::{failed, standing},
         job::{found, started, stored},
+        previous::{Reader, job_answer},
         renewal::Renewal,
         sealing::Sealing,
         storing::Completion,
@@ -387,30 +387,9 @@ impl JobRunner {
             // A record from before encryption, under the key in clear: answered from
             // there, the lease released (the lease is not renewed yet, hence the bound).
             let bound = self.store_timeout.min(self.lease / 3);
-            let fingerprint = request.fingerprint;
-            let standing = standing(&self.sealing, &self.store, scope, key, fingerprint, bound);
-            let answer = match standing.await {
-                Ok(None) => None,
-                Ok(Some(claim)) => {
-                    let clear = ClaimRequest {
-                        key,
-                        ..request.clone()
-                    };
-                    Some(match found(claim, &clear, key, &self.sealing) {
-                        Ok(Err(outcome)) => Ok(outcome),
-                        Err(e) => Err(e),
-                        Ok(Ok(_)) => Err(JobError::Store(StoreError::new(
-                            crate::store::StoreErrorKind::Other,
-                            "a look-up answered a lease",
-                        ))),
-                    })
-                }
-                Err(e) => {
-                    failed(&e);
-                    Some(Err(JobError::Store(e)))
-                }
-            };
-            if let Some(answer) = answer {
+            let reader = Reader::Store(&*self.store);
+            let earlier = job_answer(&self.sealing, reader, &request, key, bound);
+            if let Some(answer) = earlier.await {
                 self.release(&lease, in_flight).await;
                 return answer;
             }

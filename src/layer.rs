@@ -459,10 +459,14 @@ impl IdempotencyLayer {
     /// `Authorization` (its default before), pass [`Scope::from_authorization`]. A
     /// request whose claim takes a key new in its scope then looks the key up under the
     /// scope this function gives it, when that differs (one primary-key read, on the
-    /// transaction's connection in transactional mode):
+    /// transaction's connection in transactional mode; with
+    /// [`encrypt_responses`](Self::encrypt_responses) while clear records are accepted,
+    /// the key is looked for as it is stored now and in clear, in both scopes: up to
+    /// three reads, the first record found answering):
     ///
     /// - completed there by the same request (its fingerprint): its response is
-    ///   replayed, and the new claim released;
+    ///   replayed (opened, if it was sealed: one that does not open is
+    ///   `500 response-unreadable`), and the new claim released;
     /// - there for a different request: `422 key-reused`; still running there:
     ///   `409 in-progress` (in both cases the new claim is released);
     /// - nothing there (or a record past its TTL, or a lapsed lease of the same

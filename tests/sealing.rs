@@ -216,6 +216,7 @@ on_every_store!(
     without_bodies_a_replay_says_where_the_result_is,
     a_job_result_is_sealed_and_its_key_hashed,
     a_job_result_stored_before_encryption_is_still_done,
+    records_from_before_principals_and_encryption_replay_under_both,
 );
 
 async fn a_sealed_record_holds_neither_body_nor_key_and_replays(kind: Kind) {
@@ -514,6 +515,139 @@ async fn a_job_result_stored_before_encryption_is_still_done(kind: Kind) {
         JobOutcome::AlreadyDone(Bytes::from_static(b"done before"))
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A deploy that turns on encryption and scoping by principal at once
+/// (`previous_scope_with(Scope::from_authorization)`), over records stored under the
+/// `Authorization` hash: one stored in clear, one sealed, and one stored in clear under
+/// the principal already. Each is found where it is (in clear under the previous scope,
+/// under the key's hash in the previous scope, in clear in the principal's scope),
+/// opened as the record of that scope and key, and replayed; nothing runs again, and
+/// the claims taken under the principal are let go. A sealed record whose key the
+/// layer no longer has is `500 response-unreadable`, not a run.
+async fn records_from_before_principals_and_encryption_replay_under_both(kind: Kind) {
+    use common::{app_behind_auth, post_as};
+    let setup = Setup::new(kind).await;
+    let keys = keys();
+    let token = "acct7.first";
+    // Before: keys scoped by the Authorization hash, in clear and sealed.
+    let (clear, _) = app(setup.layer());
+    let in_clear = send(&clear, post_as(token, "in-clear", &body())).await;
+    assert_eq!(in_clear.outcome, Some(Outcome::Executed));
+    let (sealed, _) = app(setup.layer().encrypt_responses(keys.clone()));
+    let was_sealed = send(&sealed, post_as(token, "sealed", &body())).await;
+    assert_eq!(was_sealed.outcome, Some(Outcome::Executed));
+    let (principal, _) = app_behind_auth(setup.layer());
+    let by_principal = send(&principal, post_as(token, "by-principal", &body())).await;
+    assert_eq!(by_principal.outcome, Some(Outcome::Executed));
+
+    let new_layer = || {
+        setup
+            .layer()
+            .require_principal(true)
+            .previous_scope_with(Scope::from_authorization)
+    };
+    let (after, counter) = app_behind_auth(new_layer().encrypt_responses(keys.clone()));
+    for (key, first) in [
+        ("in-clear", &in_clear),
+        ("sealed", &was_sealed),
+        ("by-principal", &by_principal),
+    ] {
+        let retry = send(&after, post_as(token, key, &body())).await;
+        assert_eq!(
+            retry.outcome,
+            Some(Outcome::Replayed),
+            "{key}: {}",
+            retry.status
+        );
+        assert_eq!(retry.body, first.body, "{key}");
+        assert_eq!(retry.header("location"), first.header("location"), "{key}");
+        let other = send(&after, post_as(token, key, "{\"card\":\"other\"}")).await;
+        assert_eq!(other.problem(), "key-reused", "{key}");
+        // The claim under the principal and the key's hash was let go.
+        let scope = tower_idempotency::Principal::new("acct7").scope().clone();
+        let taken = setup.store.look_up(&scope, &keys.stored_key(key)).await;
+        assert!(taken.unwrap().is_none(), "{key}");
+    }
+    assert_eq!(counter.runs(), 0);
+    // A key new everywhere runs once, sealed, under the principal.
+    let fresh = send(&after, post_as(token, "fresh", &body())).await;
+    assert_eq!(fresh.outcome, Some(Outcome::Executed));
+    let refreshed = send(&after, post_as("acct7.second", "fresh", &body())).await;
+    assert_eq!(refreshed.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+
+    // Keys that no longer name the sealing key (the same first key's bytes, so the
+    // same hashes, under id 9): the sealed record is refused, not run.
+    let (dropped, counter) =
+        app_behind_auth(new_layer().encrypt_responses(EncryptionKeys::new(9, [0x11; 32])));
+    let refused = send(&dropped, post_as(token, "sealed", &body())).await;
+    assert_eq!(refused.status, 500);
+    assert_eq!(refused.problem(), "response-unreadable");
+    assert!(!holds(&refused.body, CARD));
+    assert_eq!(counter.runs(), 0);
+}
+
+/// What looking through a key's earlier forms costs on PostgreSQL: a replay nothing
+/// more, a new key one primary-key read per form: one with encryption alone (the key
+/// in clear), three with the previous scope too (in clear in its own scope, hashed and
+/// in clear in the previous one), one again once clear records are no longer
+/// accepted; none where the previous scope is the request's own and clear records are
+/// refused.
+#[tokio::test]
+async fn a_new_key_costs_one_read_per_earlier_form_and_a_replay_nothing() {
+    use common::{app_behind_auth, post_as};
+    let schema = TestSchema::new();
+    let proxy = common::proxy::PgProxy::start().await;
+    let store = schema.store_at(&proxy.url(), 1).await;
+    let cost = |router: axum::Router, token: &'static str, key: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let before = proxy.executes();
+            let reply = send(&router, post_as(token, key, &body())).await;
+            (reply.outcome, proxy.executes() - before)
+        }
+    };
+    let layer = || IdempotencyLayer::new(store.clone());
+    let (plain, _) = app_behind_auth(layer());
+    let (sealed, _) = app_behind_auth(layer().encrypt_responses(keys()));
+    let both = layer()
+        .previous_scope_with(Scope::from_authorization)
+        .encrypt_responses(keys());
+    let (both, _) = app_behind_auth(both);
+    let refused = layer()
+        .previous_scope_with(Scope::from_authorization)
+        .encrypt_responses(keys().accept_clear_records(false));
+    let (refused, _) = app_behind_auth(refused);
+    // Warmed up: every statement prepared on the one connection.
+    for router in [&plain, &sealed, &both, &refused] {
+        cost(router.clone(), "acct7.first", "warm-up").await;
+    }
+    let executed = Some(Outcome::Executed);
+    // The claim and the completion, and the reads.
+    assert_eq!(cost(plain, "acct7.first", "a").await, (executed, 2));
+    assert_eq!(
+        cost(sealed.clone(), "acct7.first", "b").await,
+        (executed, 3)
+    );
+    assert_eq!(cost(both.clone(), "acct7.first", "c").await, (executed, 5));
+    assert_eq!(
+        cost(refused.clone(), "acct7.first", "d").await,
+        (executed, 3)
+    );
+    // No credential: one scope before and after; clear records refused: no read.
+    let anonymous = |key| {
+        let (proxy, router) = (&proxy, refused.clone());
+        async move {
+            let before = proxy.executes();
+            let reply = send(&router, post(key, &body())).await;
+            (reply.outcome, proxy.executes() - before)
+        }
+    };
+    assert_eq!(anonymous("e").await, (executed, 2));
+    let replayed = Some(Outcome::Replayed);
+    assert_eq!(cost(sealed, "acct7.first", "b").await, (replayed, 1));
+    assert_eq!(cost(both, "acct7.second", "c").await, (replayed, 1));
 }
 
 /// A completion whose answer was lost with its connection is sent again with the same

@@ -140,7 +140,9 @@ impl EncryptionKeys {
     /// `true`): those written before encryption was turned on.
     ///
     /// While `true`, a claim that takes a key new under its hash looks the key up in
-    /// clear too (one more primary-key read, for new keys only), and a record found there
+    /// clear too (one more primary-key read, for new keys only; in the
+    /// [previous scope](crate::IdempotencyLayer::previous_scope_with) as well, if the
+    /// layer has one), and a record found there
     /// is answered as the claim would answer it (replayed, `409`, `422`), the handler
     /// not run; and a clear response is replayed as it is. Once every such record has
     /// expired (one `ttl` after encryption was turned on on every replica), set it to

@@ -54,13 +54,11 @@ where
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
-    if let Some(answer) = answer_in_clear(&config, &request, key, &lease, &in_flight).await {
-        return Ok(answer);
-    }
-    // Taken under this scope; the one the layer used before a deploy may hold it.
-    let previously =
+    // Taken new under this scope and key; the layer's earlier settings (the scope it
+    // used before a deploy, the key in clear before encryption) may have stored it.
+    let earlier =
         super::previous::answer_in_lease(&config, &parts, &request, key, &lease, &in_flight);
-    if let Some(answer) = previously.await {
+    if let Some(answer) = earlier.await {
         return Ok(answer);
     }
 
@@ -86,49 +84,6 @@ where
             Ok(handler_failed(&config.problems))
         }
     }
-}
-
-/// With encryption keys that accept clear records: if the client's key in clear holds a
-/// record from before encryption ([`clear_keys`](super::clear_keys)), the answer in the
-/// handler's stead (a replay, `409`, `422`; `503` if the store did not answer), the
-/// lease then released; `None`: run it.
-async fn answer_in_clear<B>(
-    config: &Config,
-    request: &ClaimRequest<'_>,
-    key: &str,
-    lease: &Lease,
-    in_flight: &InFlight,
-) -> Option<Response<ResponseBody<B>>> {
-    // The lease is not renewed yet: a read slower than a renewal's bound would leave it
-    // to lapse before the handler starts.
-    let bound = config.store_timeout.min(config.lease / 3);
-    let (scope, fingerprint) = (request.scope, request.fingerprint);
-    let standing = super::clear_keys::standing(
-        &config.sealing,
-        &config.store,
-        scope,
-        key,
-        fingerprint,
-        bound,
-    );
-    let answer = match standing.await {
-        Ok(None) => return None,
-        Ok(Some(claim)) => {
-            let clear = ClaimRequest {
-                key,
-                ..request.clone()
-            };
-            opened_or_answer(claim, &clear, key, config)
-                .err()
-                .unwrap_or_else(|| unavailable(&config.problems))
-        }
-        Err(e) => {
-            super::clear_keys::failed(&e);
-            unavailable(&config.problems)
-        }
-    };
-    config.leased().release(lease, in_flight.clone()).await;
-    Some(answer)
 }
 
 /// How long past a running key's lease a waiting duplicate looks again, so that it does

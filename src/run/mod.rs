@@ -7,14 +7,16 @@
 //! - [`handler`]: the inner service called, and its response read within bounds;
 //! - [`renewal`], [`storing`], [`release`]: a lease kept while the work runs, its
 //!   result stored, its key released, each tried again while the store is away;
-//! - [`previous`]: a key new in its scope looked for under the scope the layer used
-//!   before a deploy changed it.
+//! - [`sealing`]: responses sealed before they are stored and opened before they are
+//!   replayed, keys hashed;
+//! - [`previous`]: a key new in its (scope, stored key) looked for where the layer's
+//!   earlier settings stored it: under the scope it used before a deploy changed it,
+//!   and in clear, from before encryption.
 
 use std::{sync::Arc, time::Duration};
 
 use crate::store::Store;
 
-pub(crate) mod clear_keys;
 pub(crate) mod decision;
 pub(crate) mod handler;
 pub(crate) mod job;

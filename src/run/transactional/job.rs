@@ -16,8 +16,8 @@ use crate::{
     IdempotencyKey, ShutdownHandle,
     job::{JobContext, JobError, JobOutcome},
     run::{
-        clear_keys::{failed, standing_in_transaction},
         job::{found, started, stored},
+        previous::{Reader, job_answer},
         sealing::Sealing,
     },
     shutdown::InFlight,
@@ -62,38 +62,9 @@ where
         Opened::Acquired(conn, claimed) => {
             // A record from before encryption, under the key in clear, read in the
             // transaction: answered from there, the transaction rolled back.
-            let fingerprint = request.fingerprint;
-            let standing = standing_in_transaction(
-                sealing,
-                store,
-                &conn,
-                request.scope,
-                key.as_str(),
-                fingerprint,
-                store_timeout,
-            );
-            let answer = match standing.await {
-                Ok(None) => None,
-                Ok(Some(claim)) => {
-                    let clear = ClaimRequest {
-                        key: key.as_str(),
-                        ..request.clone()
-                    };
-                    Some(match found(claim, &clear, key.as_str(), sealing) {
-                        Ok(Err(outcome)) => Ok(outcome),
-                        Err(e) => Err(e),
-                        Ok(Ok(_)) => Err(JobError::Store(StoreError::new(
-                            StoreErrorKind::Other,
-                            "a look-up answered a lease",
-                        ))),
-                    })
-                }
-                Err(e) => {
-                    failed(&e);
-                    Some(Err(JobError::Store(e)))
-                }
-            };
-            if let Some(answer) = answer {
+            let reader = Reader::Transaction(store, &conn);
+            let earlier = job_answer(sealing, reader, request, key.as_str(), store_timeout);
+            if let Some(answer) = earlier.await {
                 roll_back_or_close(conn, store_timeout).await;
                 return answer;
             }

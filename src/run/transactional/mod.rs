@@ -194,16 +194,13 @@ where
             return Ok(shutting_down(&config.problems));
         }
         Opened::Acquired(conn, claimed) => {
-            // Claimed under this scope; the one the layer used before a deploy may hold
-            // the key. Rolled back, the claim is let go.
-            if let Some(answer) = answer_in_clear(&config, &store, &conn, &request, key).await {
-                roll_back_or_close(conn, store_timeout).await;
-                return Ok(answer);
-            }
-            let previously = super::previous::answer_in_transaction(
-                &config, &store, &conn, &parts, &request, key,
-            );
-            if let Some(answer) = previously.await {
+            // Claimed new under this scope and key; the layer's earlier settings (the
+            // scope it used before a deploy, the key in clear before encryption) may
+            // have stored it. Rolled back, the claim is let go.
+            let on = (&store, &conn);
+            let earlier =
+                super::previous::answer_in_transaction(&config, on, &parts, &request, key);
+            if let Some(answer) = earlier.await {
                 roll_back_or_close(conn, store_timeout).await;
                 return Ok(answer);
             }
@@ -235,48 +232,6 @@ where
     let _in_flight = in_flight;
     let run = run_and_end(&config, &store, inner, req, &slot, &claimed, &request);
     ended::keeping_claim(&store, &claimed, &request, run).await
-}
-
-/// With encryption keys that accept clear records: if the client's key in clear holds a
-/// committed record from before encryption ([`clear_keys`](super::clear_keys)), read
-/// in the transaction on `conn`, the answer in the handler's stead (a replay, `409`,
-/// `422`; `503` if the store did not answer), for the caller to roll back; `None`: run
-/// it.
-async fn answer_in_clear<B>(
-    config: &Config,
-    store: &PostgresStore,
-    conn: &Checkout,
-    request: &ClaimRequest<'_>,
-    key: &str,
-) -> Option<Response<ResponseBody<B>>> {
-    let (scope, fingerprint, bound) = (request.scope, request.fingerprint, config.store_timeout);
-    let standing = super::clear_keys::standing_in_transaction(
-        &config.sealing,
-        store,
-        conn,
-        scope,
-        key,
-        fingerprint,
-        bound,
-    );
-    match standing.await {
-        Ok(None) => None,
-        Ok(Some(claim)) => {
-            let clear = ClaimRequest {
-                key,
-                ..request.clone()
-            };
-            Some(
-                opened_or_answer(claim, &clear, key, config)
-                    .err()
-                    .unwrap_or_else(|| unavailable(&config.problems)),
-            )
-        }
-        Err(e) => {
-            super::clear_keys::failed(&e);
-            Some(unavailable(&config.problems))
-        }
-    }
 }
 
 /// Runs the handler in the transaction of `claimed`, then ends that transaction:
