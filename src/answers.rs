@@ -70,18 +70,44 @@ pub(crate) fn with_outcome<B>(mut res: Response<B>, outcome: Outcome) -> Respons
     res
 }
 
-/// The record of a response to store: its status, its storable headers, its body.
+/// The record of a response to store: its status, its storable headers, its body; or,
+/// when the layer stores no bodies, no body and none of the headers that describe it.
 pub(crate) fn to_store(
     config: &Config,
     parts: &http::response::Parts,
     body: &Bytes,
 ) -> StoredResponse {
+    let mut headers = StoredResponse::storable_headers(&parts.headers, &*config.unreplayed_headers);
+    if !config.store_bodies {
+        for name in ABOUT_THE_BODY {
+            headers.remove(name);
+        }
+    }
     StoredResponse {
         status: parts.status,
-        headers: StoredResponse::storable_headers(&parts.headers, &config.unreplayed_headers),
-        body: body.clone(),
+        headers,
+        body: if config.store_bodies {
+            body.clone()
+        } else {
+            Bytes::new()
+        },
     }
 }
+
+/// The headers that describe a response's body, not stored without it
+/// ([`store_response_bodies(false)`](crate::IdempotencyLayer::store_response_bodies)):
+/// an empty replay must not claim a type, encoding or digest of content it does not
+/// carry. `Location`, `Content-Location`, `ETag` and the rest, about the resource, stay.
+const ABOUT_THE_BODY: [&str; 8] = [
+    "content-type",
+    "content-encoding",
+    "content-language",
+    "content-range",
+    "content-md5",
+    "content-digest",
+    "repr-digest",
+    "digest",
+];
 
 /// Why a response could not be read whole, to be stored.
 #[derive(Clone, Copy, Debug)]
@@ -175,6 +201,16 @@ pub(crate) fn handler_failed<B>(problems: &Problems) -> Response<ResponseBody<B>
         "the request failed while being processed; nothing is held under its Idempotency-Key, so it may be retried",
     );
     with_outcome(res.map(ResponseBody::full), Outcome::Executed)
+}
+
+/// `500 response-unreadable`: the key's stored response could not be opened (logged
+/// where it was found out).
+pub(crate) fn unreadable<B>(problems: &Problems) -> Response<ResponseBody<B>> {
+    let res = problems.response(
+        Problem::ResponseUnreadable,
+        "the request with this Idempotency-Key was processed, but its stored response could not be read back; it is not processed again",
+    );
+    with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }
 
 pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {

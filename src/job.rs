@@ -41,7 +41,9 @@ use crate::{
     run::{
         Leased,
         job::{found, started, stored},
+        previous::{Reader, job_answer},
         renewal::Renewal,
+        sealing::Sealing,
         storing::Completion,
     },
     settings::{self, MILLISECOND, SHORTEST_LEASE},
@@ -59,6 +61,7 @@ pub struct JobRunner {
     ttl: Duration,
     store_timeout: Duration,
     shutdown: ShutdownHandle,
+    sealing: Sealing,
     #[cfg(feature = "postgres")]
     transactional: Option<(crate::store::PostgresStore, Duration)>,
 }
@@ -177,6 +180,7 @@ impl JobRunner {
             ttl: Duration::from_secs(24 * 3600),
             store_timeout: Duration::from_secs(5),
             shutdown: ShutdownHandle::default(),
+            sealing: Sealing::default(),
             #[cfg(feature = "postgres")]
             transactional: None,
         }
@@ -237,6 +241,24 @@ impl JobRunner {
         if let Some((_, t)) = &mut self.transactional {
             *t = timeout.clamp(MILLISECOND, LONGEST_LOCK_TIMEOUT);
         }
+        self
+    }
+
+    /// Seals every result the runner stores with `keys`, and stores keys hashed, as
+    /// [`IdempotencyLayer::encrypt_responses`](crate::IdempotencyLayer::encrypt_responses)
+    /// does for responses (see [`encryption`](crate::encryption)). A stored result that
+    /// cannot be opened (a key dropped too soon, a record changed or copied onto another
+    /// key) is a [`JobError::Store`] of kind [`Corrupt`](crate::store::StoreErrorKind::Corrupt),
+    /// and the work does not run.
+    ///
+    /// ```
+    /// use tower_idempotency::{encryption::EncryptionKeys, job::JobRunner, store::MemoryStore};
+    ///
+    /// let runner = JobRunner::new(MemoryStore::new()).encrypt_results(EncryptionKeys::new(1, [7; 32]));
+    /// ```
+    #[must_use]
+    pub fn encrypt_results(mut self, keys: crate::encryption::EncryptionKeys) -> Self {
+        self.sealing = Sealing::new(keys);
         self
     }
 
@@ -325,9 +347,11 @@ impl JobRunner {
             let Some(in_flight) = self.shutdown.enter() else {
                 return Err(JobError::ShuttingDown);
             };
+            // Hashed once the runner has encryption keys: the store never sees the key.
+            let stored_key = self.sealing.stored_key(key);
             let request = ClaimRequest {
                 scope,
-                key,
+                key: &stored_key,
                 fingerprint: Fingerprint(Sha256::digest(input).into()),
                 lease: self.lease,
                 ttl: self.ttl,
@@ -337,10 +361,8 @@ impl JobRunner {
             if let Some((store, lock_timeout)) = &self.transactional {
                 let timeouts = (*lock_timeout, self.store_timeout);
                 let shutdown = &self.shutdown;
-                return run_job(
-                    store, timeouts, shutdown, &request, ctx_key, work, in_flight,
-                )
-                .await;
+                let keyed = (ctx_key, &self.sealing);
+                return run_job(store, timeouts, shutdown, &request, keyed, work, in_flight).await;
             }
             let claim = crate::store::claim_within(
                 &self.store,
@@ -360,7 +382,7 @@ impl JobRunner {
                 tracing::error!(error = %e, "claim failed; the work was not run");
                 JobError::Store(e)
             })?;
-            let lease = match found(claim, &request)? {
+            let lease = match found(claim, &request, key, &self.sealing)? {
                 Ok(lease) => lease,
                 // A store that finds a dead worker's key gone before its lease lapses
                 // has it for a redelivery that soon.
@@ -372,6 +394,15 @@ impl JobRunner {
                 }
                 Err(outcome) => return Ok(outcome),
             };
+            // A record from before encryption, under the key in clear: answered from
+            // there, the lease released (the lease is not renewed yet, hence the bound).
+            let bound = self.store_timeout.min(self.lease / 3);
+            let reader = Reader::Store(&*self.store);
+            let earlier = job_answer(&self.sealing, reader, &request, key, bound);
+            if let Some(answer) = earlier.await {
+                self.release(&lease, in_flight).await;
+                return answer;
+            }
             let ctx = JobContext {
                 key: ctx_key,
                 #[cfg(feature = "postgres")]
@@ -499,6 +530,7 @@ impl JobRunner {
             lease: self.lease,
             ttl: self.ttl,
             store_timeout: self.store_timeout,
+            sealing: self.sealing.clone(),
         }
     }
 }

@@ -14,6 +14,7 @@
 mod answers;
 mod body;
 mod catch_panic;
+pub mod encryption;
 #[cfg(feature = "axum")]
 mod extract;
 mod future;

@@ -18,7 +18,7 @@ pub struct StoredResponse {
 /// (`Connection` and the fields it names, `Proxy-Connection`, `Keep-Alive`, `TE`,
 /// `Transfer-Encoding`, `Upgrade`); `Trailer`, since trailers are not stored, so a
 /// replay must not announce them; and `Content-Length`, recomputed from the stored body.
-const NOT_STORED: [HeaderName; 7] = [
+const NOT_STORED: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
@@ -26,11 +26,43 @@ const NOT_STORED: [HeaderName; 7] = [
     header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
+    SEALED,
 ];
 
+/// The one header of a sealed response as the store keeps it
+/// ([`encrypt_responses`](crate::IdempotencyLayer::encrypt_responses)): its status in
+/// clear, its headers and body sealed in its body. Reserved: a response's own header of
+/// this name is never stored, so a record with it is sealed, and nothing else is.
+pub(crate) const SEALED: HeaderName = HeaderName::from_static("tower-idempotency-sealed");
+
+/// The encoding of a sealed response's headers: a count no headers can have (their
+/// encoding would be over 32 GiB, and PostgreSQL's values stop at 1 GiB), so that a
+/// sealed record is told from a clear one by its first bytes, whatever wrote it.
+const SEALED_ENCODING: [u8; 4] = [0xff; 4];
+
 impl StoredResponse {
-    /// Keeps the end-to-end headers of `headers`, minus those in `excluded`.
-    pub(crate) fn storable_headers(headers: &HeaderMap, excluded: &[HeaderName]) -> HeaderMap {
+    /// Whether `headers` are those of a sealed response: the reserved header alone.
+    pub(crate) fn is_sealed_headers(headers: &HeaderMap) -> bool {
+        headers.len() == 1 && headers.contains_key(SEALED)
+    }
+
+    /// Keeps the end-to-end headers of `headers`, then lets `remove` take out what it
+    /// will not have stored (the app's [`unreplayed_headers_with`]); the reserved name of
+    /// a sealed record never stays.
+    ///
+    /// [`unreplayed_headers_with`]: crate::IdempotencyLayer::unreplayed_headers_with
+    pub(crate) fn storable_headers(
+        headers: &HeaderMap,
+        remove: &(dyn Fn(&mut HeaderMap) + Send + Sync),
+    ) -> HeaderMap {
+        let mut out = Self::end_to_end(headers);
+        remove(&mut out);
+        out.remove(SEALED);
+        out
+    }
+
+    /// The end-to-end headers of `headers`.
+    fn end_to_end(headers: &HeaderMap) -> HeaderMap {
         let connection_named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -42,7 +74,6 @@ impl StoredResponse {
         for (name, value) in headers {
             if NOT_STORED.contains(name)
                 || name == header::CONTENT_LENGTH
-                || excluded.contains(name)
                 || connection_named.contains(name)
             {
                 continue;
@@ -53,10 +84,15 @@ impl StoredResponse {
     }
 
     /// Encodes the headers for storage: a count, then length-prefixed names and values.
+    /// A sealed response's ([`encrypt_responses`](crate::IdempotencyLayer::encrypt_responses))
+    /// are four bytes `0xff`, which no clear headers encode to.
     pub fn encode_headers(headers: &HeaderMap) -> Bytes {
+        if Self::is_sealed_headers(headers) {
+            return Bytes::from_static(&SEALED_ENCODING);
+        }
         let mut buf = BytesMut::with_capacity(4 + headers.len() * 48);
-        buf.put_u32(headers.len() as u32);
-        for (name, value) in headers {
+        buf.put_u32(headers.len() as u32 - headers.get_all(SEALED).iter().count() as u32);
+        for (name, value) in headers.iter().filter(|(name, _)| **name != SEALED) {
             buf.put_u32(name.as_str().len() as u32);
             buf.put_slice(name.as_str().as_bytes());
             buf.put_u32(value.len() as u32);
@@ -67,6 +103,11 @@ impl StoredResponse {
 
     /// Decodes what [`encode_headers`](Self::encode_headers) wrote; `None` if corrupt.
     pub fn decode_headers(mut bytes: &[u8]) -> Option<HeaderMap> {
+        if bytes == SEALED_ENCODING {
+            let mut sealed = HeaderMap::with_capacity(1);
+            sealed.insert(SEALED, HeaderValue::from_static("1"));
+            return Some(sealed);
+        }
         fn chunk<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
             if bytes.remaining() < 4 {
                 return None;
@@ -89,7 +130,10 @@ impl StoredResponse {
         for _ in 0..count {
             let name = HeaderName::from_bytes(chunk(&mut bytes)?).ok()?;
             let value = HeaderValue::from_bytes(chunk(&mut bytes)?).ok()?;
-            headers.append(name, value);
+            // The reserved name, in clear headers stored before it was: not a seal.
+            if name != SEALED {
+                headers.append(name, value);
+            }
         }
         bytes.is_empty().then_some(headers)
     }
@@ -156,7 +200,10 @@ mod tests {
         h.append("upgrade", HeaderValue::from_static("h2c"));
         h.append("trailer", HeaderValue::from_static("x-checksum"));
         h.append("proxy-authenticate", HeaderValue::from_static("Basic"));
-        let kept = StoredResponse::storable_headers(&h, &[header::SET_COOKIE]);
+        h.append("tower-idempotency-sealed", HeaderValue::from_static("1"));
+        let kept = StoredResponse::storable_headers(&h, &|h: &mut HeaderMap| {
+            h.remove(header::SET_COOKIE);
+        });
         assert_eq!(kept.len(), 2, "{kept:?}");
         assert_eq!(kept["location"], "/payments/1");
         // End-to-end under RFC 9110: a replayed 407 keeps its challenge.

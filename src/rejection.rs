@@ -59,6 +59,10 @@ pub enum Problem {
     /// 500: two layers of different modes guard the request over the same records (the
     /// app's wiring); nothing was processed, and nothing is stored.
     Misconfigured,
+    /// 500: the key's stored response could not be opened (it is sealed under a key the
+    /// layer does not have, or does not authenticate: changed, or copied from another
+    /// record); the request ran once, and is not run again.
+    ResponseUnreadable,
 }
 
 #[derive(Serialize)]
@@ -88,6 +92,7 @@ impl Problem {
             Self::ResponseNotStored => "response-not-stored",
             Self::Misconfigured => "misconfigured",
             Self::TransactionEnded => "transaction-ended",
+            Self::ResponseUnreadable => "response-unreadable",
         }
     }
 
@@ -115,7 +120,8 @@ impl Problem {
             Self::HandlerFailed
             | Self::ResponseNotStored
             | Self::Misconfigured
-            | Self::TransactionEnded => StatusCode::INTERNAL_SERVER_ERROR,
+            | Self::TransactionEnded
+            | Self::ResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -136,6 +142,7 @@ impl Problem {
             Self::ResponseNotStored => "Response not replayable",
             Self::Misconfigured => "Idempotency layers misconfigured",
             Self::TransactionEnded => "Transaction ended by the handler",
+            Self::ResponseUnreadable => "Stored response unreadable",
         }
     }
 
@@ -389,7 +396,8 @@ mod tests {
             | Problem::NotCommitted
             | Problem::ResponseNotStored
             | Problem::Misconfigured
-            | Problem::TransactionEnded => p,
+            | Problem::TransactionEnded
+            | Problem::ResponseUnreadable => p,
         };
         let all = [
             Problem::KeyMissing,
@@ -406,6 +414,7 @@ mod tests {
             Problem::ResponseNotStored,
             Problem::Misconfigured,
             Problem::TransactionEnded,
+            Problem::ResponseUnreadable,
         ];
         let all = all.map(listed);
         let page = include_str!("../docs/problems.md");

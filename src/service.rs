@@ -217,9 +217,11 @@ where
         span.record("scope", short_hash(scope.as_str().as_bytes()).as_str());
     }
     let fingerprint = config.fingerprinter.compute(&parts, &body);
+    // Hashed once the layer has encryption keys: the store never sees the key itself.
+    let stored_key = config.sealing.stored_key(&key);
     let claim_request = ClaimRequest {
         scope: &scope,
-        key: &key,
+        key: &stored_key,
         fingerprint,
         lease: config.lease,
         ttl: config.ttl,
@@ -236,6 +238,7 @@ where
             parts,
             body,
             claim_request,
+            &key,
             in_flight,
             handoff,
         ))
@@ -249,6 +252,7 @@ where
         parts,
         body,
         claim_request,
+        &key,
         in_flight,
         handoff,
     ))

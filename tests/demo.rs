@@ -1355,6 +1355,72 @@ async fn a_released_key_sent_with_another_amount_is_refused_and_the_first_paymen
     );
 }
 
+/// `--encryption-key`: the payment's response is sealed and its key hashed, so that no
+/// `bytea` column of the idempotency table holds anything of either, in both modes; and
+/// the retry still gets the payment, replayed.
+#[tokio::test]
+async fn with_an_encryption_key_no_bytea_column_holds_the_payment_or_its_key() {
+    const HEX: &str = "5f0e1d2c3b4a59687786a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    for mode in ["lease", "transactional"] {
+        let schema = Schema::new();
+        let mut demo = Demo::start_with(Some(&schema), &["--encryption-key", HEX, "--mode", mode]);
+        let client = client();
+        demo.wait_ready(&client).await;
+        let key = format!("card-payment-{mode}-7c41");
+        let body = r#"{"amount":987654,"currency":"EUR"}"#;
+        let first = post_payment(&client, demo.addr, Some(&key), body).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let paid = first.json();
+        let retried = post_payment(&client, demo.addr, Some(&key), body).await;
+        assert!(retried.replayed(), "{retried:?}");
+        assert_eq!(retried.body, first.body);
+
+        let columns = query(&format!(
+            "SELECT column_name::text FROM information_schema.columns
+             WHERE table_schema = '{}' AND table_name = 'idempotency_keys' AND data_type = 'bytea'",
+            schema.name
+        ))
+        .await;
+        let columns: Vec<String> = columns.iter().map(|r| r.get(0)).collect();
+        assert!(columns.len() >= 3, "{columns:?}");
+        let secrets = [
+            paid["payment_id"].as_str().unwrap().to_owned(),
+            paid["charge_id"].as_str().unwrap().to_owned(),
+            "987654".to_owned(),
+            key.clone(),
+            "application/json".to_owned(),
+        ];
+        for column in &columns {
+            let rows = query(&format!(
+                "SELECT {column} FROM \"{}\".idempotency_keys",
+                schema.name
+            ))
+            .await;
+            assert_eq!(rows.len(), 1, "{mode}: one key");
+            let bytes: Option<Vec<u8>> = rows[0].get(0);
+            let bytes = bytes.unwrap_or_default();
+            for secret in &secrets {
+                assert!(
+                    !bytes.windows(secret.len()).any(|w| w == secret.as_bytes()),
+                    "{mode}: {secret} readable in column {column}"
+                );
+            }
+        }
+        // The key column holds the key's hash, not the key.
+        let keys = query(&format!(
+            "SELECT key FROM \"{}\".idempotency_keys",
+            schema.name
+        ))
+        .await;
+        let stored: String = keys[0].get(0);
+        assert!(
+            stored.starts_with("h:") && !stored.contains(&key),
+            "{stored}"
+        );
+        demo.kill9();
+    }
+}
+
 /// `POST /payments` with `key` and `body`, sent with `Authorization: Bearer <token>`.
 async fn post_payment_as(
     client: &HttpClient,

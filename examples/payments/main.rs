@@ -4,7 +4,7 @@
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
-//!     [--print-migration-sql]
+//!     [--encryption-key HEX] [--print-migration-sql]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -37,6 +37,11 @@
 //! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms (in
 //! transactional mode, at least the 5 s lock timeout) for the
 //! first request instead of answering 409.
+//!
+//! `--encryption-key HEX` (64 hex digits: 32 bytes, `openssl rand -hex 32`) seals the
+//! stored responses under that key (id 1) and stores keys hashed: nothing of a
+//! payment's response, nor its key, can be read in the idempotency table. Give every
+//! process that shares the database the same key.
 
 mod backend;
 
@@ -52,8 +57,8 @@ use axum::{
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, NoStore, Principal, store::MemoryStore,
-    transactional::TransactionHandle,
+    IdempotencyKey, IdempotencyLayer, NoStore, Principal, encryption::EncryptionKeys,
+    store::MemoryStore, transactional::TransactionHandle,
 };
 
 use backend::{Backend, Charged};
@@ -74,11 +79,32 @@ struct Args {
     transaction_pooler: bool,
     /// The database itself, for `LISTEN` behind a transaction pooler.
     listen_url: Option<String>,
+    /// Seals stored responses, and hashes keys, under this key (id 1).
+    encryption_key: Option<[u8; 32]>,
     /// Print the store's migrations as SQL, and exit.
     print_migration_sql: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--print-migration-sql]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--print-migration-sql]";
+
+/// 64 hex digits as 32 bytes.
+fn parse_key(hex: &str) -> Result<[u8; 32], String> {
+    let digits = hex.as_bytes();
+    let mut key = [0u8; 32];
+    if digits.len() != 64 {
+        return Err(format!(
+            "--encryption-key: expected 64 hex digits (32 bytes), got {}",
+            digits.len()
+        ));
+    }
+    for (byte, pair) in key.iter_mut().zip(digits.chunks(2)) {
+        let pair = std::str::from_utf8(pair).ok();
+        *byte = pair
+            .and_then(|p| u8::from_str_radix(p, 16).ok())
+            .ok_or("--encryption-key: expected 64 hex digits (0-9, a-f)")?;
+    }
+    Ok(key)
+}
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -91,6 +117,7 @@ fn parse_args() -> Result<Args, String> {
         memory_max_keys: MemoryStore::DEFAULT_MAX_ENTRIES,
         transaction_pooler: false,
         listen_url: None,
+        encryption_key: None,
         print_migration_sql: false,
     };
     let mut it = std::env::args().skip(1);
@@ -135,6 +162,9 @@ fn parse_args() -> Result<Args, String> {
             }
             "--transaction-pooler" => args.transaction_pooler = true,
             "--listen-url" => args.listen_url = Some(value("--listen-url")?),
+            "--encryption-key" => {
+                args.encryption_key = Some(parse_key(&value("--encryption-key")?)?)
+            }
             "--print-migration-sql" => args.print_migration_sql = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -238,6 +268,10 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             )
         }
     };
+    let layer = match args.encryption_key {
+        Some(key) => layer.encrypt_responses(EncryptionKeys::new(1, key)),
+        None => layer,
+    };
     let layer = layer
         .require_key(true)
         .lease_duration(lease)
@@ -267,6 +301,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         }
     );
     println!("wait: {} ms", args.wait_ms);
+    if args.encryption_key.is_some() {
+        println!("encryption: stored responses sealed, keys hashed (key id 1)");
+    }
     let closing = shutdown.clone();
     let mut signals = Termination::new();
     axum::serve(listener, app)

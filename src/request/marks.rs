@@ -7,15 +7,17 @@ use std::sync::Arc;
 
 use crate::{IdempotencyKey, layer::Config, rejection::Problems, store::ClaimRequest};
 
-/// Hands a claimed request over to its handler: its [`IdempotencyKey`], and the mark
-/// that it is guarded, in this mode, over this layer's records.
+/// Hands a claimed request over to its handler: its [`IdempotencyKey`] (`key`, the
+/// client's, not the hash the store may hold), and the mark that it is guarded, in this
+/// mode, over this layer's records.
 pub(crate) fn hand_over(
     extensions: &mut http::Extensions,
     request: &ClaimRequest<'_>,
+    key: &str,
     config: &Config,
     transactional: bool,
 ) {
-    let key = Arc::<str>::from(request.key);
+    let key = Arc::<str>::from(key);
     extensions.insert(IdempotencyKey::new(request.scope.clone(), key.clone()));
     extensions.insert(Guarded {
         key,

@@ -8,10 +8,10 @@ use http::Response;
 
 use crate::{
     Fingerprint, StoredResponse,
-    answers::{in_progress, mismatch, replay},
+    answers::{in_progress, mismatch, replay, unreadable},
     body::ResponseBody,
     layer::Config,
-    store::{Claim, Lease},
+    store::{Claim, ClaimRequest, Lease},
 };
 
 /// What a claim means for its claimant.
@@ -61,5 +61,21 @@ pub(crate) fn lease_or_answer<B>(
             retry_after,
             config.in_progress_retry_after,
         )),
+    }
+}
+
+/// [`lease_or_answer`] for `claim`, made by `request` with the client's `key`, once
+/// what it found is opened ([`Sealing::opened`](super::sealing::Sealing::opened)):
+/// `500 response-unreadable` if it cannot be.
+#[allow(clippy::result_large_err)]
+pub(crate) fn opened_or_answer<B>(
+    claim: Claim,
+    request: &ClaimRequest<'_>,
+    key: &str,
+    config: &Config,
+) -> Result<Lease, Response<ResponseBody<B>>> {
+    match config.sealing.opened(claim, request, key) {
+        Ok(claim) => lease_or_answer(claim, request.fingerprint, config),
+        Err(_) => Err(unreadable(&config.problems)),
     }
 }

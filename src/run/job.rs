@@ -7,8 +7,11 @@ use http::StatusCode;
 use crate::{
     StoredResponse,
     job::{JobContext, JobError, JobOutcome},
-    run::decision::{Decision, decide},
-    store::{Claim, ClaimRequest, Lease},
+    run::{
+        decision::{Decision, decide},
+        sealing::Sealing,
+    },
+    store::{Claim, ClaimRequest, Lease, StoreError, StoreErrorKind},
 };
 /// Calls `work` for its future. A panic of the function itself, before the future
 /// exists, is caught like a panic of the future (`None`), so that the key claimed for it
@@ -38,12 +41,26 @@ pub(crate) fn stored(result: &Bytes) -> StoredResponse {
     }
 }
 
-/// What a claim means for a job ([`decide`]): `Ok(Ok(lease))` to run; `Ok(Err(outcome))`
-/// when there is nothing to run.
+/// What a claim means for a job ([`decide`]), once what it found is opened
+/// ([`Sealing::opened`]; a stored result that cannot be is a [`Corrupt`] store error,
+/// and nothing runs): `Ok(Ok(lease))` to run; `Ok(Err(outcome))` when there is nothing
+/// to run. `key` is the caller's (`request` holds it as stored).
+///
+/// [`Corrupt`]: StoreErrorKind::Corrupt
 pub(crate) fn found<E>(
     claim: Claim,
     request: &ClaimRequest<'_>,
+    key: &str,
+    sealing: &Sealing,
 ) -> Result<Result<Lease, JobOutcome>, JobError<E>> {
+    let claim = sealing.opened(claim, request, key).map_err(|unreadable| {
+        JobError::Store(StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!(
+                "the key's stored result could not be opened: {unreadable}; the work was not run"
+            ),
+        ))
+    })?;
     match decide(claim, request.fingerprint) {
         Decision::Run(lease) => Ok(Ok(lease)),
         Decision::Mismatch => Err(JobError::Mismatch),

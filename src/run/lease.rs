@@ -10,7 +10,7 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::{
-    decision::lease_or_answer,
+    decision::opened_or_answer,
     handler::{Produced, run_inner},
     renewal::Renewal,
 };
@@ -31,12 +31,14 @@ use crate::{
 /// The guarded path of a request in lease mode, once its body is read and its claim
 /// request made: claims the key (waiting for a running holder if told to), runs the
 /// handler under its lease, and stores or releases its result.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve<S, ReqBody, ResBody>(
     config: Arc<Config>,
     inner: S,
     mut parts: http::request::Parts,
     body: Bytes,
     request: ClaimRequest<'_>,
+    key: &str,
     in_flight: InFlight,
     handoff: &Handoff,
 ) -> Answer<ResBody, S::Error>
@@ -48,18 +50,19 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let lease = match claim(&config, &request, handoff, &in_flight).await {
+    let lease = match claim(&config, &request, key, handoff, &in_flight).await {
         Ok(lease) => lease,
         Err(answer) => return Ok(answer),
     };
-    // Taken under this scope; the one the layer used before a deploy may hold it.
-    let previously =
-        super::previous::answer_in_lease(&config, &parts, &request, &lease, &in_flight);
-    if let Some(answer) = previously.await {
+    // Taken new under this scope and key; the layer's earlier settings (the scope it
+    // used before a deploy, the key in clear before encryption) may have stored it.
+    let earlier =
+        super::previous::answer_in_lease(&config, &parts, &request, key, &lease, &in_flight);
+    if let Some(answer) = earlier.await {
         return Ok(answer);
     }
 
-    crate::request::hand_over(&mut parts.extensions, &request, &config, false);
+    crate::request::hand_over(&mut parts.extensions, &request, key, &config, false);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.
@@ -102,6 +105,7 @@ const UNREGISTERED_RECHECK: Duration = Duration::from_millis(250);
 async fn claim<B>(
     config: &Config,
     request: &ClaimRequest<'_>,
+    key: &str,
     handoff: &Handoff,
     in_flight: &InFlight,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
@@ -180,7 +184,7 @@ async fn claim<B>(
                 continue;
             }
             Ok(Ok(claim)) => {
-                return lease_or_answer(claim, request.fingerprint, config);
+                return opened_or_answer(claim, request, key, config);
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "claim failed; the handler was not run");

@@ -7,8 +7,11 @@
 //! - [`handler`]: the inner service called, and its response read within bounds;
 //! - [`renewal`], [`storing`], [`release`]: a lease kept while the work runs, its
 //!   result stored, its key released, each tried again while the store is away;
-//! - [`previous`]: a key new in its scope looked for under the scope the layer used
-//!   before a deploy changed it.
+//! - [`sealing`]: responses sealed before they are stored and opened before they are
+//!   replayed, keys hashed;
+//! - [`previous`]: a key new in its (scope, stored key) looked for where the layer's
+//!   earlier settings stored it: under the scope it used before a deploy changed it,
+//!   and in clear, from before encryption.
 
 use std::{sync::Arc, time::Duration};
 
@@ -21,6 +24,7 @@ pub(crate) mod lease;
 pub(crate) mod previous;
 pub(crate) mod release;
 pub(crate) mod renewal;
+pub(crate) mod sealing;
 pub(crate) mod storing;
 #[cfg(feature = "postgres")]
 pub(crate) mod transactional;
@@ -34,4 +38,6 @@ pub(crate) struct Leased {
     pub(crate) lease: Duration,
     pub(crate) ttl: Duration,
     pub(crate) store_timeout: Duration,
+    /// Seals what is stored, if the owner has keys.
+    pub(crate) sealing: sealing::Sealing,
 }

@@ -1,95 +1,283 @@
-//! A deploy that changed how the layer computes scopes (`previous_scope_with`): a key
-//! new in its request's scope is looked for under the scope the layer used before, so
-//! that a request that ran, or runs, there is not run again.
+//! Where a request's key may have been stored under the layer's earlier settings, and
+//! the look-ups that find it there. A claim that takes its key new in its (scope,
+//! stored key) has not seen the key's earlier forms: a deploy that changed how scopes
+//! are computed (`previous_scope_with`) left it under the previous scope; encryption
+//! turned on (`encrypt_responses`, `accept_clear_records`) left it in clear, where the
+//! claim under the key's hash does not look. So the key is also looked for under each
+//! earlier form of the pair, in this order:
 //!
-//! Only a claim that took its key runs this: a request whose claim found its key (a
-//! replay, a `409`, a `422`) costs nothing more, nor does a layer without the setting.
+//! 1. in its own scope, in clear: a record from before encryption;
+//! 2. in the previous scope, as the key is stored now (hashed, if the layer has keys):
+//!    a record from before the scopes changed;
+//! 3. in the previous scope, in clear: a record from before both.
+//!
+//! (2 and 3 where the previous scope differs from the request's; 1 and 3 while the keys
+//! accept clear records. In one deploy history, 1 and 2 are never both filled: the
+//! order is newest first either way.) The first record that stands in the request's
+//! way answers it, as a claim that found it would (replayed, `409`, `422`), its response
+//! opened as the record of the scope and key it was found under (a seal is bound to
+//! them): one that does not open is `500 response-unreadable`. The claim taken is let
+//! go (its lease released, or its transaction rolled back).
+//!
+//! Costs: nothing for a request whose claim found its key (a replay, a `409`, a `422`),
+//! nothing when neither setting is on, and for a key new in its scope one primary-key
+//! read per form above, stopping at the first that stands: at most 1 with one of the
+//! settings, 3 with both.
+
+use std::time::Duration;
 
 use http::{Response, request::Parts};
 
-use super::decision::lease_or_answer;
+use super::{decision::opened_or_answer, sealing::Sealing};
 use crate::{
-    Fingerprint,
+    Fingerprint, Scope,
     answers::unavailable,
     body::ResponseBody,
+    job::{JobError, JobOutcome},
     layer::Config,
     shutdown::InFlight,
-    store::{Claim, ClaimRequest, KeyRecord, KeyState, Lease, StoreError},
+    store::{Claim, ClaimRequest, KeyRecord, KeyState, Lease, Store, StoreError, within},
 };
 
-/// Lease mode: `lease` took the request's key in its scope. If the previous scope
-/// holds the key, the answer in the handler's stead (a replay, a `409`, a `422`; a
-/// `503` if the store did not answer), the lease then released; `None`: run it.
-pub(crate) async fn answer_in_lease<B>(
-    config: &Config,
-    parts: &Parts,
-    request: &ClaimRequest<'_>,
-    lease: &Lease,
-    in_flight: &InFlight,
-) -> Option<Response<ResponseBody<B>>> {
-    let previous = config.scoping.previous_of(parts, request.scope)?;
-    let looking = config.store.look_up(&previous, request.key);
-    // The lease is not renewed yet: a read slower than a renewal's bound would leave it
-    // to lapse before the handler starts, and a retry could take the key over.
-    let bound = config.store_timeout.min(config.lease / 3);
-    let looked = crate::store::within(bound, "a look-up", looking).await;
-    let answer = answer(config, looked, request.fingerprint)?;
-    config.leased().release(lease, in_flight.clone()).await;
-    Some(answer)
+/// One earlier form of a request's key: the scope and the key as a record would hold
+/// them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Form<'a> {
+    scope: Scope,
+    key: &'a str,
+    /// What the form is, for the logs.
+    what: &'static str,
 }
 
-/// Transactional mode: the request's key was claimed in the transaction on `conn`.
-/// If the previous scope holds the key (a committed record: one still uncommitted in
-/// another transaction is not seen), the answer in the handler's stead, for the caller
-/// to roll the transaction back; `None`: run it.
-#[cfg(feature = "postgres")]
-pub(crate) async fn answer_in_transaction<B>(
-    config: &Config,
-    store: &crate::store::PostgresStore,
-    conn: &crate::store::transaction::Checkout,
-    parts: &Parts,
-    request: &ClaimRequest<'_>,
-) -> Option<Response<ResponseBody<B>>> {
-    let previous = config.scoping.previous_of(parts, request.scope)?;
-    let looking = store.look_up_on(conn, &previous, request.key);
-    let looked = crate::store::within(config.store_timeout, "a look-up", looking).await;
-    answer(config, looked, request.fingerprint)
-}
-
-/// The answer a look-up under the previous scope calls for, if any.
-fn answer<B>(
-    config: &Config,
-    looked: Result<Option<KeyRecord>, StoreError>,
-    fingerprint: Fingerprint,
-) -> Option<Response<ResponseBody<B>>> {
-    match looked {
-        Ok(record) => {
-            let claim = standing(record, fingerprint)?;
-            tracing::debug!(
-                "the key is held under the layer's previous scope; answered from there"
-            );
-            // Never a lease: the record is another claim's.
-            Some(
-                lease_or_answer(claim, fingerprint, config)
-                    .err()
-                    .unwrap_or_else(|| unavailable(&config.problems)),
-            )
-        }
-        Err(e) => {
-            crate::observe::store_failed("look_up");
-            tracing::error!(
-                error = %e,
-                "looking the key up under the layer's previous scope failed; the handler was not run"
-            );
-            Some(unavailable(&config.problems))
+impl<'a> Form<'a> {
+    /// `request` as if made for this form: what a record found here is opened as.
+    fn request(&'a self, request: &ClaimRequest<'_>) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope: &self.scope,
+            key: self.key,
+            fingerprint: request.fingerprint,
+            lease: request.lease,
+            ttl: request.ttl,
         }
     }
 }
 
-/// What a record found under the previous scope means for a request of `fingerprint`,
-/// as a claim that found it would say; `None` when nothing stops the request from
-/// running: no record, one a claim would take afresh (past its TTL), or a lapsed lease
-/// of the same request, which a claim would take over and run again.
+/// The earlier forms of a request's key, in the order they are looked through.
+#[derive(Debug, Default)]
+pub(crate) struct Earlier<'a>(Vec<Form<'a>>);
+
+impl<'a> Earlier<'a> {
+    /// For a request in `scope` whose key is `key` (the client's) and `stored` (as the
+    /// store holds it now, `sealing` deciding), with the scope `previous` the layer
+    /// gave it before, if that differs. Allocates nothing when there is none.
+    pub(crate) fn new(
+        scope: &Scope,
+        previous: Option<Scope>,
+        stored: &'a str,
+        key: &'a str,
+        sealing: &Sealing,
+    ) -> Self {
+        let clear = sealing.looks_up_clear_keys() && stored != key;
+        let mut forms = Vec::new();
+        if clear {
+            forms.push(Form {
+                scope: scope.clone(),
+                key,
+                what: "in clear, from before encryption",
+            });
+        }
+        if let Some(previous) = previous.filter(|previous| previous != scope) {
+            if clear {
+                forms.push(Form {
+                    scope: previous.clone(),
+                    key: stored,
+                    what: "under the previous scope",
+                });
+                forms.push(Form {
+                    scope: previous,
+                    key,
+                    what: "in clear under the previous scope, from before encryption",
+                });
+            } else {
+                forms.push(Form {
+                    scope: previous,
+                    key: stored,
+                    what: "under the previous scope",
+                });
+            }
+        }
+        Self(forms)
+    }
+
+    /// For a request of a layer: its previous scope from `previous_scope_with`.
+    fn of_layer(config: &Config, parts: &Parts, request: &ClaimRequest<'a>, key: &'a str) -> Self {
+        let previous = config.scoping.previous_of(parts, request.scope);
+        Self::new(request.scope, previous, request.key, key, &config.sealing)
+    }
+
+    /// The first form whose record stands in the way of a request of `fingerprint`,
+    /// read with `reader` one after the other, and what a claim that found it would
+    /// say; `None` when none does.
+    async fn first_standing(
+        &self,
+        reader: Reader<'_>,
+        fingerprint: Fingerprint,
+    ) -> Result<Option<(&Form<'a>, Claim)>, StoreError> {
+        for form in &self.0 {
+            let record = reader.look_up(&form.scope, form.key).await?;
+            if let Some(claim) = standing(record, fingerprint) {
+                tracing::debug!(
+                    found = form.what,
+                    "the key holds a record where the layer stored it before; answered from there"
+                );
+                return Ok(Some((form, claim)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// [`first_standing`](Self::first_standing) within `bound` (the look-ups
+    /// together), a failure logged; `Ok(None)` at once when there is nothing to read.
+    async fn looked_up(
+        &self,
+        reader: Reader<'_>,
+        fingerprint: Fingerprint,
+        bound: Duration,
+    ) -> Result<Option<(&Form<'a>, Claim)>, StoreError> {
+        if self.0.is_empty() {
+            return Ok(None);
+        }
+        let looking = self.first_standing(reader, fingerprint);
+        let looked = within(bound, "the look-ups of the key's earlier forms", looking).await;
+        if let Err(e) = &looked {
+            crate::observe::store_failed("look_up");
+            tracing::error!(
+                error = %e,
+                "looking the key up where the layer stored it before (the previous scope, or in clear from before encryption) failed; nothing was run"
+            );
+        }
+        looked
+    }
+
+    /// The answer to a request in the handler's stead, if an earlier form holds its
+    /// key: a replay, `409`, `422`, `500 response-unreadable`; `503` if the store did
+    /// not answer.
+    async fn answer<B>(
+        &self,
+        config: &Config,
+        reader: Reader<'_>,
+        request: &ClaimRequest<'_>,
+        key: &str,
+        bound: Duration,
+    ) -> Option<Response<ResponseBody<B>>> {
+        match self.looked_up(reader, request.fingerprint, bound).await {
+            Ok(None) => None,
+            // Never a lease: the record is another claim's.
+            Ok(Some((form, claim))) => Some(
+                opened_or_answer(claim, &form.request(request), key, config)
+                    .err()
+                    .unwrap_or_else(|| unavailable(&config.problems)),
+            ),
+            Err(_) => Some(unavailable(&config.problems)),
+        }
+    }
+}
+
+/// How the look-ups read: through the store, or on the connection whose transaction
+/// holds the claim (a record another transaction has not committed is not seen).
+#[derive(Clone, Copy)]
+pub(crate) enum Reader<'a> {
+    Store(&'a dyn Store),
+    #[cfg(feature = "postgres")]
+    Transaction(
+        &'a crate::store::PostgresStore,
+        &'a crate::store::transaction::Checkout,
+    ),
+}
+
+impl Reader<'_> {
+    async fn look_up(&self, scope: &Scope, key: &str) -> Result<Option<KeyRecord>, StoreError> {
+        match self {
+            Self::Store(store) => store.look_up(scope, key).await,
+            #[cfg(feature = "postgres")]
+            Self::Transaction(store, conn) => store.look_up_on(conn, scope, key).await,
+        }
+    }
+}
+
+/// Lease mode: `lease` took the request's key new in its scope. If an earlier form
+/// holds the key, the answer in the handler's stead, the lease then released; `None`:
+/// run it.
+pub(crate) async fn answer_in_lease<B>(
+    config: &Config,
+    parts: &Parts,
+    request: &ClaimRequest<'_>,
+    key: &str,
+    lease: &Lease,
+    in_flight: &InFlight,
+) -> Option<Response<ResponseBody<B>>> {
+    let earlier = Earlier::of_layer(config, parts, request, key);
+    // The lease is not renewed yet: look-ups slower than a renewal's bound would leave
+    // it to lapse before the handler starts, and a retry could take the key over.
+    let bound = config.store_timeout.min(config.lease / 3);
+    let reader = Reader::Store(&*config.store);
+    let answer = earlier.answer(config, reader, request, key, bound).await?;
+    config.leased().release(lease, in_flight.clone()).await;
+    Some(answer)
+}
+
+/// Transactional mode: the request's key was claimed new in the transaction on
+/// `conn`. If an earlier form holds the key (a committed record), the answer in the
+/// handler's stead, for the caller to roll the transaction back; `None`: run it.
+#[cfg(feature = "postgres")]
+pub(crate) async fn answer_in_transaction<B>(
+    config: &Config,
+    (store, conn): (
+        &crate::store::PostgresStore,
+        &crate::store::transaction::Checkout,
+    ),
+    parts: &Parts,
+    request: &ClaimRequest<'_>,
+    key: &str,
+) -> Option<Response<ResponseBody<B>>> {
+    let earlier = Earlier::of_layer(config, parts, request, key);
+    let reader = Reader::Transaction(store, conn);
+    let bound = config.store_timeout;
+    earlier.answer(config, reader, request, key, bound).await
+}
+
+/// A job whose claim took its key new (a runner has no previous scope: its caller
+/// names the scope): if the key holds a record in clear, from before encryption, what
+/// the run returns, its claim then let go by the caller; `None`: run it.
+pub(crate) async fn job_answer<E>(
+    sealing: &Sealing,
+    reader: Reader<'_>,
+    request: &ClaimRequest<'_>,
+    key: &str,
+    bound: Duration,
+) -> Option<Result<JobOutcome, JobError<E>>> {
+    let earlier = Earlier::new(request.scope, None, request.key, key, sealing);
+    let (form, claim) = match earlier.looked_up(reader, request.fingerprint, bound).await {
+        Ok(found) => found?,
+        Err(e) => return Some(Err(JobError::Store(e))),
+    };
+    Some(
+        match super::job::found(claim, &form.request(request), key, sealing) {
+            Ok(Err(outcome)) => Ok(outcome),
+            Err(e) => Err(e),
+            // Never a lease: the record is another claim's.
+            Ok(Ok(_)) => Err(JobError::Store(StoreError::new(
+                crate::store::StoreErrorKind::Other,
+                "a look-up answered a lease",
+            ))),
+        },
+    )
+}
+
+/// What a record found in an earlier form means for a request of `fingerprint`, as a
+/// claim that found it would say; `None` when nothing stops the request from running:
+/// no record, one a claim would take afresh (past its TTL), or a lapsed lease of the
+/// same request, which a claim would take over and run again.
 fn standing(record: Option<KeyRecord>, fingerprint: Fingerprint) -> Option<Claim> {
     let record = record?;
     if record.is_free() {
@@ -114,8 +302,6 @@ fn standing(record: Option<KeyRecord>, fingerprint: Fingerprint) -> Option<Claim
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use crate::{StoredResponse, store::FencingToken};
 
@@ -174,5 +360,65 @@ mod tests {
         assert!(standing(Some(running(OTHER, Duration::ZERO, Duration::ZERO)), MINE).is_none());
         // A live lease keeps its record past the TTL.
         assert!(standing(Some(running(MINE, LIVE, Duration::ZERO)), MINE).is_some());
+    }
+
+    /// The forms looked through: none without either setting; one with either; three,
+    /// newest first, with both; the previous scope only where it differs.
+    #[test]
+    fn the_earlier_forms_are_those_the_settings_can_have_left_newest_first() {
+        let (scope, previous) = (Scope::new("principal:acct"), Scope::new("auth:abc"));
+        let keys = crate::encryption::EncryptionKeys::new(1, [1; 32]);
+        let stored = keys.stored_key("k");
+        let forms = |earlier: Earlier<'_>| -> Vec<(String, String)> {
+            let forms = earlier.0.iter();
+            forms
+                .map(|f| (f.scope.as_str().to_owned(), f.key.to_owned()))
+                .collect()
+        };
+        let none = Sealing::default();
+        assert!(forms(Earlier::new(&scope, None, "k", "k", &none)).is_empty());
+        assert!(forms(Earlier::new(&scope, Some(scope.clone()), "k", "k", &none)).is_empty());
+        assert_eq!(
+            forms(Earlier::new(
+                &scope,
+                Some(previous.clone()),
+                "k",
+                "k",
+                &none
+            )),
+            [("auth:abc".into(), "k".into())]
+        );
+        let sealing = Sealing::new(keys.clone());
+        assert_eq!(
+            forms(Earlier::new(&scope, None, &stored, "k", &sealing)),
+            [("principal:acct".into(), "k".into())]
+        );
+        assert_eq!(
+            forms(Earlier::new(
+                &scope,
+                Some(previous.clone()),
+                &stored,
+                "k",
+                &sealing
+            )),
+            [
+                ("principal:acct".into(), "k".into()),
+                ("auth:abc".into(), stored.clone()),
+                ("auth:abc".into(), "k".into()),
+            ]
+        );
+        // Clear records no longer accepted: the previous scope, as keys are stored now.
+        let sealed_only = Sealing::new(keys.accept_clear_records(false));
+        assert_eq!(
+            forms(Earlier::new(
+                &scope,
+                Some(previous),
+                &stored,
+                "k",
+                &sealed_only
+            )),
+            [("auth:abc".into(), stored.clone())]
+        );
+        assert!(forms(Earlier::new(&scope, None, &stored, "k", &sealed_only)).is_empty());
     }
 }

@@ -29,6 +29,9 @@ impl Leased {
         keep: impl Send + 'static,
         mut renewal: Renewal,
     ) -> Completion {
+        // Sealed once: every attempt sends the same bytes, so a completion sent again
+        // after its answer was lost is told from another by comparing them.
+        let stored = self.sealing.seal(&lease.scope, &lease.key, stored);
         // A slow store must not let the lease lapse under a result about to be stored:
         // a retry would take the key over and run the handler again.
         renewal.storing();

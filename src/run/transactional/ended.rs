@@ -93,7 +93,11 @@ pub(crate) async fn finish(
                 &claimed.lease,
                 &claimed.backend,
                 &request.fingerprint,
-                &stored(&claimed.problems),
+                &(claimed.sealing).seal(
+                    &claimed.lease.scope,
+                    &claimed.lease.key,
+                    stored(&claimed.problems),
+                ),
                 request.ttl,
             )
             .await;

@@ -15,7 +15,11 @@ use super::{
 use crate::{
     IdempotencyKey, ShutdownHandle,
     job::{JobContext, JobError, JobOutcome},
-    run::job::{found, started, stored},
+    run::{
+        job::{found, started, stored},
+        previous::{Reader, job_answer},
+        sealing::Sealing,
+    },
     shutdown::InFlight,
     store::{
         ClaimRequest, PostgresStore, StoreError, StoreErrorKind, transaction::roll_back_or_close,
@@ -30,7 +34,7 @@ pub(crate) async fn run_job<F, Fut, E>(
     (lock_timeout, store_timeout): (Duration, Duration),
     shutdown: &ShutdownHandle,
     request: &ClaimRequest<'_>,
-    key: IdempotencyKey,
+    (key, sealing): (IdempotencyKey, &Sealing),
     work: F,
     in_flight: InFlight,
 ) -> Result<JobOutcome, JobError<E>>
@@ -42,7 +46,7 @@ where
     let (conn, claimed) = match open(
         store,
         request,
-        &Arc::default(),
+        (&Arc::default(), sealing),
         lock_timeout,
         lock_timeout,
         store_timeout,
@@ -55,9 +59,19 @@ where
             roll_back_or_close(conn, store_timeout).await;
             return Err(JobError::ShuttingDown);
         }
-        Opened::Acquired(conn, claimed) => (conn, claimed),
+        Opened::Acquired(conn, claimed) => {
+            // A record from before encryption, under the key in clear, read in the
+            // transaction: answered from there, the transaction rolled back.
+            let reader = Reader::Transaction(store, &conn);
+            let earlier = job_answer(sealing, reader, request, key.as_str(), store_timeout);
+            if let Some(answer) = earlier.await {
+                roll_back_or_close(conn, store_timeout).await;
+                return answer;
+            }
+            (conn, claimed)
+        }
         Opened::Found(claim) => {
-            return match found(claim, request)? {
+            return match found(claim, request, key.as_str(), sealing)? {
                 Ok(_) => Err(JobError::Store(StoreError::new(
                     StoreErrorKind::Other,
                     "claim returned outside its transaction",

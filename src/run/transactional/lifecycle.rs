@@ -11,6 +11,7 @@ use crate::{
     StoredResponse,
     observe::{Mode, Timer, store_failed},
     rejection::Problems,
+    run::sealing::Sealing,
     store::{
         Claim, ClaimRequest, Fenced, Lease, PostgresStore, StoreErrorKind,
         transaction::{
@@ -31,6 +32,8 @@ pub(crate) struct Claimed {
     /// How the layer words its problems: the key is completed with one if the
     /// transaction ends under it.
     pub(crate) problems: Arc<Problems>,
+    /// Seals what the key is completed with, if the layer has keys.
+    pub(crate) sealing: Sealing,
 }
 
 /// The result of opening a transaction and claiming the key in it.
@@ -53,7 +56,7 @@ pub(crate) enum Opened {
 pub(crate) async fn open(
     store: &PostgresStore,
     request: &ClaimRequest<'_>,
-    problems: &Arc<Problems>,
+    (problems, sealing): (&Arc<Problems>, &Sealing),
     claim_wait: Duration,
     lock_timeout: Duration,
     store_timeout: Duration,
@@ -62,7 +65,7 @@ pub(crate) async fn open(
     let opened = claim_in(
         store,
         request,
-        problems,
+        (problems, sealing),
         claim_wait,
         lock_timeout,
         store_timeout,
@@ -79,7 +82,7 @@ pub(crate) async fn open(
 async fn claim_in(
     store: &PostgresStore,
     request: &ClaimRequest<'_>,
-    problems: &Arc<Problems>,
+    (problems, sealing): (&Arc<Problems>, &Sealing),
     claim_wait: Duration,
     lock_timeout: Duration,
     store_timeout: Duration,
@@ -132,6 +135,7 @@ async fn claim_in(
                 lease,
                 backend,
                 problems: problems.clone(),
+                sealing: sealing.clone(),
             },
         ),
         Ok(Ok((found, _))) => {
@@ -245,12 +249,14 @@ pub(crate) async fn commit(
     store_timeout: Duration,
 ) -> Committed {
     let timer = Timer::start();
+    // Sealed once: the check of a COMMIT in doubt compares what was sent.
+    let sealed = (claimed.sealing).seal(&claimed.lease.scope, &claimed.lease.key, stored.clone());
     let committed = complete_and_commit(
         store,
         conn,
         claimed,
         request,
-        stored,
+        &sealed,
         lock_timeout,
         store_timeout,
     )

@@ -24,7 +24,7 @@ pub(crate) use job::run_job;
 pub(crate) use lifecycle::{Claimed, Committed, Opened, commit, open};
 
 use super::{
-    decision::lease_or_answer,
+    decision::opened_or_answer,
     handler::{Produced, run_inner},
 };
 use crate::{
@@ -144,6 +144,7 @@ pub(crate) async fn serve<S, ReqBody, ResBody>(
     mut parts: Parts,
     body: Bytes,
     request: ClaimRequest<'_>,
+    key: &str,
     in_flight: InFlight,
     handoff: &Handoff,
 ) -> Answer<ResBody, S::Error>
@@ -172,7 +173,7 @@ where
     let opened = open(
         &store,
         &request,
-        &config.problems,
+        (&config.problems, &config.sealing),
         claim_wait,
         config.lock_timeout,
         config.store_timeout,
@@ -193,11 +194,13 @@ where
             return Ok(shutting_down(&config.problems));
         }
         Opened::Acquired(conn, claimed) => {
-            // Claimed under this scope; the one the layer used before a deploy may hold
-            // the key. Rolled back, the claim is let go.
-            let previously =
-                super::previous::answer_in_transaction(&config, &store, &conn, &parts, &request);
-            if let Some(answer) = previously.await {
+            // Claimed new under this scope and key; the layer's earlier settings (the
+            // scope it used before a deploy, the key in clear before encryption) may
+            // have stored it. Rolled back, the claim is let go.
+            let on = (&store, &conn);
+            let earlier =
+                super::previous::answer_in_transaction(&config, on, &parts, &request, key);
+            if let Some(answer) = earlier.await {
                 roll_back_or_close(conn, store_timeout).await;
                 return Ok(answer);
             }
@@ -208,7 +211,7 @@ where
         }
         Opened::Found(found) => {
             // Found is never ours to run: a replay, a 409 or a 422.
-            return Ok(lease_or_answer(found, request.fingerprint, &config)
+            return Ok(opened_or_answer(found, &request, key, &config)
                 .err()
                 .unwrap_or_else(|| unavailable(&config.problems)));
         }
@@ -222,7 +225,7 @@ where
 
     let (handle, slot) = TransactionHandle::holding(conn);
     parts.extensions.insert(handle);
-    crate::request::hand_over(&mut parts.extensions, &request, &config, true);
+    crate::request::hand_over(&mut parts.extensions, &request, key, &config, true);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.

@@ -1,0 +1,91 @@
+//! The engine's sealing step, the same for lease mode, transactional mode and jobs, and
+//! so for every store: a response sealed once before it is stored (every attempt to
+//! store it sends the same bytes, so that a completion sent again after its answer was
+//! lost compares equal), what a claim found opened before it is replayed, and the key
+//! hashed before it reaches the store ([`EncryptionKeys`]).
+
+use std::borrow::Cow;
+
+use crate::{
+    Scope, StoredResponse,
+    encryption::{EncryptionKeys, Unreadable, open, seal},
+    store::{Claim, ClaimRequest},
+};
+
+/// The layer's or runner's keys, if it was given any.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Sealing(Option<EncryptionKeys>);
+
+impl Sealing {
+    pub(crate) fn new(keys: EncryptionKeys) -> Self {
+        Self(Some(keys))
+    }
+
+    /// The key as the store holds it: its keyed hash once the layer has keys.
+    pub(crate) fn stored_key<'k>(&self, key: &'k str) -> Cow<'k, str> {
+        match &self.0 {
+            Some(keys) => Cow::Owned(keys.stored_key(key)),
+            None => Cow::Borrowed(key),
+        }
+    }
+
+    /// Whether a key new under its hash is looked up in clear too: the layer has keys,
+    /// and records written before it had them may be left.
+    pub(crate) fn looks_up_clear_keys(&self) -> bool {
+        self.0.as_ref().is_some_and(EncryptionKeys::accepts_clear)
+    }
+
+    /// `response` as the record of `key` (as stored) in `scope` keeps it: sealed once
+    /// the layer has keys. Each call seals anew (a new nonce): seal once per completion.
+    pub(crate) fn seal(
+        &self,
+        scope: &Scope,
+        key: &str,
+        response: StoredResponse,
+    ) -> StoredResponse {
+        match &self.0 {
+            Some(keys) => seal(keys, scope, key, &response),
+            None => response,
+        }
+    }
+
+    /// What `claim` found, its response opened if it is the one to replay to the
+    /// request (same fingerprint); `Err` if it cannot be, logged at `error` with
+    /// the hash of `key`, the client's key (never the key itself).
+    pub(crate) fn opened(
+        &self,
+        claim: Claim,
+        request: &ClaimRequest<'_>,
+        key: &str,
+    ) -> Result<Claim, Unreadable> {
+        let Claim::Completed {
+            fingerprint,
+            response,
+        } = claim
+        else {
+            return Ok(claim);
+        };
+        // Another request's key: refused as such, whatever its record holds.
+        if fingerprint != request.fingerprint {
+            return Ok(Claim::Completed {
+                fingerprint,
+                response,
+            });
+        }
+        match open(self.0.as_ref(), request.scope, request.key, response) {
+            Ok(response) => Ok(Claim::Completed {
+                fingerprint,
+                response,
+            }),
+            Err(unreadable) => {
+                tracing::error!(
+                    key_hash = crate::request::short_hash(key.as_bytes()).as_str(),
+                    key_id = unreadable.key_id(),
+                    reason = %unreadable,
+                    "the key's stored response could not be opened; it is not replayed, and nothing is run again"
+                );
+                Err(unreadable)
+            }
+        }
+    }
+}
