@@ -174,7 +174,7 @@ pub(crate) fn handler_failed<B>(problems: &Problems) -> Response<ResponseBody<B>
         Problem::HandlerFailed,
         "the request failed while being processed; nothing is held under its Idempotency-Key, so it may be retried",
     );
-    with_outcome(res.map(ResponseBody::full), Outcome::Executed)
+    with_outcome(res.map(ResponseBody::full), Outcome::Released)
 }
 
 pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
