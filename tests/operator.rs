@@ -12,7 +12,10 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use common::{Counter, TestSchema, app, in_flight, post, post_with_headers, send};
+use common::{
+    Counter, TestSchema, app, completions::AlteredCompletions, eventually, in_flight, post,
+    post_with_headers, send,
+};
 use tower_idempotency::{
     Fingerprint, IdempotencyLayer, Outcome, Principal, Scope, StoredResponse,
     store::{Claim, ClaimRequest, Fenced, KeyState, Lease, Operator, Removal, Store},
@@ -50,6 +53,7 @@ macro_rules! on_every_store {
 on_every_store!(
     a_running_key_released_by_an_operator_fences_its_holder_and_its_retry_runs,
     a_request_running_when_its_key_is_released_gets_its_own_answer_and_the_retry_s_is_kept,
+    a_duplicate_waiting_on_a_key_an_operator_releases_is_woken_and_runs_it,
     a_completed_key_deleted_by_an_operator_runs_again,
     a_look_up_says_state_holder_lease_status_sizes_and_times,
     the_list_of_running_keys_holds_old_running_keys_only,
@@ -193,6 +197,46 @@ async fn a_request_running_when_its_key_is_released_gets_its_own_answer_and_the_
     assert_eq!(replay.outcome, Some(Outcome::Replayed));
     assert_eq!(replay.header("x-run"), Some("2"));
     assert_eq!(counter.runs_of("order-2"), 2);
+}
+
+/// A duplicate told to wait for the running request is woken by the release (its
+/// store's notification), not by its bound: it claims the key and runs it.
+async fn a_duplicate_waiting_on_a_key_an_operator_releases_is_woken_and_runs_it(
+    store: Arc<dyn Store>,
+    _: Option<&TestSchema>,
+) {
+    let (counted, counts) = AlteredCompletions::counting(store.clone());
+    let layer = IdempotencyLayer::new(counted).wait_for_running(Duration::from_secs(20));
+    let (router, counter) = app(layer);
+    let held = in_flight(
+        &router,
+        post_with_headers("order-6", &[("x-held", "1")]),
+        &counter,
+    )
+    .await;
+    let waiting = {
+        let router = router.clone();
+        tokio::spawn(async move { send(&router, post("order-6", "{}")).await })
+    };
+    // It found the key running, and waits for it to change.
+    eventually(|| counts.registrations() == 1).await;
+    assert!(!waiting.is_finished());
+    let released = Operator::new(store.clone())
+        .release(&Scope::anonymous(), "order-6", None)
+        .await
+        .unwrap();
+    assert!(matches!(released, Removal::Removed { .. }), "{released:?}");
+    let woken = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("woken by the release, well within its 20 s wait")
+        .unwrap();
+    assert_eq!(
+        (woken.status.as_u16(), woken.outcome),
+        (201, Some(Outcome::Executed))
+    );
+    assert_eq!(counter.runs_of("order-6"), 2);
+    counter.let_go(1);
+    assert_eq!(held.await.unwrap().status, 201);
 }
 
 async fn a_completed_key_deleted_by_an_operator_runs_again(
