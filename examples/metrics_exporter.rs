@@ -6,15 +6,22 @@
 //!
 //! Installs metrics-exporter-prometheus's recorder, sends a few requests through the
 //! layer on the in-memory store (a new key, its retry, a duplicate while the first
-//! still runs, the key reused with another body, a request without a key), then prints
-//! what a scrape would read: `idempotency_requests_total` by outcome, the claim and
-//! completion histograms. Each request's outcome event goes to stderr meanwhile, as the
+//! still runs, the key reused with another body, a request without a key, a `500` that
+//! releases its key), then prints what a scrape would read:
+//! `idempotency_requests_total` by outcome, method, route and status, the claim and
+//! completion histograms. Prometheus spells the labels with `_` for `.`
+//! (`idempotency_outcome`, `http_route`). Each request's outcome event goes to stderr meanwhile, as the
 //! plain `fmt` subscriber prints it. In a service, serve `handle.render()` at
 //! `/metrics` (or enable the exporter's `http-listener` feature).
 
 use std::sync::Arc;
 
-use axum::{Router, body::Body, http::Request, routing::post};
+use axum::{
+    Router,
+    body::Body,
+    http::{Request, StatusCode},
+    routing::post,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
@@ -38,7 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tower_idempotency::metrics::describe();
 
     // A handler that, for a body of "hold", says it started and waits until let go: a
-    // request still running.
+    // request still running; for a body of "fail", answers 500.
     let (started, gate) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
     let (starts, held) = (started.clone(), gate.clone());
     let app = Router::new()
@@ -51,7 +58,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                         starts.add_permits(1);
                         let _ = held.acquire().await.map(|p| p.forget());
                     }
-                    "order created\n"
+                    if body == "fail" {
+                        return (StatusCode::INTERNAL_SERVER_ERROR, "the warehouse is down\n");
+                    }
+                    (StatusCode::CREATED, "order created\n")
                 }
             }),
         )
@@ -80,6 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     first.await??;
     send(Some("order-1"), "{\"amount\": 2}").await?; // mismatch: 422
     send(None, "{}").await?; // rejected: key-missing, 400
+    send(Some("order-3"), "fail").await?; // released: 500, its key freed for a retry
 
     print!("{}", handle.render());
     Ok(())

@@ -200,7 +200,7 @@ pub(crate) fn handler_failed<B>(problems: &Problems) -> Response<ResponseBody<B>
         Problem::HandlerFailed,
         "the request failed while being processed; nothing is held under its Idempotency-Key, so it may be retried",
     );
-    with_outcome(res.map(ResponseBody::full), Outcome::Executed)
+    with_outcome(res.map(ResponseBody::full), Outcome::Released)
 }
 
 /// `500 response-unreadable`: the key's stored response could not be opened (logged

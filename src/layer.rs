@@ -678,7 +678,9 @@ impl IdempotencyLayer {
     /// pass untouched.
     ///
     /// Keep what a client relies on: the status, `Retry-After` where the rejection has
-    /// one, and `Cache-Control: no-store`.
+    /// one, and `Cache-Control: no-store`. For an app whose errors are axum responses
+    /// (`IntoResponse`), [`rejection_into_response`](Self::rejection_into_response)
+    /// takes its error type as it is.
     ///
     /// ```
     /// use http::{Response, header};
@@ -706,7 +708,79 @@ impl IdempotencyLayer {
     where
         T: Into<Bytes>,
     {
-        let hook = Arc::new(move |rejection: &Rejection| render(rejection).map(Into::into));
+        let hook = Arc::new(move |rejection: &Rejection| Some(render(rejection).map(Into::into)));
+        let problems = (*self.config.problems).clone().with_hook(hook);
+        self.config().problems = Arc::new(problems);
+        self
+    }
+
+    /// Answers the layer's rejections with the app's own error type, as
+    /// [`rejection_with`](Self::rejection_with) does, for `render` returning anything
+    /// that is an axum response ([`IntoResponse`](axum_core::response::IntoResponse)):
+    /// the error type the app's handlers already answer with, its `Json` bodies, its
+    /// status and header tuples.
+    ///
+    /// The layer stores some rejections (`response-not-stored`), so it reads the body
+    /// `render` makes whole, at once: a body of bytes, a string or JSON is, up to 64 KiB.
+    /// One that is not ready at once (a stream) or larger is answered with the default
+    /// problem document instead, logged at `error`.
+    ///
+    /// ```
+    /// use axum::{Json, http::{StatusCode, header}, response::{IntoResponse, Response}};
+    /// use tower_idempotency::{IdempotencyLayer, rejection::Rejection, store::MemoryStore};
+    ///
+    /// /// The app's error type, which its handlers return.
+    /// enum AppError {
+    ///     Idempotency(Rejection),
+    ///     // ... the app's other errors
+    /// }
+    ///
+    /// impl IntoResponse for AppError {
+    ///     fn into_response(self) -> Response {
+    ///         let AppError::Idempotency(rejection) = self;
+    ///         let body = Json(serde_json::json!({
+    ///             "error": { "code": rejection.problem().slug(), "message": rejection.detail() }
+    ///         }));
+    ///         let mut res = (rejection.status(), [(header::CACHE_CONTROL, "no-store")], body)
+    ///             .into_response();
+    ///         if let Some(after) = rejection.retry_after() {
+    ///             res.headers_mut().insert(header::RETRY_AFTER, after.as_secs().max(1).into());
+    ///         }
+    ///         res
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # use tower::ServiceExt;
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .rejection_into_response(|rejection| AppError::Idempotency(rejection.clone()));
+    ///
+    /// let app = axum::Router::new()
+    ///     .route("/payments", axum::routing::post(|| async { "charged" }))
+    ///     .layer(layer);
+    /// let bad_key = axum::http::Request::post("/payments")
+    ///     .header("idempotency-key", "not a valid key")
+    ///     .body(axum::body::Body::empty())
+    ///     .unwrap();
+    /// let res = app.oneshot(bad_key).await.unwrap();
+    /// assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    /// let body = axum::body::to_bytes(res.into_body(), 1024).await.unwrap();
+    /// let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!(error["error"]["code"], "key-malformed");
+    /// # }
+    /// ```
+    #[cfg(feature = "axum")]
+    #[must_use]
+    pub fn rejection_into_response<R>(
+        mut self,
+        render: impl Fn(&Rejection) -> R + Send + Sync + 'static,
+    ) -> Self
+    where
+        R: axum_core::response::IntoResponse,
+    {
+        let hook = Arc::new(move |rejection: &Rejection| {
+            crate::rejection::rendered(rejection, render(rejection).into_response())
+        });
         let problems = (*self.config.problems).clone().with_hook(hook);
         self.config().problems = Arc::new(problems);
         self

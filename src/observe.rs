@@ -42,6 +42,10 @@ impl Mode {
 /// method, the route it matched (axum's `MatchedPath`, when the layer is inside the
 /// router: a template, never the path with its ids), and the layer's mode. Its key and
 /// scope are the `idempotency` span's, as hashes, never in the event itself.
+///
+/// The events' fields and the metrics' labels are named by OpenTelemetry's HTTP
+/// semantic conventions where those name them (`http.request.method`, `http.route`,
+/// `http.response.status_code`), and under `idempotency.` where they do not.
 pub(crate) struct Seen {
     method: Method,
     #[cfg(feature = "axum")]
@@ -70,25 +74,29 @@ impl Seen {
     /// inner service failed (it ran, and its key was released). Counted, and logged in
     /// the request's span.
     pub(crate) fn answered(&self, outcome: Option<Outcome>, status: Option<StatusCode>) {
-        let outcome = outcome.unwrap_or(Outcome::Executed);
-        count_request(outcome, self.mode);
+        let outcome = outcome.unwrap_or(Outcome::Released);
+        count(outcome, self.mode, &self.method, self.route(), status);
         let status = status.map(|s| s.as_u16());
-        let (method, route, mode) = (self.method.as_str(), self.route(), self.mode.as_str());
+        let (method, route, mode) = (method_name(&self.method), self.route(), self.mode.as_str());
         macro_rules! event {
             ($level:ident, $message:literal) => {
                 tracing::event!(
                     tracing::Level::$level,
-                    outcome = outcome.as_str(),
-                    status,
-                    mode,
-                    method,
-                    route,
+                    idempotency.outcome = outcome.as_str(),
+                    http.response.status_code = status,
+                    idempotency.mode = mode,
+                    http.request.method = method,
+                    http.route = route,
                     $message
                 )
             };
         }
         match outcome {
             Outcome::Executed => event!(DEBUG, "the handler ran under the key"),
+            Outcome::Released => event!(
+                DEBUG,
+                "the handler ran under the key; its answer was not stored, and the key was released"
+            ),
             Outcome::Replayed => event!(INFO, "a duplicate got the stored response"),
             Outcome::Conflict => event!(INFO, "a duplicate came while its key's request ran"),
             Outcome::Mismatch => event!(WARN, "the key came with a different request"),
@@ -103,33 +111,98 @@ impl Seen {
     /// a span: counted, and logged with the problem and why. `reason` names the fault,
     /// never the key.
     pub(crate) fn refused(&self, problem: Problem, reason: &str) {
-        count_request(Outcome::Rejected, self.mode);
+        let status = problem.status();
+        count(
+            Outcome::Rejected,
+            self.mode,
+            &self.method,
+            self.route(),
+            Some(status),
+        );
         tracing::info!(
-            outcome = Outcome::Rejected.as_str(),
-            status = problem.status().as_u16(),
-            problem = problem.slug(),
-            reason,
-            mode = self.mode.as_str(),
-            method = self.method.as_str(),
-            route = self.route(),
+            idempotency.outcome = Outcome::Rejected.as_str(),
+            http.response.status_code = status.as_u16(),
+            idempotency.problem = problem.slug(),
+            idempotency.reason = reason,
+            idempotency.mode = self.mode.as_str(),
+            http.request.method = method_name(&self.method),
+            http.route = self.route(),
             "refused for its idempotency key"
         );
     }
 }
 
-/// Counts a request with `outcome` that has no event of its own: passed through (no
-/// key, none required; or guarded by an outer layer), or refused where the refusal is
-/// logged already.
-pub(crate) fn count_request(outcome: Outcome, mode: Mode) {
+/// Counts a guarded request with `outcome` that has no event of its own: passed through
+/// (no key, none required; or guarded by an outer layer), or refused where the refusal
+/// is logged already; answered `status`, where it is known already.
+pub(crate) fn count_request<B>(
+    outcome: Outcome,
+    mode: Mode,
+    req: &http::Request<B>,
+    status: Option<StatusCode>,
+) {
     #[cfg(feature = "metrics")]
-    ::metrics::counter!(
-        crate::metrics::REQUESTS,
-        "outcome" => outcome.as_str(),
-        "mode" => mode.as_str(),
-    )
-    .increment(1);
+    {
+        #[cfg(feature = "axum")]
+        let route = req
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map(|r| r.as_str());
+        #[cfg(not(feature = "axum"))]
+        let route = None;
+        count(outcome, mode, req.method(), route, status);
+    }
     #[cfg(not(feature = "metrics"))]
-    let _ = (outcome, mode);
+    let _ = (outcome, mode, req, status);
+}
+
+/// Counts a guarded request: by outcome and mode, method, route (when known: a
+/// template) and status (when there is one, and it is known).
+fn count(
+    outcome: Outcome,
+    mode: Mode,
+    method: &Method,
+    route: Option<&str>,
+    status: Option<StatusCode>,
+) {
+    #[cfg(feature = "metrics")]
+    {
+        use ::metrics::Label;
+        let mut labels = Vec::with_capacity(5);
+        labels.push(Label::new(crate::metrics::OUTCOME, outcome.as_str()));
+        labels.push(Label::new(crate::metrics::MODE, mode.as_str()));
+        labels.push(Label::new(crate::metrics::METHOD, method_name(method)));
+        if let Some(route) = route {
+            labels.push(Label::new(crate::metrics::ROUTE, route.to_owned()));
+        }
+        if let Some(status) = status {
+            labels.push(Label::new(
+                crate::metrics::STATUS,
+                status.as_str().to_owned(),
+            ));
+        }
+        ::metrics::counter!(crate::metrics::REQUESTS, labels).increment(1);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (outcome, mode, method, route, status);
+}
+
+/// The method as OpenTelemetry names it (`http.request.method`): one of RFC 9110's and
+/// `PATCH`, or `_OTHER` for any other, so that the metrics' series stay bounded
+/// whatever methods clients send.
+fn method_name(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::CONNECT => "CONNECT",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::PATCH => "PATCH",
+        _ => "_OTHER",
+    }
 }
 
 /// A job run ended with `outcome`; `result` names the `JobOutcome` or `JobError`
@@ -139,8 +212,8 @@ pub(crate) fn job_ended(outcome: Outcome, result: &'static str, mode: Mode) {
     #[cfg(feature = "metrics")]
     ::metrics::counter!(
         crate::metrics::JOBS,
-        "outcome" => outcome.as_str(),
-        "mode" => mode.as_str(),
+        crate::metrics::OUTCOME => outcome.as_str(),
+        crate::metrics::MODE => mode.as_str(),
     )
     .increment(1);
     let mode = mode.as_str();
@@ -148,15 +221,19 @@ pub(crate) fn job_ended(outcome: Outcome, result: &'static str, mode: Mode) {
         ($level:ident, $message:literal) => {
             tracing::event!(
                 tracing::Level::$level,
-                outcome = outcome.as_str(),
-                result,
-                mode,
+                idempotency.outcome = outcome.as_str(),
+                idempotency.result = result,
+                idempotency.mode = mode,
                 $message
             )
         };
     }
     match outcome {
         Outcome::Executed => event!(DEBUG, "the work ran under the key"),
+        Outcome::Released => event!(
+            DEBUG,
+            "the work ran under the key and failed; the key was released"
+        ),
         Outcome::Replayed => event!(INFO, "a redelivery got the stored result"),
         Outcome::Conflict => event!(INFO, "a redelivery came while its key's work ran"),
         Outcome::Mismatch => event!(WARN, "the key came with a different input"),
@@ -186,7 +263,7 @@ impl Timer {
     /// given up on.
     pub(crate) fn claimed(self, mode: Mode) {
         #[cfg(feature = "metrics")]
-        ::metrics::histogram!(crate::metrics::CLAIM_DURATION, "mode" => mode.as_str())
+        ::metrics::histogram!(crate::metrics::CLAIM_DURATION, crate::metrics::MODE => mode.as_str())
             .record(self.started.elapsed());
         #[cfg(not(feature = "metrics"))]
         let _ = mode;
@@ -196,7 +273,7 @@ impl Timer {
     /// `COMMIT`, a check of a `COMMIT` in doubt included) ended.
     pub(crate) fn completed(self, mode: Mode) {
         #[cfg(feature = "metrics")]
-        ::metrics::histogram!(crate::metrics::COMPLETION_DURATION, "mode" => mode.as_str())
+        ::metrics::histogram!(crate::metrics::COMPLETION_DURATION, crate::metrics::MODE => mode.as_str())
             .record(self.started.elapsed());
         #[cfg(not(feature = "metrics"))]
         let _ = mode;
@@ -207,7 +284,8 @@ impl Timer {
 /// `release`, `renew` or `purge`. (Its cause is logged where it happened.)
 pub(crate) fn store_failed(operation: &'static str) {
     #[cfg(feature = "metrics")]
-    ::metrics::counter!(crate::metrics::STORE_ERRORS, "operation" => operation).increment(1);
+    ::metrics::counter!(crate::metrics::STORE_ERRORS, crate::metrics::OPERATION => operation)
+        .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = operation;
 }

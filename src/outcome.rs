@@ -3,7 +3,7 @@
 use std::fmt;
 
 /// The layer's decision for one request, put in the response extensions and recorded
-/// as the `outcome` field of the `idempotency` tracing span.
+/// as the `idempotency.outcome` field of the `idempotency` tracing span.
 ///
 /// ```
 /// use tower_idempotency::Outcome;
@@ -21,10 +21,19 @@ pub enum Outcome {
     /// Not a guarded request (method not guarded, or no key and none required), or one
     /// an outer layer of the same mode guards already under the same key.
     PassedThrough,
-    /// The key was claimed and the inner service ran; or the request failed on its way
-    /// to running it (a panic of the scope or fingerprint function, say), answered
-    /// `500 handler-failed` with nothing held under the key.
+    /// The key was claimed, the inner service ran, and its answer is stored (or is
+    /// being stored: a retry replays it).
     Executed,
+    /// The key was claimed and the inner service ran, but its answer was not stored and
+    /// the key was released (in transactional mode, rolled back with the handler's
+    /// writes): a retry runs again. An answer of a status the storage policy does not
+    /// keep (by default 5xx, 408, 429, 400, 415 and 422) or marked
+    /// [`NoStore`](crate::NoStore); the inner service's error; a handler that panicked
+    /// or whose body failed (`500 handler-failed`); or a request that failed on its way
+    /// to running it (a panic of the scope or fingerprint function, say), with nothing
+    /// held under the key. Counted apart from `Executed`, so that a `5xx` that freed
+    /// its key for a retry is not read as a success.
+    Released,
     /// A stored response was returned.
     Replayed,
     /// The key is held by a request still running (409).
@@ -48,6 +57,7 @@ impl Outcome {
         match self {
             Self::PassedThrough => "passed_through",
             Self::Executed => "executed",
+            Self::Released => "released",
             Self::Replayed => "replayed",
             Self::Conflict => "conflict",
             Self::Mismatch => "mismatch",

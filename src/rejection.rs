@@ -275,7 +275,42 @@ pub(crate) struct Problems {
     hook: Option<Hook>,
 }
 
-type Hook = std::sync::Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
+/// The app's format: a response for each rejection, or `None` where it could not make
+/// one (an `IntoResponse` body not ready at once, or too large), for the default
+/// document to answer in its place.
+type Hook = std::sync::Arc<dyn Fn(&Rejection) -> Option<Response<Bytes>> + Send + Sync>;
+
+/// The most bytes of a body that
+/// [`rejection_into_response`](crate::IdempotencyLayer::rejection_into_response) reads
+/// from what the app's error type renders.
+#[cfg(feature = "axum")]
+pub(crate) const RENDERED_LIMIT: usize = 64 * 1024;
+
+/// `res`, an axum response the app's error type rendered for `rejection`, with its
+/// body read whole: it must be ready at once (a body made of bytes, a string or JSON
+/// is) and within [`RENDERED_LIMIT`]. `None`, logged at `error`, otherwise.
+#[cfg(feature = "axum")]
+pub(crate) fn rendered(
+    rejection: &Rejection,
+    res: axum_core::response::Response,
+) -> Option<Response<Bytes>> {
+    use futures_util::FutureExt;
+    use http_body_util::BodyExt;
+    let (parts, body) = res.into_parts();
+    let read = http_body_util::Limited::new(body, RENDERED_LIMIT).collect();
+    let why = match read.now_or_never() {
+        Some(Ok(body)) => return Some(Response::from_parts(parts, body.to_bytes())),
+        Some(Err(e)) => e.to_string(),
+        None => "its body was not ready at once (a stream?)".to_owned(),
+    };
+    tracing::error!(
+        problem = rejection.problem.slug(),
+        why,
+        limit = RENDERED_LIMIT,
+        "the app's rendering of a rejection (rejection_into_response) could not be read; answered the default problem document instead"
+    );
+    None
+}
 
 impl Problems {
     pub(crate) fn with_base(mut self, base: std::sync::Arc<str>) -> Self {
@@ -301,8 +336,8 @@ impl Problems {
     /// `rejection` as this layer answers it: the app's format, or the problem document
     /// under this base; marked with its [`Problem`] either way.
     pub(crate) fn render(&self, rejection: &Rejection) -> Response<Bytes> {
-        let mut res = match &self.hook {
-            Some(hook) => hook(rejection),
+        let mut res = match self.hook.as_ref().and_then(|hook| hook(rejection)) {
+            Some(res) => res,
             None => return rejection.to_response(self.base()),
         };
         res.extensions_mut().insert(rejection.problem);

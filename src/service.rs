@@ -84,7 +84,7 @@ where
         let key = match key_from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !config.require_key => {
-                crate::observe::count_request(Outcome::PassedThrough, mode);
+                crate::observe::count_request(Outcome::PassedThrough, mode, &req, None);
                 crate::request::mark_unkeyed(req.extensions_mut(), &config.header);
                 crate::request::mark_problems(req.extensions_mut(), config);
                 return pass_through(self.inner.call(req));
@@ -109,22 +109,25 @@ where
             && *outer.key == *key
         {
             if outer.transactional == transactional {
-                crate::observe::count_request(Outcome::PassedThrough, mode);
+                crate::observe::count_request(Outcome::PassedThrough, mode, &req, None);
                 return pass_through(self.inner.call(req));
             }
             if outer.location.is_some() && outer.location == config.store.records_location() {
                 // Logged at `error` as it is answered.
-                crate::observe::count_request(Outcome::Rejected, mode);
-                return answered(nested_on_one_table(&config.problems));
+                let res = nested_on_one_table(&config.problems);
+                crate::observe::count_request(Outcome::Rejected, mode, &req, Some(res.status()));
+                return answered(res);
             }
         }
         // A request that must come with a principal and came without one: the
         // authentication is not in front of this layer (or lets this route through).
         if config.scoping.lacks_principal(req.extensions()) {
             // Logged at `error` as it is answered.
-            crate::observe::count_request(Outcome::Rejected, mode);
-            let (parts, _) = req.into_parts();
-            return answered(no_principal(&config.problems, &parts));
+            let (parts, body) = req.into_parts();
+            let res = no_principal(&config.problems, &parts);
+            let req = Request::from_parts(parts, body);
+            crate::observe::count_request(Outcome::Rejected, mode, &req, Some(res.status()));
+            return answered(res);
         }
         // A guarded request's future owns an instance of its own (it may finish in a task
         // of its own), and a fresh clone stays for the next call. The ready one is let
@@ -136,7 +139,7 @@ where
             "idempotency",
             key = field::Empty,
             scope = field::Empty,
-            outcome = field::Empty,
+            idempotency.outcome = field::Empty,
         );
         if span.is_disabled() {
             // Nobody records it: no hashing either.
@@ -172,7 +175,7 @@ where
                 .and_then(|r| r.extensions().get::<Outcome>());
             seen.answered(outcome.copied(), res.as_ref().ok().map(|r| r.status()));
             if let Some(outcome) = outcome {
-                Span::current().record("outcome", outcome.as_str());
+                Span::current().record("idempotency.outcome", outcome.as_str());
             }
             res
         };

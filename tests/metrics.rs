@@ -76,6 +76,43 @@ impl Recorded {
     }
 }
 
+/// The series of [`REQUESTS`] for a `POST /payments` answered with `status` (none:
+/// `""`), as the recorder names it: its labels sorted.
+fn requests(mode: &str, outcome: &str, status: &str) -> String {
+    let status = if status.is_empty() {
+        String::new()
+    } else {
+        format!(",http.response.status_code={status}")
+    };
+    format!(
+        "{REQUESTS}{{http.request.method=POST{status},http.route=/payments,\
+         idempotency.mode={mode},idempotency.outcome={outcome}}}"
+    )
+}
+
+/// A `5xx` whose key was released is counted apart from a success, under the status it
+/// answered; so is the inner service's error, with no status.
+#[tokio::test]
+async fn a_5xx_that_released_its_key_is_counted_apart_from_a_success() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut recorded = Recorded::new(&recorder);
+    let (router, counter) = app(IdempotencyLayer::new(MemoryStore::new()));
+    let failing = || common::post_with_headers("order-1", &[("x-status", "500")]);
+    assert_eq!(send(&router, failing()).await.status, 500);
+    // Released: the retry runs again, and is counted again.
+    assert_eq!(send(&router, failing()).await.status, 500);
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(send(&router, post("order-2", "{}")).await.status, 201);
+    assert_eq!(recorded.value(&requests("lease", "released", "500")), 2.0);
+    assert_eq!(recorded.value(&requests("lease", "executed", "201")), 1.0);
+    assert_eq!(recorded.value(&requests("lease", "executed", "500")), 0.0);
+    // A panic: `500 handler-failed`, released too.
+    let panicking = common::post_with_headers("order-3", &[("x-panic", "1")]);
+    assert_eq!(send(&router, panicking).await.status, 500);
+    assert_eq!(recorded.value(&requests("lease", "released", "500")), 3.0);
+}
+
 #[tokio::test]
 async fn outcomes_claims_and_completions_are_counted() {
     let recorder = DebuggingRecorder::new();
@@ -98,20 +135,20 @@ async fn outcomes_claims_and_completions_are_counted() {
         .unwrap();
     assert_eq!(send(&router, unkeyed).await.status, 201);
 
-    let requests = |outcome: &str| format!("{REQUESTS}{{mode=lease,outcome={outcome}}}");
-    assert_eq!(recorded.value(&requests("executed")), 2.0);
-    assert_eq!(recorded.value(&requests("replayed")), 1.0);
-    assert_eq!(recorded.value(&requests("conflict")), 1.0);
-    assert_eq!(recorded.value(&requests("rejected")), 1.0);
-    assert_eq!(recorded.value(&requests("passed_through")), 1.0);
-    assert_eq!(recorded.value(&requests("mismatch")), 0.0);
+    let requests = |outcome: &str, status: &str| requests("lease", outcome, status);
+    assert_eq!(recorded.value(&requests("executed", "201")), 2.0);
+    assert_eq!(recorded.value(&requests("replayed", "201")), 1.0);
+    assert_eq!(recorded.value(&requests("conflict", "409")), 1.0);
+    assert_eq!(recorded.value(&requests("rejected", "400")), 1.0);
+    assert_eq!(recorded.value(&requests("passed_through", "")), 1.0);
+    assert_eq!(recorded.value(&requests("mismatch", "422")), 0.0);
     // A claim for each keyed request that got as far; a completion for each that ran.
     assert_eq!(
-        recorded.observations(&format!("{CLAIM_DURATION}{{mode=lease}}")),
+        recorded.observations(&format!("{CLAIM_DURATION}{{idempotency.mode=lease}}")),
         4
     );
     assert_eq!(
-        recorded.observations(&format!("{COMPLETION_DURATION}{{mode=lease}}")),
+        recorded.observations(&format!("{COMPLETION_DURATION}{{idempotency.mode=lease}}")),
         2
     );
     assert!(
@@ -156,11 +193,9 @@ async fn store_errors_are_counted_by_operation() {
     let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_millis(100));
     let (router, _) = app(layer);
     assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
-    assert!(recorded.value(&format!("{STORE_ERRORS}{{operation=complete}}")) >= 1.0);
-    assert_eq!(
-        recorded.value(&format!("{REQUESTS}{{mode=lease,outcome=executed}}")),
-        1.0
-    );
+    let failed = format!("{STORE_ERRORS}{{idempotency.operation=complete}}");
+    assert!(recorded.value(&failed) >= 1.0);
+    assert_eq!(recorded.value(&requests("lease", "executed", "201")), 1.0);
 }
 
 #[tokio::test]
@@ -177,10 +212,18 @@ async fn jobs_are_counted_by_outcome() {
             })
             .await;
     }
-    let jobs = |outcome: &str| format!("{JOBS}{{mode=lease,outcome={outcome}}}");
+    let failed = runner
+        .run(&scope, "msg-2", b"a", |_| async {
+            Err::<bytes::Bytes, _>(std::io::Error::other("the ledger is down"))
+        })
+        .await;
+    assert!(failed.is_err());
+    let jobs =
+        |outcome: &str| format!("{JOBS}{{idempotency.mode=lease,idempotency.outcome={outcome}}}");
     assert_eq!(recorded.value(&jobs("executed")), 1.0);
     assert_eq!(recorded.value(&jobs("replayed")), 1.0);
     assert_eq!(recorded.value(&jobs("mismatch")), 1.0);
+    assert_eq!(recorded.value(&jobs("released")), 1.0);
 }
 
 /// On PostgreSQL, in transactional mode: the claim (with its `BEGIN`) and the
@@ -195,15 +238,20 @@ async fn transactional_claims_and_commits_are_timed() {
     let (router, _) = app(IdempotencyLayer::transactional(store.clone()));
     assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
     assert_eq!(send(&router, post("order-1", "{}")).await.status, 201);
-    let requests = |outcome: &str| format!("{REQUESTS}{{mode=transactional,outcome={outcome}}}");
-    assert_eq!(recorded.value(&requests("executed")), 1.0);
-    assert_eq!(recorded.value(&requests("replayed")), 1.0);
+    // A 5xx rolls back, and is counted apart.
+    let failing = common::post_with_headers("order-2", &[("x-status", "503")]);
+    assert_eq!(send(&router, failing).await.status, 503);
+    let requests = |outcome: &str, status: &str| requests("transactional", outcome, status);
+    assert_eq!(recorded.value(&requests("executed", "201")), 1.0);
+    assert_eq!(recorded.value(&requests("replayed", "201")), 1.0);
+    assert_eq!(recorded.value(&requests("released", "503")), 1.0);
+    let mode = "idempotency.mode=transactional";
     assert_eq!(
-        recorded.observations(&format!("{CLAIM_DURATION}{{mode=transactional}}")),
-        2
+        recorded.observations(&format!("{CLAIM_DURATION}{{{mode}}}")),
+        3
     );
     assert_eq!(
-        recorded.observations(&format!("{COMPLETION_DURATION}{{mode=transactional}}")),
+        recorded.observations(&format!("{COMPLETION_DURATION}{{{mode}}}")),
         1
     );
     common::idle(&store).await;

@@ -143,12 +143,21 @@ async fn every_guarded_request_has_a_span_with_its_outcome() {
     send(&router, post("order-42", "{}")).await;
     send(&router, post("order-42", "{}")).await;
     send(&router, post("order-42", "{\"other\":1}")).await;
+    send(
+        &router,
+        post_with_headers("order-43", &[("x-status", "500")]),
+    )
+    .await;
     let seen = spans.0.lock().unwrap().clone();
-    let outcomes: Vec<_> = seen.iter().map(|f| f["outcome"].as_str()).collect();
-    assert_eq!(outcomes, ["executed", "replayed", "mismatch"]);
+    let outcomes: Vec<_> = seen
+        .iter()
+        .map(|f| f["idempotency.outcome"].as_str())
+        .collect();
+    assert_eq!(outcomes, ["executed", "replayed", "mismatch", "released"]);
     // The key is hashed by default: the same hash on each of its requests.
     assert!(
-        seen.iter()
+        seen[..3]
+            .iter()
             .all(|f| f["key"].len() == 16 && f["key"] == seen[0]["key"])
     );
     assert!(seen.iter().all(|f| !f["key"].contains("order-42")));
@@ -368,7 +377,7 @@ fn outcome_lines(out: &Mutex<Vec<u8>>) -> Vec<String> {
     let printed = String::from_utf8(out.lock().unwrap().clone()).unwrap();
     printed
         .lines()
-        .filter(|l| l.contains("outcome="))
+        .filter(|l| l.contains(" idempotency.outcome="))
         .map(str::to_owned)
         .collect()
 }
@@ -394,7 +403,7 @@ async fn every_outcome_is_printed_by_the_default_fmt_subscriber() {
         let lines = outcome_lines(&out);
         let found: Vec<_> = lines
             .iter()
-            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .filter(|l| l.contains(&format!(" idempotency.outcome=\"{outcome}\"")))
             .cloned()
             .collect();
         assert_eq!(found.len(), 1, "one line for {outcome}: {lines:#?}");
@@ -419,18 +428,24 @@ async fn every_outcome_is_printed_by_the_default_fmt_subscriber() {
         422
     );
     let mismatch = line("mismatch");
+    // A 5xx: the handler ran, and its key was released for a retry.
+    let failing = common::post_with_headers("order-4", &[("x-status", "500")]);
+    assert_eq!(send(&router, failing).await.status, 500);
+    let released = line("released");
 
     for (line, level, status, key) in [
         (&executed, "DEBUG", 201, "order-1"),
         (&replayed, " INFO", 201, "order-1"),
         (&conflict, " INFO", 409, "order-2"),
         (&mismatch, " WARN", 422, "order-1"),
+        (&released, "DEBUG", 500, "order-4"),
     ] {
         assert!(line.contains(level), "{line}");
-        assert!(line.contains(&format!("status={status}")), "{line}");
-        assert!(line.contains("mode=\"lease\""), "{line}");
-        assert!(line.contains("method=\"POST\""), "{line}");
-        assert!(line.contains("route=\"/payments\""), "{line}");
+        let status = format!(" http.response.status_code={status}");
+        assert!(line.contains(&status), "{line}");
+        assert!(line.contains(" idempotency.mode=\"lease\""), "{line}");
+        assert!(line.contains(" http.request.method=\"POST\""), "{line}");
+        assert!(line.contains(" http.route=\"/payments\""), "{line}");
         // In the request's span, with the key's hash.
         assert!(
             line.contains(&format!("idempotency{{key=\"{}\"", hashed(key))),
@@ -449,25 +464,25 @@ async fn every_outcome_is_printed_by_the_default_fmt_subscriber() {
     let lines = outcome_lines(&out);
     let rejected: Vec<_> = lines
         .iter()
-        .filter(|l| l.contains("outcome=\"rejected\""))
+        .filter(|l| l.contains(" idempotency.outcome=\"rejected\""))
         .collect();
     assert_eq!(rejected.len(), 2, "{lines:#?}");
     assert!(
-        rejected[0].contains("problem=\"key-missing\""),
+        rejected[0].contains(" idempotency.problem=\"key-missing\""),
         "{lines:#?}"
     );
     assert!(
-        rejected[1].contains("problem=\"key-malformed\""),
+        rejected[1].contains(" idempotency.problem=\"key-malformed\""),
         "{lines:#?}"
     );
     for line in rejected {
         assert!(line.contains(" INFO"), "{line}");
-        assert!(line.contains("status=400"), "{line}");
-        assert!(line.contains("reason="), "{line}");
+        assert!(line.contains(" http.response.status_code=400"), "{line}");
+        assert!(line.contains(" idempotency.reason="), "{line}");
         assert!(!line.contains("order 3"), "the key in clear: {line}");
     }
-    // One line per request: five requests, one that waited held, and two refused.
-    assert_eq!(lines.len(), 7, "{lines:#?}");
+    // One line per request: six requests, one that waited held, and two refused.
+    assert_eq!(lines.len(), 8, "{lines:#?}");
 }
 
 /// A job's outcome is printed too, in its span.
@@ -483,16 +498,30 @@ async fn a_job_s_outcome_is_printed_by_the_default_fmt_subscriber() {
             })
             .await;
     }
+    // Work that fails: its key is released, for a redelivery to run it again.
+    let failed = runner
+        .run(&scope, "msg-2", b"a", |_| async {
+            Err::<bytes::Bytes, _>(std::io::Error::other("the ledger is down"))
+        })
+        .await;
+    assert!(failed.is_err());
     let lines = outcome_lines(&out);
-    assert_eq!(lines.len(), 3, "{lines:#?}");
+    assert_eq!(lines.len(), 4, "{lines:#?}");
     for (line, outcome, result) in [
         (&lines[0], "executed", "ran"),
         (&lines[1], "replayed", "already_done"),
         (&lines[2], "mismatch", "mismatch"),
+        (&lines[3], "released", "failed"),
     ] {
-        assert!(line.contains(&format!("outcome=\"{outcome}\"")), "{line}");
-        assert!(line.contains(&format!("result=\"{result}\"")), "{line}");
-        assert!(line.contains("job{key=\"msg-1\"}"), "{line}");
+        assert!(
+            line.contains(&format!(" idempotency.outcome=\"{outcome}\"")),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!(" idempotency.result=\"{result}\"")),
+            "{line}"
+        );
+        assert!(line.contains("job{key=\"msg-"), "{line}");
     }
 }
 

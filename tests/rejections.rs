@@ -187,6 +187,124 @@ async fn shutting_down_answers_in_the_app_s_format() {
     assert_eq!(counter.runs(), 0);
 }
 
+/// The app's error type, as its handlers return it: an axum response of its own.
+enum AppError {
+    Idempotency(Rejection),
+    /// What the app answers for a reason of its own, with a streamed body.
+    Streamed,
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> axum::response::Response {
+        match self {
+            AppError::Idempotency(rejection) => {
+                let body = axum::Json(serde_json::json!({
+                    "error": {
+                        "code": rejection.problem().slug(),
+                        "message": rejection.detail(),
+                        "retry_after": rejection.retry_after().map(|after| after.as_secs()),
+                    }
+                }));
+                let mut res = (
+                    rejection.status(),
+                    [
+                        (header::CONTENT_TYPE, "application/vnd.example.error+json"),
+                        (header::CACHE_CONTROL, "no-store"),
+                    ],
+                    body,
+                )
+                    .into_response();
+                if let Some(after) = rejection.retry_after() {
+                    let secs = after.as_secs().max(1);
+                    res.headers_mut().insert(header::RETRY_AFTER, secs.into());
+                }
+                res
+            }
+            AppError::Streamed => {
+                let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>("late")]);
+                let pending = futures_util::StreamExt::chain(
+                    futures_util::stream::pending::<Result<&str, std::io::Error>>(),
+                    chunks,
+                );
+                (StatusCode::CONFLICT, Body::from_stream(pending)).into_response()
+            }
+        }
+    }
+}
+
+/// The app's error type answers every rejection, as `rejection_with` would: those the
+/// layer answers, those it stores and replays, the extractors'.
+#[tokio::test]
+async fn the_app_s_own_error_type_answers_every_rejection() {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .response_body_limit(8)
+        .rejection_into_response(|rejection| AppError::Idempotency(rejection.clone()));
+    let (router, counter) = app(layer);
+
+    let bad = send(&router, malformed()).await;
+    assert_eq!(
+        (bad.status.as_u16(), bad.outcome),
+        (400, Some(Outcome::Rejected))
+    );
+    assert_eq!(app_code(&bad), "key-malformed");
+
+    let running = in_flight(
+        &router,
+        post_with_headers("k", &[("x-held", "1")]),
+        &counter,
+    )
+    .await;
+    let res = router.clone().oneshot_reply(post("k", "{}")).await;
+    assert_eq!(
+        res.extensions().get::<Problem>(),
+        Some(&Problem::InProgress)
+    );
+    let busy = Reply::of(res).await;
+    assert_eq!(busy.status, 409);
+    assert_eq!(app_code(&busy), "in-progress");
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    assert_eq!(busy.header("cache-control"), Some("no-store"));
+    counter.let_go(1);
+    assert_eq!(running.await.unwrap().status, 201);
+
+    // Stored in the app's format, and replayed so: the handler ran once.
+    let retry = send(&router, post("k", "{}")).await;
+    assert_eq!(
+        (retry.status.as_u16(), retry.outcome),
+        (500, Some(Outcome::Replayed))
+    );
+    assert_eq!(app_code(&retry), "response-not-stored");
+    assert_eq!(counter.runs(), 1);
+
+    let keyed = Router::new()
+        .route("/payments", routing::post(needs_a_key))
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .rejection_into_response(|rejection| AppError::Idempotency(rejection.clone())),
+        );
+    let unkeyed = common::req("POST").body(Body::from("{}")).unwrap();
+    let missing = send(&keyed, unkeyed).await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(app_code(&missing), "key-missing");
+}
+
+/// A body the layer cannot read at once (a stream) is not waited for: the default
+/// document answers in its place, under the layer's base.
+#[tokio::test]
+async fn an_app_error_whose_body_is_not_ready_at_once_is_answered_by_the_default_document() {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .problem_type_base(BASE)
+        .rejection_into_response(|_| AppError::Streamed);
+    let (router, counter) = app(layer);
+    let bad = send(&router, malformed()).await;
+    assert_eq!(
+        (bad.status.as_u16(), bad.outcome),
+        (400, Some(Outcome::Rejected))
+    );
+    assert_eq!(problem_type(&bad), format!("{BASE}key-malformed"));
+    assert_eq!(counter.runs(), 0);
+}
+
 async fn needs_a_key(key: IdempotencyKey) -> String {
     format!("created under {key}")
 }

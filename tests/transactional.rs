@@ -484,7 +484,7 @@ async fn a_handler_that_answers_409_after_its_insert_failed_gets_its_409() {
     // answers 409 from it.
     let first = send(&router, post_body("k1", "pay_1", &[])).await;
     assert_eq!(first.status, 409);
-    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(first.outcome, Some(Outcome::Released));
     assert_eq!(first.body, "pay_1");
     assert_eq!(records_of(&schema, "k1").await, 0, "nothing was committed");
     // The key is free: the retry runs again, and meets the same answer.
@@ -947,7 +947,7 @@ async fn a_transaction_handler_behind_a_lease_mode_layer_is_500_and_stores_nothi
         let r = send(&router, post_with("k", &[])).await;
         assert_eq!(r.status, 500);
         assert_eq!(r.problem(), "handler-failed");
-        assert_eq!(r.outcome, Some(Outcome::Executed));
+        assert_eq!(r.outcome, Some(Outcome::Released));
     }
     assert_eq!(counter.runs(), 0);
     let keys = format!("SELECT count(*) FROM \"{}\".idempotency_keys", schema.name);
@@ -1634,7 +1634,7 @@ async fn a_rollback_the_database_never_answers_is_given_up_on() {
     proxy.hold_next_rollback();
     let first = drain_while_held(&shutdown, &counter, first).await;
     assert_eq!(first.status, 503, "{:?}", first.body);
-    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(first.outcome, Some(Outcome::Released));
     assert_eq!(proxy.held(), 1);
     proxy.release_held();
     assert_eq!(rows_in(&schema, &table).await, 0);

@@ -251,32 +251,36 @@ where
             }
         }
         Produced::Buffered(parts, body) => {
-            if crate::policy::is_stored(&config.policy, &parts) {
+            let outcome = if crate::policy::is_stored(&config.policy, &parts) {
                 let stored = to_store(&config, &parts, &body);
                 leased.store(&lease, stored, in_flight, renewal).await;
+                Outcome::Executed
             } else {
                 drop(renewal);
                 leased.release(&lease, in_flight).await;
-            }
+                Outcome::Released
+            };
             let mut res = Response::from_parts(parts, ResponseBody::full(body));
             res.headers_mut().remove(header::CONTENT_LENGTH);
-            Ok(with_outcome(res, Outcome::Executed))
+            Ok(with_outcome(res, outcome))
         }
         Produced::Unbuffered(parts, prefix, rest, why) => {
-            if crate::policy::is_stored(&config.policy, &parts) {
+            let outcome = if crate::policy::is_stored(&config.policy, &parts) {
                 tracing::warn!(
                     ?why,
                     "the response could not be read whole; retries will get response-not-stored"
                 );
                 let stored = not_stored_problem(&config, why);
                 leased.store(&lease, stored, in_flight, renewal).await;
+                Outcome::Executed
             } else {
                 // Not to be stored in any size: the key is free for a retry.
                 drop(renewal);
                 leased.release(&lease, in_flight).await;
-            }
+                Outcome::Released
+            };
             let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
-            Ok(with_outcome(res, Outcome::Executed))
+            Ok(with_outcome(res, outcome))
         }
     }
 }

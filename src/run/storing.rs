@@ -103,7 +103,7 @@ impl Leased {
             Ok(Ok(Fenced::LeaseLost)) => {
                 tracing::warn!(
                     token = %lease.token,
-                    "the lease was taken over by another run; this result went to its own caller and was not stored"
+                    "the lease was lost (taken over by another run, or released by an operator); this result went to its own caller and was not stored"
                 );
                 Attempt::Fenced
             }

@@ -1,9 +1,10 @@
 //! What a store holds for one key, read without changing it ([`Store::look_up`]): the
 //! record a layer in transition looks for under the scope it used before
 //! ([`previous_scope_with`](crate::IdempotencyLayer::previous_scope_with)), and what an
-//! operator asks when a client says "what happened to my request?".
+//! operator asks when a client says "what happened to my request?"
+//! ([`Operator::look_up`](super::Operator::look_up)).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use super::FencingToken;
 #[cfg(doc)]
@@ -12,9 +13,11 @@ use crate::{Fingerprint, StoredResponse};
 
 /// A key's record as [`Store::look_up`] read it.
 ///
-/// Marked `#[non_exhaustive]`: more of what a store knows (when the key was claimed,
-/// when it completed) may be added; a store of the app's own builds it with
-/// [`running`](Self::running) or [`completed`](Self::completed).
+/// Marked `#[non_exhaustive]`: more of what a store knows may be added; a store of the
+/// app's own builds it with [`running`](Self::running) or [`completed`](Self::completed),
+/// and says when it was claimed and completed, if it knows, with
+/// [`with_claimed_at`](Self::with_claimed_at) and
+/// [`with_completed_at`](Self::with_completed_at).
 ///
 /// ```
 /// use std::time::Duration;
@@ -28,6 +31,7 @@ use crate::{Fingerprint, StoredResponse};
 /// );
 /// assert!(matches!(record.state, KeyState::Running { lease_left } if lease_left.as_secs() == 20));
 /// assert!(!record.is_free());
+/// assert_eq!(record.claimed_at, None); // not said
 /// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -42,6 +46,13 @@ pub struct KeyRecord {
     /// running record lives at least as long as its lease). Zero: past it, and free
     /// for a new claim once its lease, if it runs, has lapsed; the purge removes it.
     pub expires_in: Duration,
+    /// When the claim that holds the key, or completed it, was taken, by the store's
+    /// clock (PostgreSQL's `now()` for [`PostgresStore`](super::PostgresStore)); a
+    /// takeover of a lapsed lease counts from itself. `None` where a store does not say.
+    pub claimed_at: Option<SystemTime>,
+    /// When it was completed, by the store's clock; `None` while it runs, or where a
+    /// store does not say.
+    pub completed_at: Option<SystemTime>,
 }
 
 /// The state of a key's record.
@@ -56,7 +67,9 @@ pub enum KeyState {
     },
     /// Completed: its response is replayed to a retry with the same request.
     Completed {
-        /// The stored response.
+        /// The stored response: its status, and the sizes an operator asks for
+        /// (`response.body.len()`; the headers as stored,
+        /// [`StoredResponse::encode_headers`] of `response.headers`).
         response: StoredResponse,
     },
 }
@@ -75,6 +88,8 @@ impl KeyRecord {
             fingerprint,
             state: KeyState::Running { lease_left },
             expires_in,
+            claimed_at: None,
+            completed_at: None,
         }
     }
 
@@ -91,6 +106,35 @@ impl KeyRecord {
             fingerprint,
             state: KeyState::Completed { response },
             expires_in,
+            claimed_at: None,
+            completed_at: None,
+        }
+    }
+
+    /// This record, claimed at `at` (see [`claimed_at`](Self::claimed_at)).
+    #[must_use]
+    pub fn with_claimed_at(mut self, at: SystemTime) -> Self {
+        self.claimed_at = Some(at);
+        self
+    }
+
+    /// This record, completed at `at` (see [`completed_at`](Self::completed_at)).
+    #[must_use]
+    pub fn with_completed_at(mut self, at: SystemTime) -> Self {
+        self.completed_at = Some(at);
+        self
+    }
+
+    /// Whether the key is running: claimed, and not completed yet.
+    pub fn is_running(&self) -> bool {
+        matches!(self.state, KeyState::Running { .. })
+    }
+
+    /// The stored response, if the key is completed.
+    pub fn response(&self) -> Option<&StoredResponse> {
+        match &self.state {
+            KeyState::Completed { response } => Some(response),
+            KeyState::Running { .. } => None,
         }
     }
 

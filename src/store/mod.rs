@@ -40,12 +40,14 @@ use crate::{Fingerprint, Scope, StoredResponse};
 
 mod lookup;
 mod memory;
+mod operator;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod waiters;
 
 pub use lookup::{KeyRecord, KeyState};
 pub use memory::MemoryStore;
+pub use operator::{Operator, Removal, RunningKey};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
@@ -485,6 +487,92 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(std::future::ready(Err(StoreError::new(
             StoreErrorKind::Misconfigured,
             "this store cannot look a key up (Store::look_up)",
+        ))))
+    }
+
+    /// The running keys claimed at least `older_than` ago (a takeover counts from
+    /// itself), oldest first, at most `limit`: what an operator looks for when keys are
+    /// left running by a bug (a handler that hangs while its lease is renewed). Changes
+    /// nothing. [`Operator::running`] is the same, logged.
+    ///
+    /// [`PostgresStore`] reads them in one statement with no index to serve it on a
+    /// plain table: a sequential scan of the whole table, whatever `limit` (a table in
+    /// generations has an index of its running rows). It takes no lock a claim waits
+    /// for; on a table of millions of rows run it from an operator's tool, not on a
+    /// timer (docs/postgres.md, "A key's life on demand", measures it). The default
+    /// answers an error of kind [`Misconfigured`](StoreErrorKind::Misconfigured), for
+    /// stores that cannot.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, failed, or cannot list running keys.
+    fn running_keys(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<RunningKey>, StoreError>> {
+        let _ = (older_than, limit);
+        Box::pin(std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Misconfigured,
+            "this store cannot list running keys (Store::running_keys)",
+        ))))
+    }
+
+    /// Deletes the running claim of `key` in `scope`, whatever its lease (and, if
+    /// `holder` is given, only if that token holds it): an operator freeing a key a bug
+    /// left running. Fenced as a release is: its holder's later completion, renewal and
+    /// release find no claim under their token and get [`LeaseLost`](Fenced::LeaseLost),
+    /// so nothing it does lands; a retry then claims the key afresh and runs. A layer
+    /// whose handler still runs under the key answers that handler's own response to
+    /// its client when it ends, stored nowhere (as after a takeover), and logs that its
+    /// lease was lost. Those waiting for the key are woken.
+    ///
+    /// The handler may then run twice (the one still running, and the retry's): free a
+    /// key whose holder is known dead or stuck. Pass the `holder` token a look-up showed,
+    /// so that a key completed or taken over since is left alone
+    /// ([`Removal::Refused`]). A claim in transactional mode is not committed while it
+    /// runs, and is not seen ([`Removal::Absent`]): it ends with its transaction.
+    /// [`Operator::release`] is the same, logged. The default answers an error of kind
+    /// [`Misconfigured`](StoreErrorKind::Misconfigured), for stores that cannot.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, failed, or cannot release keys this way; the
+    /// claim may still be there.
+    fn release_running<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+        holder: Option<FencingToken>,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        let _ = (scope, key, holder);
+        Box::pin(std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Misconfigured,
+            "this store cannot release a running key (Store::release_running)",
+        ))))
+    }
+
+    /// Deletes the record of `key` in `scope` if it is not running (completed): a
+    /// retry with the key then runs again, as a new key. For a response that must not
+    /// be replayed (stored by mistake, or to be redone once the cause is fixed). A
+    /// running key is left alone ([`Removal::Refused`]; see
+    /// [`release_running`](Self::release_running)). [`Operator::delete`] is the same,
+    /// logged. The default answers an error of kind
+    /// [`Misconfigured`](StoreErrorKind::Misconfigured), for stores that cannot.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, failed, or cannot delete keys this way; the
+    /// record may still be there.
+    fn delete_completed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        let _ = (scope, key);
+        Box::pin(std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Misconfigured,
+            "this store cannot delete a key (Store::delete_completed)",
         ))))
     }
 

@@ -299,7 +299,7 @@ where
                 status = res.status().as_u16(),
                 "a statement of the handler failed and aborted its transaction; its answer was not stored, and a retry runs again"
             );
-            Ok(with_outcome(res, Outcome::Executed))
+            Ok(with_outcome(res, Outcome::Released))
         }
         Committed::Aborted => {
             tracing::error!(
@@ -352,7 +352,7 @@ where
         // Not kept: neither are the handler's writes.
         Produced::Buffered(parts, body) if !crate::policy::is_stored(&config.policy, &parts) => {
             let res = Response::from_parts(parts, ResponseBody::full(body));
-            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Released)))
         }
         Produced::Buffered(parts, body) => {
             let stored = crate::answers::to_store(config, &parts, &body);
@@ -364,7 +364,7 @@ where
             if !crate::policy::is_stored(&config.policy, &parts) =>
         {
             let res = Response::from_parts(parts, ResponseBody::prefixed(prefix, rest));
-            Decision::RollBack(Ok(with_outcome(res, Outcome::Executed)))
+            Decision::RollBack(Ok(with_outcome(res, Outcome::Released)))
         }
         Produced::Unbuffered(parts, prefix, rest, why) => {
             let stored = crate::answers::not_stored_problem(config, why);

@@ -8,12 +8,12 @@ use records::{Id, Inner, Record, STORED_BYTES, SWEPT_PER_CLAIM, State, Stored, l
 use std::{
     cmp::Reverse,
     sync::{Arc, Mutex, MutexGuard, PoisonError},
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Store, StoreError,
-    waiters::Waiters,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Removal, RunningKey,
+    Store, StoreError, waiters::Waiters,
 };
 use crate::{Fingerprint, Scope, StoredResponse};
 
@@ -49,7 +49,7 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// `max_bytes` until the next new key evicts it in turn.
 ///
 /// [`bytes`](Self::bytes) counts each record's key and stored status, headers and body,
-/// plus 206 bytes for the record itself and its share of the store's map and queues (on
+/// plus 222 bytes for the record itself and its share of the store's map and queues (on
 /// 64-bit targets), and each scope's name once for all of its records. On top of that
 /// come the map's spare room (a map whose keys come and go holds up to twice the slots
 /// its records fill) and the allocator's own overhead: resident memory runs at 1.3 to
@@ -208,6 +208,7 @@ impl MemoryStore {
             fingerprint: req.fingerprint,
             token: FencingToken::new(0),
             expires_at: later(now, req.ttl),
+            claimed_at: now,
             state: State::Running {
                 locked_until: later(now, req.lease),
             },
@@ -274,32 +275,109 @@ impl MemoryStore {
     /// The record of `key` in `scope`, as [`Store::look_up`] reads it; its response
     /// decoded outside the lock.
     fn look_up_now(&self, scope: &Scope, key: &str) -> Result<Option<KeyRecord>, StoreError> {
-        let (token, fingerprint, expires_in, state) = {
+        let seen = {
             let inner = self.lock();
-            let now = inner.now();
-            let Some(record) = inner.records.get(&(scope.clone(), Arc::<str>::from(key))) else {
-                return Ok(None);
-            };
-            let left = |at: records::At| Duration::from_nanos(at.saturating_sub(now));
-            let state = match &record.state {
-                State::Running { locked_until } => Err(left(*locked_until)),
-                State::Completed(stored) => Ok(stored.clone()),
-            };
-            (
-                record.token,
-                record.fingerprint,
-                left(record.expires_at),
-                state,
-            )
+            let id = (scope.clone(), Arc::<str>::from(key));
+            inner.records.get(&id).map(|r| Seen::of(r, &inner))
         };
-        Ok(Some(match state {
-            Err(lease_left) => KeyRecord::running(token, fingerprint, lease_left, expires_in),
-            Ok(stored) => KeyRecord::completed(token, fingerprint, stored.response()?, expires_in),
-        }))
+        seen.map(Seen::record).transpose()
+    }
+
+    /// The running records claimed at least `older_than` ago, oldest first, at most
+    /// `limit` of them ([`Store::running_keys`]).
+    fn running_now(&self, older_than: Duration, limit: usize) -> Vec<RunningKey> {
+        let inner = self.lock();
+        let (now, older_than) = (inner.now(), later(0, older_than));
+        let mut old: Vec<(&Id, &Record)> = inner
+            .running
+            .iter()
+            .filter_map(|(_, id)| inner.records.get_key_value(id))
+            .map(|(id, r)| (id, &**r))
+            .filter(|(_, r)| now.saturating_sub(r.claimed_at) >= older_than)
+            .collect();
+        old.sort_by_key(|(_, r)| r.claimed_at);
+        old.into_iter()
+            .take(limit)
+            .filter_map(|(id, r)| {
+                let record = Seen::of(r, &inner).record().ok()?;
+                Some(RunningKey::new(id.0.clone(), id.1.to_string(), record))
+            })
+            .collect()
+    }
+
+    /// Removes the record of `key` in `scope` if `removable` says so of it: what an
+    /// operator's release and deletion do. `Refused` carries the record as it is.
+    fn remove_if(
+        &self,
+        scope: &Scope,
+        key: &str,
+        removable: impl FnOnce(&Record) -> bool,
+    ) -> Result<Removal, StoreError> {
+        let id = (scope.clone(), Arc::<str>::from(key));
+        let refused = {
+            let mut inner = self.lock();
+            let Some(record) = inner.records.get(&id) else {
+                return Ok(Removal::Absent);
+            };
+            if removable(record) {
+                let token = record.token;
+                let running = matches!(record.state, State::Running { .. });
+                inner.remove(&id);
+                drop(inner);
+                if running {
+                    // Those waiting for it claim again, and one of them runs it.
+                    self.waiters.wake(&id);
+                }
+                return Ok(Removal::Removed { token });
+            }
+            Seen::of(record, &inner)
+        };
+        Ok(Removal::Refused(Box::new(refused.record()?)))
     }
 
     fn announce(&self, lease: &Lease) {
         self.waiters.wake(&(lease.scope.clone(), lease.key.clone()));
+    }
+}
+
+/// A record as read under the lock, to be made a [`KeyRecord`] outside it (a stored
+/// response is decoded there).
+struct Seen {
+    token: FencingToken,
+    fingerprint: Fingerprint,
+    expires_in: Duration,
+    claimed_at: SystemTime,
+    /// The lease left, or the stored response and when it was stored.
+    state: Result<(Stored, SystemTime), Duration>,
+}
+
+impl Seen {
+    fn of(record: &Record, inner: &Inner) -> Self {
+        let now = inner.now();
+        let left = |at: records::At| Duration::from_nanos(at.saturating_sub(now));
+        let when = |at| inner.wall(at);
+        Self {
+            token: record.token,
+            fingerprint: record.fingerprint,
+            expires_in: left(record.expires_at),
+            claimed_at: when(record.claimed_at),
+            state: match &record.state {
+                State::Running { locked_until } => Err(left(*locked_until)),
+                State::Completed(stored) => Ok((stored.clone(), when(stored.completed_at))),
+            },
+        }
+    }
+
+    fn record(self) -> Result<KeyRecord, StoreError> {
+        let (token, fingerprint, expires_in) = (self.token, self.fingerprint, self.expires_in);
+        let record = match self.state {
+            Err(lease_left) => KeyRecord::running(token, fingerprint, lease_left, expires_in),
+            Ok((stored, at)) => {
+                KeyRecord::completed(token, fingerprint, stored.response()?, expires_in)
+                    .with_completed_at(at)
+            }
+        };
+        Ok(record.with_claimed_at(self.claimed_at))
     }
 }
 
@@ -322,9 +400,10 @@ impl Store for MemoryStore {
             let mut stored = Some(Stored::new(response));
             let done = self.with_held(lease, |inner, id| {
                 let now = inner.now();
-                let Some(stored) = stored.take() else {
+                let Some(mut stored) = stored.take() else {
                     return;
                 };
+                stored.completed_at = now;
                 let added = STORED_BYTES + stored.bytes.len();
                 let expires_at = later(now, ttl);
                 let completed = inner.update_running(&id, |r| {
@@ -399,6 +478,35 @@ impl Store for MemoryStore {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
         Box::pin(std::future::ready(self.look_up_now(scope, key)))
+    }
+
+    fn running_keys(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<RunningKey>, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.running_now(older_than, limit))))
+    }
+
+    fn release_running<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+        holder: Option<FencingToken>,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        let released = self.remove_if(scope, key, |r| {
+            matches!(r.state, State::Running { .. }) && holder.is_none_or(|t| t == r.token)
+        });
+        Box::pin(std::future::ready(released))
+    }
+
+    fn delete_completed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        let deleted = self.remove_if(scope, key, |r| !matches!(r.state, State::Running { .. }));
+        Box::pin(std::future::ready(deleted))
     }
 }
 

@@ -7,7 +7,7 @@ use std::{
     collections::{BTreeSet, BinaryHeap, HashMap, hash_map::Entry as MapEntry},
     mem::size_of,
     sync::Arc,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use bytes::Bytes;
@@ -47,6 +47,8 @@ pub(super) struct Inner {
     /// Completed records evicted to make room.
     pub(super) evicted: u64,
     pub(super) epoch: Instant,
+    /// The time of day at `epoch`: a record's times, for an operator, are read from it.
+    pub(super) wall_epoch: SystemTime,
 }
 
 /// How many records a claim looks at, at most, to sweep them before it runs.
@@ -80,6 +82,9 @@ pub(super) struct Record {
     pub(super) fingerprint: Fingerprint,
     pub(super) token: FencingToken,
     pub(super) expires_at: At,
+    /// When the claim that holds or completed it was taken (a takeover: when it took
+    /// the key over), for an operator's look-up.
+    pub(super) claimed_at: At,
     pub(super) state: State,
 }
 
@@ -99,9 +104,12 @@ pub(super) struct Stored {
     /// below 4 GiB, which would not decode, and replay as corrupt).
     pub(super) split: u32,
     pub(super) bytes: Arc<[u8]>,
+    /// When it was stored, for an operator's look-up (set as it is, under the lock).
+    pub(super) completed_at: At,
 }
 
 impl Stored {
+    /// `response`, encoded.
     pub(super) fn new(response: &StoredResponse) -> Self {
         let headers = StoredResponse::encode_headers(&response.headers);
         let mut bytes = Vec::with_capacity(headers.len() + response.body.len());
@@ -111,6 +119,7 @@ impl Stored {
             status: response.status,
             split: u32::try_from(headers.len()).unwrap_or(u32::MAX),
             bytes: Arc::from(bytes),
+            completed_at: 0,
         }
     }
 
@@ -174,11 +183,18 @@ impl Inner {
             max_bytes: super::MemoryStore::DEFAULT_MAX_BYTES,
             evicted: 0,
             epoch: Instant::now(),
+            wall_epoch: SystemTime::now(),
         }
     }
 
     pub(super) fn now(&self) -> At {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// `at` as a time of day, by the store's clock: the time of day it was made, and
+    /// the time since, so that the same `at` always reads the same.
+    pub(super) fn wall(&self, at: At) -> SystemTime {
+        self.wall_epoch + Duration::from_nanos(at)
     }
 
     /// The store's own copy of `scope`, counted for one more record.

@@ -1,5 +1,5 @@
 //! A key's record read without changing it (`Store::look_up`): one primary-key read,
-//! decoded as the claim's row is.
+//! decoded as the claim's row is, with its times.
 
 use std::time::{Duration, SystemTime};
 
@@ -43,27 +43,28 @@ impl PostgresStore {
     }
 }
 
-/// A look-up's row (the claim's columns, up to `now`), as a record.
-fn record(row: &Row) -> Result<KeyRecord, StoreError> {
+/// A look-up's row (the claim's columns, up to `now`, then the record's times), as a
+/// record.
+pub(super) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
     let token = FencingToken::new(row.get(col::TOKEN));
     let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
         .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
     let now: SystemTime = row.get(col::NOW);
     let expires_at: SystemTime = row.get(col::EXPIRES_AT);
     let expires_in = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
-    match row.get::<_, &str>(col::STATE) {
-        "running" => Ok(KeyRecord::running(
+    let record = match row.get::<_, &str>(col::STATE) {
+        "running" => KeyRecord::running(
             token,
             fingerprint,
             lease_left(row.get(col::LOCKED_UNTIL), now),
             expires_in,
-        )),
-        "completed" => Ok(KeyRecord::completed(
-            token,
-            fingerprint,
-            stored_response(row)?,
-            expires_in,
-        )),
-        other => Err(corrupt(&format!("unknown state {other:?}"))),
-    }
+        ),
+        "completed" => KeyRecord::completed(token, fingerprint, stored_response(row)?, expires_in),
+        other => return Err(corrupt(&format!("unknown state {other:?}"))),
+    };
+    let record = record.with_claimed_at(row.get(col::CREATED_AT));
+    Ok(match row.get::<_, Option<SystemTime>>(col::COMPLETED_AT) {
+        Some(at) => record.with_completed_at(at),
+        None => record,
+    })
 }

@@ -14,6 +14,7 @@ mod listener;
 mod liveness;
 mod look_up;
 mod migrate;
+mod operator;
 mod purge;
 mod reserve;
 mod shared;
@@ -53,8 +54,8 @@ use tls::Connector;
 pub use url::{pool_for_url, pool_for_url_with_tls};
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Store, StoreError,
-    StoreErrorKind,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Removal, RunningKey,
+    Store, StoreError, StoreErrorKind,
 };
 use crate::{Scope, StoredResponse};
 
@@ -539,6 +540,31 @@ impl Store for PostgresStore {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
         Box::pin(self.look_up_pooled(scope, key))
+    }
+
+    fn running_keys(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<RunningKey>, StoreError>> {
+        Box::pin(self.running_keys_pooled(older_than, limit))
+    }
+
+    fn release_running<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+        holder: Option<FencingToken>,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        Box::pin(self.release_running_pooled(scope, key, holder))
+    }
+
+    fn delete_completed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        Box::pin(self.delete_completed_pooled(scope, key))
     }
 
     fn records_location(&self) -> Option<Arc<str>> {

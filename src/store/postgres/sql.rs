@@ -108,6 +108,11 @@ pub(super) mod params {
     pub(in super::super) const RENEW: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT8, Type::INT8];
     /// scope, key.
     pub(in super::super) const KEY: &[Type] = &[Type::TEXT, Type::TEXT];
+    /// scope, key, the holder's token or NULL, channel, key id.
+    pub(in super::super) const RELEASE_RUNNING: &[Type] =
+        &[Type::TEXT, Type::TEXT, Type::INT8, Type::TEXT, Type::TEXT];
+    /// older than ms, limit.
+    pub(in super::super) const RUNNING_KEYS: &[Type] = &[Type::INT8, Type::INT8];
     /// scope, key, fingerprint.
     pub(in super::super) const KEY_AND_FINGERPRINT: &[Type] =
         &[Type::TEXT, Type::TEXT, Type::BYTEA];
@@ -193,6 +198,12 @@ pub(super) mod col {
     pub(in crate::store::postgres) const GONE: usize = 10;
     /// The batched claim's own: the claim's position in its batch, from 1.
     pub(in crate::store::postgres) const N: usize = 11;
+    /// A look-up's own (and the list of running keys'), in place of `CLAIMED` and `N`.
+    pub(in crate::store::postgres) const CREATED_AT: usize = 9;
+    pub(in crate::store::postgres) const COMPLETED_AT: usize = 10;
+    /// The list of running keys' own.
+    pub(in crate::store::postgres) const SCOPE: usize = 11;
+    pub(in crate::store::postgres) const KEY: usize = 12;
 }
 
 pub(super) struct Sql {
@@ -209,6 +220,12 @@ pub(super) struct Sql {
     pub(super) release: Statement,
     /// A key's record, read and nothing else (`Store::look_up`).
     pub(super) look_up: Statement,
+    /// An operator's (`operator`): the running keys claimed before a time, oldest
+    /// first; a running key deleted whatever its lease, by its token if given; a key
+    /// that is not running deleted.
+    pub(super) running_keys: Statement,
+    pub(super) release_running: Statement,
+    pub(super) delete_done: Statement,
     pub(super) renew: Statement,
     pub(super) wait: Statement,
     pub(super) in_doubt_wait: Statement,
@@ -255,6 +272,10 @@ impl Sql {
                       THEN {holder_gone_function}({f}.holder, {f}.created_at, {grace}) END AS gone"
             )
         };
+        // A key's record as `look_up` decodes it: the claim's first columns, in their
+        // order (`col`), then its times.
+        let record = "token, fingerprint, state, locked_until, expires_at, status, headers, body,
+                      now() AS now, created_at, completed_at";
         let ms = "$ms::bigint * interval '1 millisecond'";
         // The notification is delivered when, and only if, the change commits. The
         // TTL counts from this statement: in transactional mode `now()` would be the
@@ -397,12 +418,43 @@ impl Sql {
                 params::RELEASE,
             ),
             // One primary-key read, its columns the claim's first ones, in their order
-            // (`col`), so that a row of either is decoded alike (`look_up`).
+            // (`col`), so that a row of either is decoded alike (`look_up`), then its
+            // times.
             look_up: Statement::new(
                 format!(
-                    "SELECT token, fingerprint, state, locked_until, expires_at, status, headers, body,
-                            now() AS now
-                     FROM {t} WHERE scope = $1 AND key = $2"
+                    "SELECT {record} FROM {t} WHERE scope = $1 AND key = $2"
+                ),
+                params::KEY,
+            ),
+            // No index serves it on a plain table: a sequential scan, every row read
+            // (docs/postgres.md, "A key's life on demand"). A table in generations has
+            // an index of its running rows.
+            running_keys: Statement::new(
+                format!(
+                    "SELECT {record}, scope, key FROM {t}
+                     WHERE state = 'running' AND created_at <= now() - {older}
+                     ORDER BY created_at LIMIT $2",
+                    older = ms.replace("$ms", "$1"),
+                ),
+                params::RUNNING_KEYS,
+            ),
+            // As a release, whatever the lease: the holder's token no longer names a
+            // row, so its completion, renewal and release change nothing.
+            release_running: Statement::new(
+                format!(
+                    "WITH gone AS (
+                        DELETE FROM {t} WHERE scope = $1 AND key = $2 AND state = 'running'
+                                          AND ($3::bigint IS NULL OR token = $3)
+                        RETURNING token, waiters)
+                     SELECT token, CASE WHEN waiters THEN pg_notify($4, $5) END FROM gone"
+                ),
+                params::RELEASE_RUNNING,
+            ),
+            // Nobody waits on a key that is not running: no notification.
+            delete_done: Statement::new(
+                format!(
+                    "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND state <> 'running'
+                     RETURNING token"
                 ),
                 params::KEY,
             ),
@@ -575,7 +627,16 @@ mod tests {
         for (index, name) in expected {
             assert_eq!(names[index], name, "column {index} of {names:?}");
         }
-        // A look-up's row is decoded as the claim's: the same columns, up to `now`.
-        assert_eq!(selected(&sql.look_up), names[..=col::NOW]);
+        // A look-up's row is decoded as the claim's: the same columns, up to `now`; then
+        // its times, as the list of running keys has them, then its scope and key.
+        let look_up = selected(&sql.look_up);
+        assert_eq!(look_up[..=col::NOW], names[..=col::NOW]);
+        assert_eq!(look_up[col::CREATED_AT], "created_at");
+        assert_eq!(look_up[col::COMPLETED_AT], "completed_at");
+        assert_eq!(look_up.len(), col::COMPLETED_AT + 1);
+        let listed = selected(&sql.running_keys);
+        assert_eq!(listed[..look_up.len()], look_up[..]);
+        assert_eq!(listed[col::SCOPE], "scope");
+        assert_eq!(listed[col::KEY], "key");
     }
 }
