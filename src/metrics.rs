@@ -21,8 +21,8 @@
 //!     .layer(IdempotencyLayer::new(MemoryStore::new()));
 //! ```
 //!
-//! `examples/metrics_exporter.rs` drives a few requests and prints what a Prometheus
-//! scrape would read.
+//! The repository's `examples/metrics-exporter` (`cargo run -p example-metrics-exporter`)
+//! drives a few requests and prints what a Prometheus scrape would read.
 
 use ::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 

@@ -1,19 +1,21 @@
 //! With the `metrics` feature, what the layer and the job runner do is counted and
-//! timed through the `metrics` facade: checked here with a real recorder (metrics-util's
-//! `DebuggingRecorder`), set for the test's own thread. Each test runs on a
+//! timed through the `metrics` facade: checked here with a recorder that keeps what it is
+//! given (`common/recorder.rs`), set for the test's own thread. Each test runs on a
 //! current-thread runtime, so that everything it starts records there.
 #![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
 
 mod common;
+#[path = "common/recorder.rs"]
+mod recorder;
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use common::{
     TestSchema, app,
     completions::{AlteredCompletions, Completion},
     eventually, post, send,
 };
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use recorder::TestRecorder;
 use tower_idempotency::{
     IdempotencyLayer, Scope,
     job::JobRunner,
@@ -22,59 +24,6 @@ use tower_idempotency::{
     },
     store::MemoryStore,
 };
-
-/// What the recorder has recorded so far, summed over its snapshots (each of which
-/// takes what came since the last).
-struct Recorded {
-    snapshotter: Snapshotter,
-    /// Counters and gauges, by name and labels (`name{a=x,b=y}`).
-    values: HashMap<String, f64>,
-    /// Histograms' observations, by name and labels.
-    observed: HashMap<String, Vec<f64>>,
-}
-
-impl Recorded {
-    fn new(recorder: &DebuggingRecorder) -> Self {
-        Self {
-            snapshotter: recorder.snapshotter(),
-            values: HashMap::new(),
-            observed: HashMap::new(),
-        }
-    }
-
-    fn update(&mut self) {
-        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
-            let key = key.key();
-            let mut labels: Vec<_> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            labels.sort();
-            let name = format!("{}{{{}}}", key.name(), labels.join(","));
-            match value {
-                DebugValue::Counter(n) => *self.values.entry(name).or_default() += n as f64,
-                DebugValue::Gauge(v) => *self.values.entry(name).or_default() += v.into_inner(),
-                DebugValue::Histogram(vs) => self
-                    .observed
-                    .entry(name)
-                    .or_default()
-                    .extend(vs.into_iter().map(|v| v.into_inner())),
-            }
-        }
-    }
-
-    /// A counter's or gauge's value now (0 if never recorded).
-    fn value(&mut self, name: &str) -> f64 {
-        self.update();
-        self.values.get(name).copied().unwrap_or(0.0)
-    }
-
-    /// How many observations a histogram has had.
-    fn observations(&mut self, name: &str) -> usize {
-        self.update();
-        self.observed.get(name).map_or(0, Vec::len)
-    }
-}
 
 /// The series of [`REQUESTS`] for a `POST /payments` answered with `status` (none:
 /// `""`), as the recorder names it: its labels sorted.
@@ -94,9 +43,8 @@ fn requests(mode: &str, outcome: &str, status: &str) -> String {
 /// answered; so is the inner service's error, with no status.
 #[tokio::test]
 async fn a_5xx_that_released_its_key_is_counted_apart_from_a_success() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     let (router, counter) = app(IdempotencyLayer::new(MemoryStore::new()));
     let failing = || common::post_with_headers("order-1", &[("x-status", "500")]);
     assert_eq!(send(&router, failing()).await.status, 500);
@@ -115,9 +63,8 @@ async fn a_5xx_that_released_its_key_is_counted_apart_from_a_success() {
 
 #[tokio::test]
 async fn outcomes_claims_and_completions_are_counted() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     let (router, counter) = app(IdempotencyLayer::new(MemoryStore::new()));
 
     // Executed, replayed, and a duplicate while the first request runs.
@@ -152,17 +99,19 @@ async fn outcomes_claims_and_completions_are_counted() {
         2
     );
     assert!(
-        recorded.values.keys().all(|k| !k.starts_with(STORE_ERRORS)),
+        recorded
+            .names()
+            .iter()
+            .all(|k| !k.starts_with(STORE_ERRORS)),
         "{:?}",
-        recorded.values
+        recorded.names()
     );
 }
 
 #[tokio::test]
 async fn a_duplicate_that_waits_is_counted_and_gauged_while_it_waits() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     let layer = IdempotencyLayer::new(MemoryStore::new()).wait_for_running(Duration::from_secs(30));
     let (router, counter) = app(layer);
     let held = common::post_with_headers("order-1", &[("x-held", "1")]);
@@ -184,9 +133,8 @@ async fn a_duplicate_that_waits_is_counted_and_gauged_while_it_waits() {
 
 #[tokio::test]
 async fn store_errors_are_counted_by_operation() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     // Every completion fails: the first attempt before the answer, then more in the
     // background for one lease.
     let store = AlteredCompletions::around(Arc::new(MemoryStore::new()), Completion::Failing);
@@ -200,9 +148,8 @@ async fn store_errors_are_counted_by_operation() {
 
 #[tokio::test]
 async fn jobs_are_counted_by_outcome() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     let runner = JobRunner::new(MemoryStore::new());
     let scope = Scope::new("consumer");
     for input in [&b"a"[..], b"a", b"b"] {
@@ -230,9 +177,8 @@ async fn jobs_are_counted_by_outcome() {
 /// completion (with its `COMMIT`) are timed, under `mode=transactional`.
 #[tokio::test]
 async fn transactional_claims_and_commits_are_timed() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     let schema = TestSchema::new();
     let store = schema.store().await;
     let (router, _) = app(IdempotencyLayer::transactional(store.clone()));
@@ -260,9 +206,8 @@ async fn transactional_claims_and_commits_are_timed() {
 /// The background purge counts the rows it deletes.
 #[tokio::test]
 async fn purged_rows_are_counted() {
-    let recorder = DebuggingRecorder::new();
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let mut recorded = Recorded::new(&recorder);
+    let recorded = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorded);
     let schema = TestSchema::new();
     let store = schema
         .store()

@@ -5,7 +5,12 @@ mod common;
 use std::{sync::Arc, time::Duration};
 
 use axum::body::Body;
-use common::{TestSchema, app, post, post_with_headers, proxy::PgProxy, req, send};
+use common::{
+    TestSchema, app, post, post_with_headers,
+    proxy::PgProxy,
+    replicas::{a_duplicate_waits_on_another_replica, woken_by_a_notification},
+    req, send,
+};
 use tower_idempotency::{IdempotencyLayer, Outcome, store::PostgresStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -552,49 +557,6 @@ async fn a_waiter_woken_by_the_listener_connecting_is_not_counted_as_notified() 
     assert_eq!(metrics.notified_wakeups, 0, "{metrics:?}");
 }
 
-/// `a_duplicate_waits_on_another_replica` for a 3 s request, the duplicate woken by the
-/// completion's notification (received, and counted as the wake-up); `b`'s counters
-/// before and after.
-async fn woken_by_a_notification(
-    a: PostgresStore,
-    b: PostgresStore,
-) -> (
-    tower_idempotency::store::StoreMetrics,
-    tower_idempotency::store::StoreMetrics,
-) {
-    let (before, after) = a_duplicate_waits_on_another_replica(a, b, "3000").await;
-    // (Not `notifications`: tests alongside notify on the same channel.)
-    assert!(
-        after.notified_wakeups > before.notified_wakeups,
-        "{after:?}"
-    );
-    (before, after)
-}
-
-/// A request on replica `a` that runs `delay_ms`, and its duplicate on `b`, which waits
-/// for it and replays its response, running nothing; `b`'s counters before and after.
-async fn a_duplicate_waits_on_another_replica(
-    a: PostgresStore,
-    b: PostgresStore,
-    delay_ms: &str,
-) -> (
-    tower_idempotency::store::StoreMetrics,
-    tower_idempotency::store::StoreMetrics,
-) {
-    let (router_a, counter_a) = app(IdempotencyLayer::new(a));
-    let (router_b, counter_b) =
-        app(IdempotencyLayer::new(b.clone()).wait_for_running(Duration::from_secs(30)));
-    let slow = post_with_headers("k", &[("x-delay-ms", delay_ms)]);
-    let first = common::in_flight(&router_a, slow, &counter_a).await;
-    let before = b.metrics();
-    let waited = send(&router_b, post("k", "{}")).await;
-    let first = first.await.expect("the first request");
-    assert_eq!(waited.outcome, Some(Outcome::Replayed));
-    assert_eq!(waited.body, first.body);
-    assert_eq!((counter_a.runs(), counter_b.runs()), (1, 0));
-    (before, b.metrics())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     let schema = TestSchema::new();
@@ -616,20 +578,6 @@ async fn a_duplicate_on_another_replica_is_woken_by_a_notification() {
     // Waiting cost a claim, the registration of the waiter (so that the completion
     // notifies), and a claim after the wake-up: no polling.
     assert_eq!(after.statements - before.statements, 3, "{after:?}");
-}
-
-/// Over TLS (`connect_with_tls`, `sslmode=require`), the `LISTEN` connection is
-/// encrypted like the pool's, and wakes a duplicate on another replica.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_duplicate_on_another_replica_is_woken_over_tls() {
-    let schema = TestSchema::new();
-    let (a, b) = (schema.store_over_tls().await, schema.store_over_tls().await);
-    b.listen().await.expect("LISTEN over TLS");
-    let (open, encrypted, listening) = schema.tls_connections().await;
-    assert!(open >= 3, "two pools and a listener: {open}");
-    assert_eq!(encrypted, open, "a connection in the clear");
-    assert_eq!(listening, 1, "the LISTEN connection");
-    woken_by_a_notification(a, b).await;
 }
 
 /// The listener's check is a notification on a channel of its own: other listeners on

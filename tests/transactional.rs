@@ -15,69 +15,18 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{MethodRouter, post},
 };
-use common::{Counter, Reply, TestSchema, eventually, in_flight, proxy::PgProxy, req, send};
+use common::{
+    Counter, Reply, TestSchema, eventually, in_flight,
+    ledger::{
+        App, abandoned_claim_stops_waiting, app, app_on, create, post_body, post_with, setup,
+    },
+    proxy::PgProxy,
+    req, send,
+};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, Outcome, ShutdownHandle, store::PostgresStore,
     transactional::TransactionHandle,
 };
-
-#[derive(Clone)]
-struct App {
-    counter: Counter,
-    table: String,
-}
-
-/// Writes one row per run into `<schema>.ledger` inside the request's transaction.
-/// Headers steer it: `x-held` (after the write, until the test lets it go),
-/// `x-delay-ms` (after the write), `x-status`, `x-panic`.
-async fn create(
-    State(app): State<App>,
-    key: IdempotencyKey,
-    tx: TransactionHandle,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let run = app.counter.count_run();
-    {
-        let client = tx.client().await.expect("transaction");
-        let inserted = client
-            .execute(
-                &format!(
-                    "INSERT INTO {} (key, run, body) VALUES ($1, $2, $3)",
-                    app.table
-                ),
-                &[
-                    &key.as_str(),
-                    &(run as i32),
-                    &String::from_utf8_lossy(&body).as_ref(),
-                ],
-            )
-            .await;
-        if let Err(e) = inserted {
-            // The connection died under the handler: its error, and the layer rolls back.
-            return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
-        }
-    }
-    if headers.contains_key("x-held") {
-        app.counter.held().await;
-    }
-    if let Some(ms) = headers
-        .get("x-delay-ms")
-        .and_then(|v| v.to_str().ok()?.parse().ok())
-    {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-    app.counter.count_finished();
-    if headers.contains_key("x-panic") {
-        panic!("handler panicked on purpose");
-    }
-    let status = headers
-        .get("x-status")
-        .and_then(|v| v.to_str().ok()?.parse().ok())
-        .and_then(|s| StatusCode::from_u16(s).ok())
-        .unwrap_or(StatusCode::CREATED);
-    (status, format!("{{\"run\":{run}}}")).into_response()
-}
 
 /// Counts a run and writes its row into the ledger, in the request's transaction.
 async fn write_a_row(app: &App, key: &IdempotencyKey, tx: &TransactionHandle) -> usize {
@@ -94,21 +43,6 @@ async fn write_a_row(app: &App, key: &IdempotencyKey, tx: &TransactionHandle) ->
     run
 }
 
-async fn setup(schema: &TestSchema, store: &PostgresStore) -> String {
-    let table = format!("\"{}\".ledger", schema.name);
-    store
-        .pool()
-        .get()
-        .await
-        .unwrap()
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (key text NOT NULL, run int NOT NULL, body text NOT NULL)"
-        ))
-        .await
-        .unwrap();
-    table
-}
-
 /// A store of `size` connections that reach PostgreSQL through a [`PgProxy`], and the
 /// ledger table.
 async fn through_proxy(schema: &TestSchema, size: usize) -> (PgProxy, PostgresStore, String) {
@@ -116,23 +50,6 @@ async fn through_proxy(schema: &TestSchema, size: usize) -> (PgProxy, PostgresSt
     let store = schema.store_at(&proxy.url(), size).await;
     let table = setup(schema, &store).await;
     (proxy, store, table)
-}
-
-fn app(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
-    app_on(post(create), layer, table)
-}
-
-/// `POST /payments` served by `route`, behind `layer`, writing to `table`.
-fn app_on(route: MethodRouter<App>, layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
-    let counter = Counter::default();
-    let router = Router::new()
-        .route("/payments", route)
-        .layer(layer)
-        .with_state(App {
-            counter: counter.clone(),
-            table: table.to_owned(),
-        });
-    (router, counter)
 }
 
 async fn count(schema: &TestSchema, sql: &str) -> i64 {
@@ -151,18 +68,6 @@ async fn records_of(schema: &TestSchema, key: &str) -> i64 {
         schema.name
     );
     count(schema, &sql).await
-}
-
-fn post_with(key: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
-    post_body(key, "{\"amount\":1}", extra)
-}
-
-fn post_body(key: &str, body: &str, extra: &[(&str, &str)]) -> axum::http::Request<Body> {
-    let mut b = req("POST").header("idempotency-key", key);
-    for (k, v) in extra {
-        b = b.header(*k, *v);
-    }
-    b.body(Body::from(body.to_owned())).unwrap()
 }
 
 #[tokio::test]
@@ -978,49 +883,6 @@ async fn an_abandoned_claim_stops_waiting_on_the_server() {
     let schema = TestSchema::new();
     let store = schema.store().await;
     abandoned_claim_stops_waiting(&schema, store).await;
-}
-
-/// The same over TLS (`sslmode=require`): the cancel request goes over TLS too, as the
-/// driver will not send it in the clear.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_abandoned_claim_stops_waiting_on_the_server_over_tls() {
-    let schema = TestSchema::new();
-    let store = schema.store_over_tls().await;
-    abandoned_claim_stops_waiting(&schema, store).await;
-}
-
-/// A duplicate on `store` whose client hangs up while its claim waits on a lock the
-/// test holds: asserts that its statement stops waiting on the server.
-async fn abandoned_claim_stops_waiting(schema: &TestSchema, store: PostgresStore) {
-    let table = setup(schema, &store).await;
-    let layer = IdempotencyLayer::transactional(store).wait_for_running(Duration::from_secs(600));
-    let (router, _) = app(layer, &table);
-    // Every claim waits while the test holds the keys table.
-    let lock = format!(
-        "BEGIN; LOCK TABLE \"{}\".idempotency_keys IN ACCESS EXCLUSIVE MODE",
-        schema.name
-    );
-    let (holder, conn) = tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    holder.batch_execute(&lock).await.unwrap();
-    let client = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, post_with("k", &[])).await }
-    });
-    schema.wait_for_lock_waiters(1).await;
-    client.abort();
-    let mut waiting = 1;
-    for _ in 0..500 {
-        waiting = schema.lock_waiters().await;
-        if waiting == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(waiting, 0, "the abandoned claim still waits on the server");
-    holder.batch_execute("ROLLBACK").await.unwrap();
 }
 
 /// A transactional route inside a router-wide layer in lease mode (on another store):

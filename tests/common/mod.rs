@@ -4,7 +4,9 @@
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 pub mod completions;
+pub mod ledger;
 pub mod proxy;
+pub mod replicas;
 pub mod suite;
 
 use std::{
@@ -141,77 +143,6 @@ impl Drop for TestRole {
 /// (`serializable`, or `repeatable%5C%20read`: a space in `options` is escaped).
 pub fn url_with_default_isolation(level: &str) -> String {
     url_with_options(&format!("-c%20default_transaction_isolation%3D{level}"))
-}
-
-/// Takes the server's certificate whoever signed it and whatever name it carries (the
-/// test server's is self-signed, made for its host name), and checks the handshake's
-/// signatures against it as usual.
-#[derive(Debug)]
-struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _: &rustls::pki_types::CertificateDer<'_>,
-        _: &[rustls::pki_types::CertificateDer<'_>],
-        _: &rustls::pki_types::ServerName<'_>,
-        _: &[u8],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-/// A TLS connector (rustls) that takes the test server's self-signed certificate.
-pub fn tls() -> tokio_postgres_rustls::MakeRustlsConnect {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
-        .with_no_client_auth();
-    tokio_postgres_rustls::MakeRustlsConnect::new(config)
-}
-
-/// `DATABASE_URL` requiring TLS, its connections named `application_name`. The server
-/// must offer TLS (Debian's package turns it on, with a self-signed certificate).
-pub fn tls_url(application_name: &str) -> String {
-    let url = database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}sslmode=require&application_name={application_name}")
 }
 
 /// A port on 127.0.0.1 where connections are refused for as long as the returned socket
@@ -385,38 +316,6 @@ impl TestSchema {
         }
     }
 
-    /// A migrated store whose every connection uses TLS (`connect_with_tls`), named
-    /// after the schema (`application_name`), so that `pg_stat_ssl` can tell them.
-    pub async fn store_over_tls(&self) -> PostgresStore {
-        let ssl: String = self.query("SHOW ssl").await[0].get(0);
-        assert_eq!(
-            ssl, "on",
-            "the TLS tests need a PostgreSQL that offers TLS (ssl = on; Debian's package \
-             turns it on, with a self-signed certificate)"
-        );
-        let store = PostgresStore::connect_with_tls(&tls_url(&self.name), tls())
-            .expect("store")
-            .with_schema_name(&self.name)
-            .expect("schema name");
-        store.migrate().await.expect("migrate over TLS");
-        store
-    }
-
-    /// The connections of `store_over_tls` stores open now: (how many, how many of
-    /// them encrypted, how many of them the `LISTEN` connection's).
-    pub async fn tls_connections(&self) -> (i64, i64, i64) {
-        let row = &self
-            .query(&format!(
-                "SELECT count(*), count(*) FILTER (WHERE s.ssl),
-                        count(*) FILTER (WHERE a.query LIKE 'LISTEN%' OR a.query LIKE 'NOTIFY%')
-                 FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
-                 WHERE a.application_name = '{}'",
-                self.name
-            ))
-            .await[0];
-        (row.get(0), row.get(1), row.get(2))
-    }
-
     /// A store on `url` that has not been migrated (for stores that cannot connect).
     pub fn unmigrated_store_at(&self, url: &str) -> PostgresStore {
         PostgresStore::new(pool_for_url(url, 4).expect("pool"))
@@ -453,6 +352,29 @@ impl TestSchema {
         tokio::spawn(conn);
         client.query(sql, &[]).await.expect("query")
     }
+}
+
+/// The state of `key` in the test's table: (state, token).
+pub async fn row(schema: &TestSchema, key: &str) -> Option<(String, i64)> {
+    schema
+        .query(&format!(
+            "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+            schema.name
+        ))
+        .await
+        .first()
+        .map(|r| (r.get(0), r.get(1)))
+}
+
+/// Returns once `key` is in `state` (polled, at most ~10 s).
+pub async fn wait_for_state(schema: &TestSchema, key: &str, state: &str) {
+    for _ in 0..500 {
+        if row(schema, key).await.is_some_and(|(s, _)| s == state) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{key} never reached {state}");
 }
 
 impl Drop for TestSchema {

@@ -143,21 +143,27 @@ impl PostgresStore {
     ///
     /// As [`connect`](Self::connect): a [`ConfigError`] for a URL that does not parse.
     ///
+    /// `tls` is the app's connector: tokio-postgres-rustls's `MakeRustlsConnect` over a
+    /// rustls `ClientConfig` that trusts the CA which signed the database's
+    /// certificate, or postgres-native-tls's `MakeTlsConnector` (the guide,
+    /// [security](crate::guide::security), shows the first).
+    ///
     /// ```no_run
+    /// # use tokio_postgres::{Socket, tls::{MakeTlsConnect, TlsConnect}};
     /// use tower_idempotency::store::PostgresStore;
     ///
-    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let mut roots = rustls::RootCertStore::empty();
-    /// // roots.add(…): the certificate of the CA that signed the database's
-    /// let config = rustls::ClientConfig::builder()
-    ///     .with_root_certificates(roots)
-    ///     .with_no_client_auth();
-    /// let tls = tokio_postgres_rustls::MakeRustlsConnect::new(config);
+    /// # fn store<T>(tls: T) -> Result<PostgresStore, Box<dyn std::error::Error>>
+    /// # where
+    /// #     T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    /// #     T::Stream: Send + Sync + 'static,
+    /// #     T::TlsConnect: Send + Sync,
+    /// #     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    /// # {
     /// let store = PostgresStore::connect_with_tls(
     ///     "postgres://app@db.internal/payments?sslmode=require",
     ///     tls,
     /// )?;
-    /// # Ok(()) }
+    /// # Ok(store) }
     /// ```
     pub fn connect_with_tls<T>(url: &str, tls: T) -> Result<Self, ConfigError>
     where
@@ -348,23 +354,27 @@ impl PostgresStore {
     /// `sslmode=require` the `LISTEN` connection cannot connect and cancel requests are
     /// not sent. Give it the connector your pool uses.
     ///
+    /// With `tls` the app's connector (as for [`connect_with_tls`](Self::connect_with_tls)):
+    ///
     /// ```no_run
+    /// # use tokio_postgres::{Socket, tls::{MakeTlsConnect, TlsConnect}};
     /// use tower_idempotency::store::PostgresStore;
     ///
-    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// # let roots = rustls::RootCertStore::empty();
+    /// # fn store<T>(tls: T) -> Result<PostgresStore, Box<dyn std::error::Error>>
+    /// # where
+    /// #     T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    /// #     T::Stream: Send + Sync + 'static,
+    /// #     T::TlsConnect: Send + Sync,
+    /// #     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    /// # {
     /// let url = "postgres://app@db.internal/payments?sslmode=require";
-    /// let config = rustls::ClientConfig::builder()
-    ///     .with_root_certificates(roots)
-    ///     .with_no_client_auth();
-    /// let tls = tokio_postgres_rustls::MakeRustlsConnect::new(config);
     /// let config: tokio_postgres::Config = url.parse()?;
     /// let manager = deadpool_postgres::Manager::new(config.clone(), tls.clone());
     /// let pool = deadpool_postgres::Pool::builder(manager).max_size(16).build()?;
     /// let store = PostgresStore::new(pool)
     ///     .with_notifications(config)
     ///     .with_tls(tls);
-    /// # Ok(()) }
+    /// # Ok(store) }
     /// ```
     #[must_use]
     pub fn with_tls<T>(self, tls: T) -> Self

@@ -1,7 +1,7 @@
 //! The layer's metrics (feature `metrics`), exported in the Prometheus text format.
 //!
 //! ```text
-//! cargo run --example metrics_exporter --features metrics
+//! cargo run -p example-metrics-exporter
 //! ```
 //!
 //! Installs metrics-exporter-prometheus's recorder, sends a few requests through the
