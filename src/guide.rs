@@ -43,3 +43,10 @@ pub mod clients {
 pub mod standards {
     #![doc = include_str!("../docs/standards.md")]
 }
+
+/// From an empty app to production in one page: PostgreSQL behind PgBouncer, scope by
+/// the authenticated account, the app's error type, migrations in the team's tool,
+/// metrics and a graceful shutdown.
+pub mod production {
+    #![doc = include_str!("../docs/production.md")]
+}

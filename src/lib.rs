@@ -8,6 +8,7 @@
 #![doc = "[postgres]: crate::guide::postgres"]
 #![doc = "[clients]: crate::guide::clients"]
 #![doc = "[standards]: crate::guide::standards"]
+#![doc = "[production]: crate::guide::production"]
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
