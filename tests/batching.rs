@@ -26,8 +26,8 @@ use tower_idempotency::{
     },
 };
 
-const A: Fingerprint = Fingerprint([1; 32]);
-const B: Fingerprint = Fingerprint([2; 32]);
+const A: Fingerprint = Fingerprint::new([1; 32]);
+const B: Fingerprint = Fingerprint::new([2; 32]);
 
 fn request<'a>(
     scope: &'a Scope,

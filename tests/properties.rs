@@ -318,7 +318,7 @@ async fn round_trip(store: &dyn Store, key: &str, response: &StoredResponse) -> 
     let request = ClaimRequest {
         scope: &scope,
         key,
-        fingerprint: Fingerprint([7; 32]),
+        fingerprint: Fingerprint::new([7; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(60),
     };

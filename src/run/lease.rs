@@ -109,6 +109,11 @@ async fn claim<B>(
     handoff: &Handoff,
     in_flight: &InFlight,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
+    // Claims again with the fingerprint a running record was made with, when it is
+    // this request's made another way (a record from before an upgrade of the scheme):
+    // its lapsed lease is then taken over, its run waited for, as the record's own.
+    let mut request = request.clone();
+    let request = &mut request;
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
     // Counted once it first waits, and among those waiting until it returns (or is
     // dropped).
@@ -130,6 +135,13 @@ async fn claim<B>(
         )
         .await;
         match claim {
+            Ok(Ok(Claim::Running { fingerprint, .. }))
+                if fingerprint != request.fingerprint
+                    && request.fingerprint.matches(&fingerprint) =>
+            {
+                request.fingerprint = fingerprint;
+                continue;
+            }
             Ok(Ok(Claim::Running {
                 fingerprint,
                 retry_after,

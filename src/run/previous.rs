@@ -285,7 +285,7 @@ fn standing(record: Option<KeyRecord>, fingerprint: Fingerprint) -> Option<Claim
     }
     match record.state {
         KeyState::Running { lease_left }
-            if lease_left.is_zero() && record.fingerprint == fingerprint =>
+            if lease_left.is_zero() && fingerprint.matches(&record.fingerprint) =>
         {
             None
         }
@@ -305,8 +305,8 @@ mod tests {
     use super::*;
     use crate::{StoredResponse, store::FencingToken};
 
-    const MINE: Fingerprint = Fingerprint([1; 32]);
-    const OTHER: Fingerprint = Fingerprint([2; 32]);
+    const MINE: Fingerprint = Fingerprint::new([1; 32]);
+    const OTHER: Fingerprint = Fingerprint::new([2; 32]);
     const LIVE: Duration = Duration::from_secs(60);
 
     fn running(fingerprint: Fingerprint, lease_left: Duration, expires_in: Duration) -> KeyRecord {
@@ -327,17 +327,11 @@ mod tests {
         assert!(standing(None, MINE).is_none());
         assert!(matches!(
             standing(Some(completed(MINE, LIVE)), MINE),
-            Some(Claim::Completed {
-                fingerprint: MINE,
-                ..
-            })
+            Some(Claim::Completed { fingerprint, .. }) if fingerprint == MINE
         ));
         assert!(matches!(
             standing(Some(completed(OTHER, LIVE)), MINE),
-            Some(Claim::Completed {
-                fingerprint: OTHER,
-                ..
-            })
+            Some(Claim::Completed { fingerprint, .. }) if fingerprint == OTHER
         ));
         assert!(matches!(
             standing(Some(running(MINE, LIVE, LIVE)), MINE),
@@ -350,10 +344,7 @@ mod tests {
         assert!(standing(Some(running(MINE, Duration::ZERO, LIVE)), MINE).is_none());
         assert!(matches!(
             standing(Some(running(OTHER, Duration::ZERO, LIVE)), MINE),
-            Some(Claim::Running {
-                fingerprint: OTHER,
-                ..
-            })
+            Some(Claim::Running { fingerprint, .. }) if fingerprint == OTHER
         ));
         // Past its TTL: as if there were none.
         assert!(standing(Some(completed(OTHER, Duration::ZERO)), MINE).is_none());

@@ -877,7 +877,7 @@ macro_rules! layer_suite {
                     .unwrap()
                     .expect("running");
                 assert_eq!(running.token, lease.token);
-                assert_eq!(running.fingerprint, Fingerprint([3; 32]));
+                assert_eq!(running.fingerprint, Fingerprint::new([3; 32]));
                 let tower_idempotency::store::KeyState::Running { lease_left } = running.state
                 else {
                     panic!("running: {running:?}")
@@ -1093,7 +1093,7 @@ macro_rules! layer_suite {
                     .unwrap();
                 assert!(matches!(crashed, Claim::Acquired(_)));
                 let layer = layer
-                    .fingerprint_with(|_, _| Fingerprint([7; 32]))
+                    .fingerprint_with(|_, _| Fingerprint::new([7; 32]))
                     .wait_for_running(Duration::from_secs(600));
                 let (router, counter) = app(layer);
                 // The waiter looks again when the lease lapses, not at its bound.
@@ -1209,7 +1209,7 @@ macro_rules! layer_suite {
                 ClaimRequest {
                     scope,
                     key: "job-1",
-                    fingerprint: Fingerprint([fp; 32]),
+                    fingerprint: Fingerprint::new([fp; 32]),
                     lease,
                     ttl: Duration::from_secs(60),
                 }
@@ -1244,7 +1244,7 @@ macro_rules! layer_suite {
                 else {
                     panic!("a different fingerprint must not take over")
                 };
-                assert_eq!(fingerprint, Fingerprint([1; 32]));
+                assert_eq!(fingerprint, Fingerprint::new([1; 32]));
                 let Claim::Acquired(new) =
                     store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
                 else {
@@ -1304,7 +1304,7 @@ macro_rules! layer_suite {
                     Claim::Completed { .. }
                 ));
                 tokio::time::sleep(Duration::from_secs(4)).await;
-                request.fingerprint = Fingerprint([9; 32]);
+                request.fingerprint = Fingerprint::new([9; 32]);
                 let Claim::Acquired(again) = store.claim(&request).await.unwrap() else {
                     panic!("expired records are gone")
                 };
@@ -1422,7 +1422,7 @@ macro_rules! layer_suite {
                 let short = |key: &'static str| ClaimRequest {
                     scope: &scope,
                     key,
-                    fingerprint: Fingerprint([1; 32]),
+                    fingerprint: Fingerprint::new([1; 32]),
                     lease: Duration::from_secs(30),
                     ttl: Duration::from_millis(20),
                 };
@@ -1472,7 +1472,7 @@ macro_rules! layer_suite {
                     let request = ClaimRequest {
                         scope: &scope,
                         key,
-                        fingerprint: Fingerprint([1; 32]),
+                        fingerprint: Fingerprint::new([1; 32]),
                         lease: Duration::from_secs(30),
                         ttl: Duration::from_millis(20),
                     };
