@@ -252,11 +252,21 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
     let row = |key: &str| rows.iter().find(|r| r.0 == key).cloned().expect(key);
     assert_eq!(
         row("new-1"),
-        ("new-1".into(), "running".into(), new_1.get(), A.0.to_vec())
+        (
+            "new-1".into(),
+            "running".into(),
+            new_1.get(),
+            A.as_bytes().to_vec()
+        )
     );
     assert_eq!(
         row("new-2"),
-        ("new-2".into(), "running".into(), new_2.get(), B.0.to_vec())
+        (
+            "new-2".into(),
+            "running".into(),
+            new_2.get(),
+            B.as_bytes().to_vec()
+        )
     );
     assert_eq!(row("done").1, "completed");
     assert_eq!(
@@ -265,7 +275,7 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
             "running".into(),
             "running".into(),
             running.token.get(),
-            A.0.to_vec()
+            A.as_bytes().to_vec()
         )
     );
     assert_eq!(row("lapsed").2, lapsed.token.next().get());
@@ -275,7 +285,7 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
             "expired".into(),
             "running".into(),
             expired.token.next().get(),
-            B.0.to_vec()
+            B.as_bytes().to_vec()
         )
     );
     assert_eq!(rows.len(), 7);
