@@ -305,7 +305,7 @@ fn sha256(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprint {
 }
 
 /// The JSON scheme: as [`sha256`], with `Content-Type`'s values normalised and a JSON
-/// body (its one `Content-Type` a JSON type) in its canonical form, marked as such; and
+/// body (its one `Content-Type` a JSON type) in its canonical form; and
 /// the bytes scheme's fingerprint beside it, for records made under that scheme.
 fn json_scheme(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprint {
     let mut h = Sha256::new();
@@ -328,15 +328,13 @@ fn json_scheme(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprin
         (Some(value), None) => media_type::normalise(value.as_bytes()).1,
         _ => false,
     };
+    // Unmarked: a canonical form is a JSON text that no body compared by its bytes
+    // under a JSON type can be (those are not JSON, or name a member twice, or nest
+    // too deep), and a body of another type spelt as the canonical form is the same
+    // JSON, which differs by its `Content-Type` whenever that counts.
     match json_type.then(|| json::canonical(body)).flatten() {
-        Some(canonical) => {
-            field(&mut h, b"json");
-            field(&mut h, &canonical);
-        }
-        None => {
-            field(&mut h, b"bytes");
-            field(&mut h, body);
-        }
+        Some(canonical) => field(&mut h, &canonical),
+        None => field(&mut h, body),
     }
     let bytes = sha256(parts, headers, body);
     Fingerprint::json(h.finalize().into(), *bytes.digest())
