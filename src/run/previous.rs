@@ -353,6 +353,26 @@ mod tests {
         assert!(standing(Some(running(MINE, LIVE, Duration::ZERO)), MINE).is_some());
     }
 
+    /// A record of the previous scope made under the bytes scheme (before the JSON
+    /// scheme) stands as the same request's for a JSON-scheme request that made it.
+    #[test]
+    fn a_record_made_under_the_bytes_scheme_is_compared_its_way() {
+        use crate::FingerprintScheme;
+        use http::header::CONTENT_TYPE;
+        let parts = http::Request::post("/p")
+            .header(CONTENT_TYPE, "application/json")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let body = br#"{"a":1}"#;
+        let request = FingerprintScheme::Json.fingerprint(&parts, &[CONTENT_TYPE], body);
+        let before = FingerprintScheme::Bytes.fingerprint(&parts, &[CONTENT_TYPE], body);
+        // A lapsed lease of the same request: taken over, not standing.
+        assert!(standing(Some(running(before, Duration::ZERO, LIVE)), request).is_none());
+        assert!(standing(Some(running(OTHER, Duration::ZERO, LIVE)), request).is_some());
+    }
+
     /// The forms looked through: none without either setting; one with either; three,
     /// newest first, with both; the previous scope only where it differs.
     #[test]
