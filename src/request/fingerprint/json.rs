@@ -2,8 +2,8 @@
 //! canonical form of the text it reads, or refuses it.
 //!
 //! The canonical form drops insignificant whitespace, sorts each object's members by
-//! their names (as decoded, by their UTF-8 bytes, which is the order of their code
-//! points), and writes every string one way: `"` and `\` escaped, control characters
+//! their names (by the bytes of each name's canonical spelling, one per name), and
+//! writes every string one way: `"` and `\` escaped, control characters
 //! as `\u00XX`, everything else as itself, so `"\u0041"`, `"A"` and `"\/"`, `"/"`
 //! are each one string. Numbers are kept exactly as written: a payment's
 //! `9007199254740993` is not the `9007199254740992` a double would read.
@@ -61,11 +61,7 @@ impl Parser<'_> {
         match self.peek()? {
             b'{' => self.object(out, depth + 1),
             b'[' => self.array(out, depth + 1),
-            b'"' => {
-                let s = self.string()?;
-                write_string(&s, out);
-                Some(())
-            }
+            b'"' => self.string(out),
             b't' => self.literal(b"true", out),
             b'f' => self.literal(b"false", out),
             b'n' => self.literal(b"null", out),
@@ -73,26 +69,41 @@ impl Parser<'_> {
         }
     }
 
+    /// An object, its members written in place as they come, each name as its
+    /// canonical string; put in order of those (the one encoding of each name, so
+    /// equal names are equal bytes) only if they came in another.
     fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
         self.eat(b'{')?;
         self.whitespace();
-        let mut members: Vec<(String, Vec<u8>)> = Vec::new();
+        out.push(b'{');
+        let base = out.len();
+        // Each member's name and whole extent in `out`, the comma before it excluded.
+        let mut members: Vec<Member> = Vec::new();
         if self.eat(b'}').is_none() {
             loop {
                 self.whitespace();
                 if self.peek()? != b'"' {
                     return None;
                 }
-                let name = self.string()?;
+                if !members.is_empty() {
+                    out.push(b',');
+                }
+                let start = out.len();
+                self.string(out)?;
+                let name_end = out.len();
                 self.whitespace();
                 self.eat(b':')?;
                 self.whitespace();
-                let mut value = Vec::new();
-                self.value(&mut value, depth)?;
-                members.push((name, value));
+                out.push(b':');
+                self.value(out, depth)?;
+                members.push(Member {
+                    start,
+                    name_end,
+                    end: out.len(),
+                });
                 self.whitespace();
                 match self.peek()? {
                     b',' => self.at += 1,
@@ -104,18 +115,25 @@ impl Parser<'_> {
                 }
             }
         }
-        members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        if members.windows(2).any(|pair| pair[0].0 == pair[1].0) {
-            return None;
-        }
-        out.push(b'{');
-        for (i, (name, value)) in members.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
+        let in_order = members
+            .windows(2)
+            .all(|pair| pair[0].name(out, 0) < pair[1].name(out, 0));
+        if !in_order {
+            // Rewritten in order from a copy of what was written.
+            let written = out[base..].to_vec();
+            members.sort_unstable_by(|a, b| a.name(&written, base).cmp(b.name(&written, base)));
+            let twice =
+                |pair: &[Member]| pair[0].name(&written, base) == pair[1].name(&written, base);
+            if members.windows(2).any(twice) {
+                return None;
             }
-            write_string(name, out);
-            out.push(b':');
-            out.extend_from_slice(value);
+            out.truncate(base);
+            for (i, m) in members.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(&written[m.start - base..m.end - base]);
+            }
         }
         out.push(b'}');
         Some(())
@@ -182,10 +200,11 @@ impl Parser<'_> {
         }
     }
 
-    /// A string, its escapes decoded.
-    fn string(&mut self) -> Option<String> {
+    /// A string, written as its canonical string: its escapes decoded, and each
+    /// character written the one way.
+    fn string(&mut self, out: &mut Vec<u8>) -> Option<()> {
         self.eat(b'"')?;
-        let mut s = String::new();
+        out.push(b'"');
         loop {
             let run = self.at;
             while self
@@ -194,18 +213,19 @@ impl Parser<'_> {
             {
                 self.at += 1;
             }
-            // The text is UTF-8 and the run stops at ASCII only: a whole run of characters.
-            s.push_str(std::str::from_utf8(&self.text[run..self.at]).ok()?);
+            // Characters written as themselves (the text is UTF-8, checked whole).
+            out.extend_from_slice(&self.text[run..self.at]);
             match self.peek()? {
                 b'"' => {
                     self.at += 1;
-                    return Some(s);
+                    out.push(b'"');
+                    return Some(());
                 }
                 b'\\' => {
                     self.at += 1;
                     let escaped = self.peek()?;
                     self.at += 1;
-                    s.push(match escaped {
+                    let c = match escaped {
                         b'"' => '"',
                         b'\\' => '\\',
                         b'/' => '/',
@@ -216,7 +236,8 @@ impl Parser<'_> {
                         b't' => '\t',
                         b'u' => self.unicode()?,
                         _ => return None,
-                    });
+                    };
+                    write_char(c, out);
                 }
                 // A control character unescaped.
                 _ => return None,
@@ -255,23 +276,36 @@ impl Parser<'_> {
     }
 }
 
-/// `s` as a JSON string, written the one canonical way.
-fn write_string(s: &str, out: &mut Vec<u8>) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    out.push(b'"');
-    for b in s.bytes() {
-        match b {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            0x00..=0x1f => {
-                out.extend_from_slice(b"\\u00");
-                out.push(HEX[usize::from(b >> 4)]);
-                out.push(HEX[usize::from(b & 0xf)]);
-            }
-            _ => out.push(b),
-        }
+/// Where an object's member lies in the canonical text: its name from `start` to
+/// `name_end`, the whole member to `end`.
+struct Member {
+    start: usize,
+    name_end: usize,
+    end: usize,
+}
+
+impl Member {
+    /// Its name in `text`, a copy of the canonical text from `base` on.
+    fn name<'t>(&self, text: &'t [u8], base: usize) -> &'t [u8] {
+        &text[self.start - base..self.name_end - base]
     }
-    out.push(b'"');
+}
+
+/// A decoded character of a string, written the one canonical way: `"` and `\`
+/// escaped, control characters as `\u00XX`, everything else as itself.
+fn write_char(c: char, out: &mut Vec<u8>) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    match c {
+        '"' => out.extend_from_slice(b"\\\""),
+        '\\' => out.extend_from_slice(b"\\\\"),
+        '\u{0}'..='\u{1f}' => {
+            let b = c as u8;
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[usize::from(b >> 4)]);
+            out.push(HEX[usize::from(b & 0xf)]);
+        }
+        c => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+    }
 }
 
 #[cfg(test)]
