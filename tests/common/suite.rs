@@ -931,6 +931,43 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            /// A deploy that changes both how scopes and how fingerprints are computed:
+            /// records the old layer stored under the `Authorization` hash with bytes
+            /// fingerprints are found under the previous scope and compared the bytes'
+            /// way: the done one replayed, the running one 409, nothing run again.
+            #[tokio::test]
+            async fn an_upgrade_to_principals_and_the_json_scheme_at_once_runs_nothing_again() {
+                let (old_layer, store, _g) = layer().await;
+                let old_layer = old_layer
+                    .lease_duration(Duration::from_secs(60))
+                    .fingerprint_scheme(tower_idempotency::FingerprintScheme::Bytes);
+                let (old, old_counter) = app(old_layer);
+                let body = r#"{"amount":1000,"currency":"EUR"}"#;
+                let first = send(&old, post_as("acct7.first", "done", body)).await;
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let held = post_as("acct7.first", "running", "{}");
+                let (parts, _) = held.into_parts();
+                let mut held = axum::http::Request::from_parts(parts, Body::from("{}"));
+                held.headers_mut().insert("x-held", "1".parse().unwrap());
+                let running = in_flight(&old, held, &old_counter).await;
+
+                let new_layer = IdempotencyLayer::new(store.clone())
+                    .require_principal(true)
+                    .previous_scope_with(Scope::from_authorization);
+                let (new, counter) = app_behind_auth(new_layer);
+                let retry = send(&new, post_as("acct7.first", "done", body)).await;
+                assert_eq!(retry.outcome, Some(Outcome::Replayed));
+                assert_eq!(retry.body, first.body);
+                let dup = send(&new, post_as("acct7.first", "running", "{}")).await;
+                assert_eq!(dup.status, 409);
+                let other = send(&new, post_as("acct7.first", "done", r#"{"amount":1}"#)).await;
+                assert_eq!(other.status, 422);
+                assert_eq!(counter.runs(), 0);
+                old_counter.let_go(1);
+                assert_eq!(running.await.unwrap().status, 201);
+                assert_eq!(old_counter.runs(), 2);
+            }
+
             /// A deploy that starts scoping by principal where the layer scoped by the
             /// `Authorization` hash: a retry of a request the old layer ran is
             /// replayed, one of a request it still runs gets 409, another request
