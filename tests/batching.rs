@@ -972,3 +972,39 @@ async fn duplicates_across_two_processes_run_once() {
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].get::<_, &str>(0), "completed");
 }
+
+/// A claim made before the upgrade to the JSON scheme (a bytes fingerprint) whose lease
+/// lapsed is taken over through batched claims too: claimed again with the record's
+/// fingerprint, it runs once, then is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_claim_made_before_the_json_scheme_is_taken_over_through_a_batch() {
+    use http::header::CONTENT_TYPE;
+    use tower_idempotency::{FingerprintScheme, Outcome};
+    let schema = TestSchema::new();
+    let store = batched_store(&schema, &database_url()).await;
+    let body = r#"{"amount":1000,"currency":"EUR"}"#;
+    let (parts, _) = common::post("k", body).into_parts();
+    let old = FingerprintScheme::Bytes.fingerprint(&parts, &[CONTENT_TYPE], body.as_bytes());
+    let (scope, lease) = (Scope::anonymous(), Duration::from_secs(1));
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: old,
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let Claim::Acquired(held) = store.claim(&request).await.unwrap() else {
+        panic!("the old claim must acquire")
+    };
+    tokio::time::sleep(lease * 2).await;
+
+    let (router, counter) = app(IdempotencyLayer::new(store.clone()));
+    let retry = send(&router, common::post("k", body)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed), "{:?}", retry.body);
+    let again = send(&router, common::post("k", body)).await;
+    assert_eq!(again.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    let record = store.look_up(&scope, "k").await.unwrap().unwrap();
+    assert_eq!(record.fingerprint, old);
+    assert!(record.token > held.token);
+}
