@@ -329,9 +329,10 @@ fn json_scheme(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprin
         _ => false,
     };
     // Unmarked: a canonical form is a JSON text that no body compared by its bytes
-    // under a JSON type can be (those are not JSON, or name a member twice, or nest
-    // too deep), and a body of another type spelt as the canonical form is the same
-    // JSON, which differs by its `Content-Type` whenever that counts.
+    // under a JSON type can be (those are not JSON, or name a member twice, hold an
+    // unpaired surrogate or nest too deep), and a body of another type spelt as the
+    // canonical form is the same JSON, which differs by its `Content-Type` whenever
+    // that counts.
     match json_type.then(|| json::canonical(body)).flatten() {
         Some(canonical) => field(&mut h, &canonical),
         None => field(&mut h, body),
