@@ -614,7 +614,7 @@ async fn run() {
             "SELECT token, fingerprint, state, status, headers, body FROM {table} WHERE scope = $1 AND key = $2"
         ),
         scopes: Arc::new((0..TENANTS).map(tenant_scope).collect()),
-        fingerprint: Fingerprint(Sha256::digest(b"POST /payments").into()),
+        fingerprint: Fingerprint::new(Sha256::digest(b"POST /payments").into()),
         response: StoredResponse {
             status: StatusCode::CREATED,
             headers: h,

@@ -1,5 +1,5 @@
 //! Micro-benchmarks of the layer's own work per request: parsing the key,
-//! fingerprinting the request, encoding and decoding stored headers, a request
+//! fingerprinting the request (and what each fingerprint scheme costs a JSON body), encoding and decoding stored headers, a request
 //! without a key passed through an Axum router, and what sealing stored responses costs
 //! a replay and a completion.
 //!
@@ -13,7 +13,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderValue, Request, header::CONTENT_TYPE};
 use tower::ServiceExt;
 use tower_idempotency::{
-    IdempotencyLayer, StoredResponse, fingerprint, parse_key, store::MemoryStore,
+    FingerprintScheme, IdempotencyLayer, StoredResponse, fingerprint, parse_key, store::MemoryStore,
 };
 
 fn key_parsing(c: &mut Criterion) {
@@ -41,6 +41,52 @@ fn fingerprinting(c: &mut Criterion) {
             b.iter(|| fingerprint(black_box(&parts), &[CONTENT_TYPE], black_box(&body)))
         });
     }
+    g.finish();
+}
+
+/// A JSON body of about `size` bytes: an object of payments, as an API receives them.
+fn json_body(size: usize) -> Bytes {
+    let mut body = String::from("{\"payments\":[");
+    let mut n = 0;
+    while body.len() + 100 < size {
+        if n > 0 {
+            body.push(',');
+        }
+        body.push_str(&format!(
+            "{{\"id\":\"pay_{n:06}\",\"amount\":{},\"currency\":\"EUR\",\"note\":\"order \\u00e9 {n}\"}}",
+            1000 + n
+        ));
+        n += 1;
+    }
+    body.push_str("],\"customer\":\"cus_42\"}");
+    Bytes::from(body)
+}
+
+/// The cost of comparing JSON as JSON: each scheme over the same JSON bodies.
+fn fingerprint_schemes(c: &mut Criterion) {
+    let (parts, ()) = Request::post("/payments?currency=EUR")
+        .header(CONTENT_TYPE, "application/json; charset=utf-8")
+        .body(())
+        .expect("request")
+        .into_parts();
+    let mut g = c.benchmark_group("fingerprint_scheme");
+    for (name, size) in [("1 KiB", 1024), ("64 KiB", 64 * 1024)] {
+        let body = json_body(size);
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        for scheme in [FingerprintScheme::Json, FingerprintScheme::Bytes] {
+            g.bench_function(format!("{scheme:?}, JSON {name}"), |b| {
+                b.iter(|| scheme.fingerprint(black_box(&parts), &[CONTENT_TYPE], black_box(&body)))
+            });
+        }
+    }
+    // A body that is not JSON: compared by its bytes, and hashed a second time for
+    // records of the bytes scheme.
+    let body = Bytes::from(vec![b'x'; 1024]);
+    g.throughput(Throughput::Bytes(1024));
+    g.bench_function("Json, 1 KiB not JSON", |b| {
+        let scheme = FingerprintScheme::Json;
+        b.iter(|| scheme.fingerprint(black_box(&parts), &[CONTENT_TYPE], black_box(&body)))
+    });
     g.finish();
 }
 
@@ -155,6 +201,7 @@ criterion_group!(
     benches,
     key_parsing,
     fingerprinting,
+    fingerprint_schemes,
     stored_headers,
     pass_through,
     sealing

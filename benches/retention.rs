@@ -172,7 +172,7 @@ fn spawn_workers(
                     let req = ClaimRequest {
                         scope: &scope,
                         key: &key[..36],
-                        fingerprint: Fingerprint(Sha256::digest(key.as_bytes()).into()),
+                        fingerprint: Fingerprint::new(Sha256::digest(key.as_bytes()).into()),
                         lease: LEASE,
                         ttl: TTL,
                     };

@@ -352,7 +352,7 @@ impl JobRunner {
             let request = ClaimRequest {
                 scope,
                 key: &stored_key,
-                fingerprint: Fingerprint(Sha256::digest(input).into()),
+                fingerprint: Fingerprint::new(Sha256::digest(input).into()),
                 lease: self.lease,
                 ttl: self.ttl,
             };

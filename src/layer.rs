@@ -11,7 +11,7 @@ use crate::Principal;
 #[cfg(feature = "postgres")]
 use crate::settings::LONGEST_LOCK_TIMEOUT;
 use crate::{
-    Fingerprint, Idempotency, Scope, ShutdownHandle,
+    Fingerprint, FingerprintScheme, Idempotency, Scope, ShutdownHandle,
     policy::{PolicyFn, default_storage_policy},
     rejection::{Problems, Rejection},
     request::fingerprint::Fingerprinter,
@@ -508,12 +508,46 @@ impl IdempotencyLayer {
     }
 
     /// The request headers included in the fingerprint (default `Content-Type`). The list
-    /// replaces the default: name `Content-Type` too to keep it.
+    /// replaces the default: name `Content-Type` too to keep it. The
+    /// [`fingerprint_scheme`](Self::fingerprint_scheme) set is kept; a function set with
+    /// [`fingerprint_with`](Self::fingerprint_with) is replaced.
     #[must_use]
     pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let scheme = match &self.config().fingerprinter {
+            Fingerprinter::Sha256 { scheme, .. } => *scheme,
+            Fingerprinter::Custom(_) => FingerprintScheme::default(),
+        };
         self.config().fingerprinter = Fingerprinter::Sha256 {
             headers: headers.into_iter().collect(),
+            scheme,
         };
+        self
+    }
+
+    /// How a request's body and `Content-Type` count in its fingerprint (default
+    /// [`FingerprintScheme::Json`]: a JSON body as any JSON reader sees it, so that a
+    /// client that re-serialises its JSON for a retry gets the replay, not a `422`;
+    /// [`FingerprintScheme::Bytes`]: byte for byte). Records stored under the bytes
+    /// scheme (by an earlier version, or before this setting changed to `Json`) keep
+    /// matching their retries: each record is compared the way it was made. The
+    /// headers set with [`fingerprint_headers`](Self::fingerprint_headers) are kept; a
+    /// function set with [`fingerprint_with`](Self::fingerprint_with) is replaced.
+    ///
+    /// ```
+    /// use tower_idempotency::{FingerprintScheme, IdempotencyLayer, store::MemoryStore};
+    ///
+    /// // Byte-exact fingerprints, as before the JSON scheme.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .fingerprint_scheme(FingerprintScheme::Bytes);
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn fingerprint_scheme(mut self, scheme: FingerprintScheme) -> Self {
+        let headers = match &self.config().fingerprinter {
+            Fingerprinter::Sha256 { headers, .. } => headers.clone(),
+            Fingerprinter::Custom(_) => Arc::from([http::header::CONTENT_TYPE]),
+        };
+        self.config().fingerprinter = Fingerprinter::Sha256 { headers, scheme };
         self
     }
 

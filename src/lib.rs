@@ -49,7 +49,7 @@ pub use layer::IdempotencyLayer;
 pub use outcome::Outcome;
 pub use policy::{NoStore, default_storage_policy};
 pub use record::StoredResponse;
-pub use request::fingerprint::{Fingerprint, fingerprint};
+pub use request::fingerprint::{Fingerprint, FingerprintScheme, fingerprint};
 pub use request::key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
 pub use request::principal::Principal;
 pub use request::scope::Scope;

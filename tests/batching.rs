@@ -26,8 +26,8 @@ use tower_idempotency::{
     },
 };
 
-const A: Fingerprint = Fingerprint([1; 32]);
-const B: Fingerprint = Fingerprint([2; 32]);
+const A: Fingerprint = Fingerprint::new([1; 32]);
+const B: Fingerprint = Fingerprint::new([2; 32]);
 
 fn request<'a>(
     scope: &'a Scope,
@@ -252,11 +252,21 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
     let row = |key: &str| rows.iter().find(|r| r.0 == key).cloned().expect(key);
     assert_eq!(
         row("new-1"),
-        ("new-1".into(), "running".into(), new_1.get(), A.0.to_vec())
+        (
+            "new-1".into(),
+            "running".into(),
+            new_1.get(),
+            A.as_bytes().to_vec()
+        )
     );
     assert_eq!(
         row("new-2"),
-        ("new-2".into(), "running".into(), new_2.get(), B.0.to_vec())
+        (
+            "new-2".into(),
+            "running".into(),
+            new_2.get(),
+            B.as_bytes().to_vec()
+        )
     );
     assert_eq!(row("done").1, "completed");
     assert_eq!(
@@ -265,7 +275,7 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
             "running".into(),
             "running".into(),
             running.token.get(),
-            A.0.to_vec()
+            A.as_bytes().to_vec()
         )
     );
     assert_eq!(row("lapsed").2, lapsed.token.next().get());
@@ -275,7 +285,7 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
             "expired".into(),
             "running".into(),
             expired.token.next().get(),
-            B.0.to_vec()
+            B.as_bytes().to_vec()
         )
     );
     assert_eq!(rows.len(), 7);
@@ -961,4 +971,40 @@ async fn duplicates_across_two_processes_run_once() {
         .await;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].get::<_, &str>(0), "completed");
+}
+
+/// A claim made before the upgrade to the JSON scheme (a bytes fingerprint) whose lease
+/// lapsed is taken over through batched claims too: claimed again with the record's
+/// fingerprint, it runs once, then is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_claim_made_before_the_json_scheme_is_taken_over_through_a_batch() {
+    use http::header::CONTENT_TYPE;
+    use tower_idempotency::{FingerprintScheme, Outcome};
+    let schema = TestSchema::new();
+    let store = batched_store(&schema, &database_url()).await;
+    let body = r#"{"amount":1000,"currency":"EUR"}"#;
+    let (parts, _) = common::post("k", body).into_parts();
+    let old = FingerprintScheme::Bytes.fingerprint(&parts, &[CONTENT_TYPE], body.as_bytes());
+    let (scope, lease) = (Scope::anonymous(), Duration::from_secs(1));
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: old,
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let Claim::Acquired(held) = store.claim(&request).await.unwrap() else {
+        panic!("the old claim must acquire")
+    };
+    tokio::time::sleep(lease * 2).await;
+
+    let (router, counter) = app(IdempotencyLayer::new(store.clone()));
+    let retry = send(&router, common::post("k", body)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed), "{:?}", retry.body);
+    let again = send(&router, common::post("k", body)).await;
+    assert_eq!(again.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    let record = store.look_up(&scope, "k").await.unwrap().unwrap();
+    assert_eq!(record.fingerprint, old);
+    assert!(record.token > held.token);
 }

@@ -210,7 +210,7 @@ fn request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
     ClaimRequest {
         scope,
         key,
-        fingerprint: Fingerprint([3; 32]),
+        fingerprint: Fingerprint::new([3; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(60),
     }

@@ -341,7 +341,10 @@ async fn request_with(
     if let Some(key) = key {
         req = req.header("idempotency-key", key);
     }
-    if !body.is_empty() {
+    let typed = headers
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("content-type"));
+    if !body.is_empty() && !typed {
         req = req.header(header::CONTENT_TYPE, "application/json");
     }
     let res = client
@@ -1516,4 +1519,68 @@ async fn a_refreshed_token_pays_once_in_transactional_mode() {
     let mut demo = Demo::start_with(Some(&schema), &["--mode", "transactional"]);
     demo.wait_ready(&client).await;
     keys_are_scoped_by_account(&client, demo.addr).await;
+}
+
+/// A client that re-serialises its JSON for a retry (other whitespace, other member
+/// order, `charset=UTF-8`) gets its payment replayed, not a final 422; another amount
+/// is refused.
+async fn re_spelt_json_is_one_payment(client: &HttpClient, addr: SocketAddr) {
+    const KEY: &str = "re-spelt-1";
+    let first = post_payment(
+        client,
+        addr,
+        Some(KEY),
+        r#"{"amount":1000,"currency":"EUR"}"#,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed(), "{first:?}");
+    let re_spelt = r#"{ "currency" : "EUR", "amount" : 1000 }"#;
+    let resent = post_payment(client, addr, Some(KEY), re_spelt).await;
+    assert_eq!(resent.status, StatusCode::CREATED, "{resent:?}");
+    assert!(resent.replayed(), "re-spelt JSON ran again: {resent:?}");
+    assert_eq!(resent.body, first.body);
+    let utf8 = request_with(
+        client,
+        Method::POST,
+        addr,
+        "/payments",
+        Some(KEY),
+        re_spelt,
+        &[("content-type", "application/json; charset=UTF-8")],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("POST /payments on {addr}: {e}"));
+    assert_eq!(utf8.status, StatusCode::CREATED, "{utf8:?}");
+    assert!(utf8.replayed(), "charset=UTF-8 ran again: {utf8:?}");
+    assert_eq!(utf8.body, first.body);
+    let other = post_payment(
+        client,
+        addr,
+        Some(KEY),
+        r#"{"amount":1001,"currency":"EUR"}"#,
+    )
+    .await;
+    other.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(
+        stats(client, addr).await,
+        json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
+
+#[tokio::test]
+async fn json_re_spelt_with_a_utf8_charset_is_one_payment() {
+    let schema = Schema::new();
+    let client = client();
+    let mut demo = Demo::start(Some(&schema));
+    demo.wait_ready(&client).await;
+    re_spelt_json_is_one_payment(&client, demo.addr).await;
+}
+
+#[tokio::test]
+async fn json_re_spelt_is_one_payment_on_the_memory_store_too() {
+    let client = client();
+    let mut demo = Demo::start(None);
+    demo.wait_ready(&client).await;
+    re_spelt_json_is_one_payment(&client, demo.addr).await;
 }

@@ -191,7 +191,7 @@ async fn a_silently_dropped_shared_claim_connection_is_replaced() {
     let warm_up = ClaimRequest {
         scope: &scope,
         key: "warm-up",
-        fingerprint: Fingerprint([0; 32]),
+        fingerprint: Fingerprint::new([0; 32]),
         lease: Duration::from_secs(60),
         ttl: Duration::from_secs(60),
     };
@@ -758,7 +758,7 @@ async fn a_reserve_connection_without_the_pools_role_is_refused_not_used() {
     let request = ClaimRequest {
         scope: &scope,
         key: "k",
-        fingerprint: Fingerprint([1; 32]),
+        fingerprint: Fingerprint::new([1; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(60),
     };
@@ -1119,7 +1119,7 @@ async fn a_completion_whose_answer_was_lost_is_kept_when_sent_again() {
             let request = ClaimRequest {
                 scope: &scope,
                 key,
-                fingerprint: Fingerprint([0; 32]),
+                fingerprint: Fingerprint::new([0; 32]),
                 lease: Duration::from_secs(60),
                 ttl: Duration::from_secs(60),
             };

@@ -81,7 +81,7 @@ fn request<'a>(scope: &'a Scope, key: &'a str, lease: Duration, ttl: Duration) -
     ClaimRequest {
         scope,
         key,
-        fingerprint: Fingerprint([7; 32]),
+        fingerprint: Fingerprint::new([7; 32]),
         lease,
         ttl,
     }

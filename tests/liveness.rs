@@ -35,7 +35,7 @@ use tower_idempotency::{
     store::{Claim, ClaimRequest, Fenced, PostgresStore, Store, pool_for_url},
 };
 
-const A: Fingerprint = Fingerprint([7; 32]);
+const A: Fingerprint = Fingerprint::new([7; 32]);
 
 /// The lease of the claims of the "never" tests: far longer than any of them runs, so
 /// that only liveness could take their key over.

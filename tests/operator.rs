@@ -74,7 +74,7 @@ fn request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
     ClaimRequest {
         scope,
         key,
-        fingerprint: Fingerprint([7; 32]),
+        fingerprint: Fingerprint::new([7; 32]),
         lease: LEASE,
         ttl: TTL,
     }
@@ -289,7 +289,7 @@ async fn a_look_up_says_state_holder_lease_status_sizes_and_times(
     let claimed = SystemTime::now() + Duration::from_millis(1);
     let running = operator.look_up(&scope, "order-5").await.unwrap().unwrap();
     assert_eq!(running.token, lease.token);
-    assert_eq!(running.fingerprint, Fingerprint([7; 32]));
+    assert_eq!(running.fingerprint, Fingerprint::new([7; 32]));
     let KeyState::Running { lease_left } = running.state else {
         panic!("{running:?}")
     };

@@ -295,7 +295,7 @@ async fn a_waiter_registered_again_writes_nothing() {
     let request = ClaimRequest {
         scope: &scope,
         key: "k",
-        fingerprint: Fingerprint([1; 32]),
+        fingerprint: Fingerprint::new([1; 32]),
         lease: Duration::from_secs(60),
         ttl: Duration::from_secs(60),
     };
@@ -739,7 +739,7 @@ async fn purge_never_deletes_a_live_claim() {
     let request = ClaimRequest {
         scope: &scope,
         key: "running",
-        fingerprint: Fingerprint([1; 32]),
+        fingerprint: Fingerprint::new([1; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_millis(10),
     };
@@ -779,7 +779,7 @@ async fn the_longest_durations_are_held_to_ten_years() {
     let request = ClaimRequest {
         scope: &scope,
         key: "forever",
-        fingerprint: Fingerprint([1; 32]),
+        fingerprint: Fingerprint::new([1; 32]),
         lease: Duration::MAX,
         ttl: Duration::MAX,
     };
@@ -826,7 +826,7 @@ async fn store_errors_are_classified_by_sqlstate_and_connection_state() {
     let request = ClaimRequest {
         scope: &scope,
         key: "k",
-        fingerprint: Fingerprint([1; 32]),
+        fingerprint: Fingerprint::new([1; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(30),
     };
@@ -946,7 +946,7 @@ async fn a_claim_waiting_on_a_row_lock_does_not_hold_up_the_shared_connection() 
         ClaimRequest {
             scope,
             key,
-            fingerprint: Fingerprint([7; 32]),
+            fingerprint: Fingerprint::new([7; 32]),
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
         }
@@ -1014,7 +1014,7 @@ async fn terminated_shared_claim_connections_are_replaced() {
             let request = ClaimRequest {
                 scope: &scope,
                 key: &key,
-                fingerprint: Fingerprint([1; 32]),
+                fingerprint: Fingerprint::new([1; 32]),
                 lease: Duration::from_secs(30),
                 ttl: Duration::from_secs(60),
             };
@@ -1170,7 +1170,7 @@ async fn a_key_taken_over_after_it_completed_has_no_waiters() {
     let request = ClaimRequest {
         scope: &scope,
         key: "k",
-        fingerprint: Fingerprint([1; 32]),
+        fingerprint: Fingerprint::new([1; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_millis(10),
     };

@@ -1,7 +1,8 @@
 //! Properties, over generated inputs: the key parser accepts exactly its grammar,
 //! never panics, and reads sf-strings as `sfv` does; fingerprints are stable and
-//! change with any input; stored responses round-trip byte for byte, through each
-//! store.
+//! change with any input, JSON bodies counting as any JSON reader sees them (any
+//! spelling of one value is one request, any change of it another); stored responses
+//! round-trip byte for byte, through each store.
 #![allow(clippy::unwrap_used)] // unwrap in test helpers: a failure is the test failing
 
 mod common;
@@ -318,7 +319,7 @@ async fn round_trip(store: &dyn Store, key: &str, response: &StoredResponse) -> 
     let request = ClaimRequest {
         scope: &scope,
         key,
-        fingerprint: Fingerprint([7; 32]),
+        fingerprint: Fingerprint::new([7; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(60),
     };
@@ -379,4 +380,271 @@ fn responses_round_trip_through_postgres_byte_for_byte() {
         .unwrap();
     drop(store);
     drop(schema);
+}
+
+/// A JSON value, its objects' member names unique, its numbers as written.
+#[derive(Clone, Debug)]
+enum Json {
+    Null,
+    Bool(bool),
+    Number(String),
+    String(String),
+    Array(Vec<Json>),
+    Object(Vec<(String, Json)>),
+}
+
+/// Characters that have several spellings in a JSON string, and some that do not.
+fn json_string() -> impl Strategy<Value = String> {
+    let c = prop_oneof![
+        3 => any::<char>(),
+        1 => Just('"'),
+        1 => Just('\\'),
+        1 => Just('/'),
+        1 => Just('\n'),
+        1 => Just('\u{1}'),
+        1 => Just('A'),
+        1 => Just('é'),
+        1 => Just('\u{1f600}'),
+    ];
+    prop::collection::vec(c, 0..8).prop_map(|cs| cs.into_iter().collect())
+}
+
+fn json_value() -> impl Strategy<Value = Json> {
+    let number = "-?(0|[1-9][0-9]{0,20})(\\.[0-9]{1,6})?([eE][+-]?[0-9]{1,3})?";
+    let leaf = prop_oneof![
+        Just(Json::Null),
+        any::<bool>().prop_map(Json::Bool),
+        number.prop_map(Json::Number),
+        json_string().prop_map(Json::String),
+    ];
+    leaf.prop_recursive(4, 40, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Json::Array),
+            prop::collection::btree_map(json_string(), inner, 0..6)
+                .prop_map(|members| Json::Object(members.into_iter().collect())),
+        ]
+    })
+}
+
+/// The choices of one spelling: xorshift, seeded by the case.
+struct Choices(u64);
+
+impl Choices {
+    fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// `value` spelt one of the ways a JSON writer may spell it, as `choices` say:
+/// whitespace, member order, each character's escape.
+fn spell(value: &Json, choices: &mut Choices, out: &mut String) {
+    fn ws(choices: &mut Choices, out: &mut String) {
+        out.push_str(["", "", " ", "\n", "\t", "\r\n  "][choices.below(6)]);
+    }
+    fn hex(u: u32, choices: &mut Choices) -> String {
+        if choices.below(2) == 0 {
+            format!("\\u{u:04x}")
+        } else {
+            format!("\\u{u:04X}")
+        }
+    }
+    fn string(s: &str, choices: &mut Choices, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            let escaped = choices.below(3) == 0;
+            match c {
+                '"' if !escaped => out.push_str("\\\""),
+                '\\' if !escaped => out.push_str("\\\\"),
+                '/' if !escaped => out.push_str(["/", "\\/"][choices.below(2)]),
+                '\n' if !escaped => out.push_str("\\n"),
+                c if (c as u32) < 0x20 || escaped => {
+                    let mut units = [0u16; 2];
+                    for unit in c.encode_utf16(&mut units) {
+                        out.push_str(&hex(u32::from(*unit), choices));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+    ws(choices, out);
+    match value {
+        Json::Null => out.push_str("null"),
+        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Json::Number(n) => out.push_str(n),
+        Json::String(s) => string(s, choices, out),
+        Json::Array(items) => {
+            out.push('[');
+            ws(choices, out);
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                spell(item, choices, out);
+            }
+            out.push(']');
+        }
+        Json::Object(members) => {
+            let mut order: Vec<usize> = (0..members.len()).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, choices.below(i + 1));
+            }
+            out.push('{');
+            ws(choices, out);
+            for (n, i) in order.into_iter().enumerate() {
+                if n > 0 {
+                    out.push(',');
+                }
+                ws(choices, out);
+                string(&members[i].0, choices, out);
+                ws(choices, out);
+                out.push(':');
+                spell(&members[i].1, choices, out);
+            }
+            out.push('}');
+        }
+    }
+    ws(choices, out);
+}
+
+fn spelt(value: &Json, seed: u64) -> String {
+    let mut out = String::new();
+    spell(value, &mut Choices::new(seed), &mut out);
+    out
+}
+
+/// `value` changed in one place, as `choices` say: the last digit of a number, a
+/// string one character longer, a boolean flipped, a member or an element added.
+fn changed(value: &Json, choices: &mut Choices) -> Json {
+    match value {
+        Json::Null => Json::Bool(false),
+        Json::Bool(b) => Json::Bool(!b),
+        Json::Number(n) => {
+            let mut digits = n.clone().into_bytes();
+            let last = digits.last_mut().unwrap();
+            *last = b'0' + (*last - b'0' + 1) % 10;
+            Json::Number(String::from_utf8(digits).unwrap())
+        }
+        Json::String(s) => Json::String(format!("{s}x")),
+        Json::Array(items) if items.is_empty() => Json::Array(vec![Json::Null]),
+        Json::Array(items) => {
+            let mut items = items.clone();
+            let i = choices.below(items.len());
+            items[i] = changed(&items[i], choices);
+            Json::Array(items)
+        }
+        Json::Object(members) if members.is_empty() => Json::Object(vec![("a".into(), Json::Null)]),
+        Json::Object(members) => {
+            let mut members = members.clone();
+            let i = choices.below(members.len());
+            members[i].1 = changed(&members[i].1, choices);
+            Json::Object(members)
+        }
+    }
+}
+
+/// `Content-Type` spelt one of the ways that name JSON in UTF-8.
+fn json_type(choice: usize) -> &'static str {
+    [
+        "application/json",
+        "Application/JSON; charset=UTF-8",
+        "application/json;charset=\"utf-8\"",
+        "application/json ; Charset = utf-8",
+    ][choice % 4]
+}
+
+fn json_fingerprint(content_type: &str, body: &str) -> Fingerprint {
+    let parts = Request::post("/payments")
+        .header("content-type", content_type)
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let headers = [axum::http::header::CONTENT_TYPE];
+    tower_idempotency::FingerprintScheme::Json.fingerprint(&parts, &headers, body.as_bytes())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// A JSON value spelt any way, sent with any spelling of its media type, is one
+    /// request.
+    #[test]
+    fn json_re_spelt_is_the_same_request(
+        value in json_value(),
+        (a, b) in (any::<u64>(), any::<u64>()),
+        (ta, tb) in (0usize..4, 0usize..4),
+    ) {
+        let (first, second) = (spelt(&value, a), spelt(&value, b));
+        prop_assert_eq!(
+            json_fingerprint(json_type(ta), &first),
+            json_fingerprint(json_type(tb), &second),
+            "{} and {}", first, second
+        );
+    }
+
+    /// Any value changed, a digit of a number included, is another request, however
+    /// it is spelt.
+    #[test]
+    fn json_changed_is_another_request(
+        value in json_value(),
+        (a, b, c) in (any::<u64>(), any::<u64>(), any::<u64>()),
+    ) {
+        let other = changed(&value, &mut Choices::new(c));
+        prop_assert_ne!(
+            json_fingerprint("application/json", &spelt(&value, a)),
+            json_fingerprint("application/json", &spelt(&other, b)),
+            "{:?} and {:?}", value, other
+        );
+    }
+
+    /// A member name twice, or text that is not JSON, counts byte for byte: the same
+    /// bytes are the same request, a re-spelling is not.
+    #[test]
+    fn what_readers_may_read_apart_counts_byte_for_byte(
+        value in json_value(),
+        seed in any::<u64>(),
+        broken in 0usize..4,
+    ) {
+        let v = spelt(&value, seed);
+        let (body, respelt) = match broken {
+            0 => (format!("{{\"a\":{v},\"a\":{v}}}"), format!("{{ \"a\":{v},\"a\":{v}}}")),
+            1 => (format!("{{\"a\":{v},\"\\u0061\":{v}}}"), format!("{{\"a\" :{v},\"\\u0061\":{v}}}")),
+            2 => (format!("[{v},]"), format!("[ {v},]")),
+            _ => (format!("{v} x"), format!(" {v} x")),
+        };
+        prop_assert_eq!(
+            json_fingerprint("application/json", &body),
+            json_fingerprint("application/json", &body)
+        );
+        prop_assert_ne!(
+            json_fingerprint("application/json", &body),
+            json_fingerprint("application/json", &respelt)
+        );
+    }
+}
+
+/// The digit a double cannot see: `9007199254740993` rounds to `9007199254740992`.
+#[test]
+fn a_long_number_counts_to_its_last_digit() {
+    assert_eq!(9007199254740993_u64 as f64, 9007199254740992_u64 as f64);
+    assert_ne!(
+        json_fingerprint("application/json", r#"{"amount":9007199254740993}"#),
+        json_fingerprint("application/json", r#"{"amount":9007199254740992}"#)
+    );
+    assert_eq!(
+        json_fingerprint("application/json", r#"{"amount":9007199254740993}"#),
+        json_fingerprint(
+            "application/json; charset=utf-8",
+            r#"{ "amount" : 9007199254740993 }"#
+        )
+    );
 }

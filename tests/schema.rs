@@ -55,7 +55,7 @@ fn claim_request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
     ClaimRequest {
         scope,
         key,
-        fingerprint: Fingerprint([7; 32]),
+        fingerprint: Fingerprint::new([7; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
     }

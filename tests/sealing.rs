@@ -217,6 +217,7 @@ on_every_store!(
     a_job_result_is_sealed_and_its_key_hashed,
     a_job_result_stored_before_encryption_is_still_done,
     records_from_before_principals_and_encryption_replay_under_both,
+    records_from_before_the_json_scheme_replay_sealed_and_in_clear,
 );
 
 async fn a_sealed_record_holds_neither_body_nor_key_and_replays(kind: Kind) {
@@ -360,6 +361,32 @@ async fn records_stored_before_encryption_still_replay(kind: Kind) {
     // A key new to both runs once, sealed.
     assert_eq!(send(&after, post("after", &body())).await.status, 201);
     assert_eq!(counter.runs(), 1);
+}
+
+/// Records made under the bytes scheme (before the JSON scheme), sealed, or in clear
+/// from before encryption too, replay to their identical retries once the layer
+/// compares JSON as JSON; the retry is compared the record's way.
+async fn records_from_before_the_json_scheme_replay_sealed_and_in_clear(kind: Kind) {
+    use tower_idempotency::FingerprintScheme;
+    let setup = Setup::new(kind).await;
+    let keys = keys();
+    let bytes = |layer: IdempotencyLayer| layer.fingerprint_scheme(FingerprintScheme::Bytes);
+    let (clear, _) = app(bytes(setup.layer()));
+    let in_clear = send(&clear, post("in-clear", &body())).await;
+    assert_eq!(in_clear.status, 201);
+    let (sealed, _) = app(bytes(setup.layer()).encrypt_responses(keys.clone()));
+    let was_sealed = send(&sealed, post("sealed", &body())).await;
+    assert_eq!(was_sealed.status, 201);
+
+    let (after, counter) = app(setup.layer().encrypt_responses(keys.clone()));
+    for (key, first) in [("in-clear", &in_clear), ("sealed", &was_sealed)] {
+        let replay = send(&after, post(key, &body())).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed), "{key}");
+        assert_eq!(replay.body, first.body, "{key}");
+        let other = send(&after, post(key, "{\"card\":\"other\"}")).await;
+        assert_eq!(other.problem(), "key-reused", "{key}");
+    }
+    assert_eq!(counter.runs(), 0);
 }
 
 async fn set_cookie_is_not_replayed_unless_the_app_keeps_it(kind: Kind) {

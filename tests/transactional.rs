@@ -2379,3 +2379,45 @@ async fn an_upgrade_to_principals_replays_keys_committed_under_the_authorization
     assert_eq!(rows_in(&schema, &table).await, 4);
     common::idle(&store).await;
 }
+
+/// A lease-mode claim made before the upgrade to the JSON scheme (a bytes
+/// fingerprint), its holder gone and its lease lapsed: a retry through a transactional
+/// layer of the JSON scheme takes it over and runs once, then is replayed, instead of a
+/// `409` until the record expires.
+#[tokio::test]
+async fn a_lapsed_claim_made_before_the_json_scheme_is_taken_over_in_a_transaction() {
+    use axum::http::header::CONTENT_TYPE;
+    use tower_idempotency::{
+        FingerprintScheme, Scope,
+        store::{Claim, ClaimRequest, Store},
+    };
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let table = setup(&schema, &store).await;
+    let (parts, body) = post_with("k", &[]).into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+    let old = FingerprintScheme::Bytes.fingerprint(&parts, &[CONTENT_TYPE], &body);
+    let (scope, lease) = (Scope::anonymous(), Duration::from_secs(1));
+    let request = ClaimRequest {
+        scope: &scope,
+        key: "k",
+        fingerprint: old,
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let Claim::Acquired(held) = store.claim(&request).await.unwrap() else {
+        panic!("the old claim must acquire")
+    };
+    tokio::time::sleep(lease * 2).await;
+
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    let again = send(&router, post_with("k", &[])).await;
+    assert_eq!(again.outcome, Some(Outcome::Replayed));
+    assert_eq!(counter.runs(), 1);
+    assert_eq!(rows_in(&schema, &table).await, 1);
+    let record = store.look_up(&scope, "k").await.unwrap().unwrap();
+    assert!(record.token > held.token);
+}

@@ -27,12 +27,13 @@ pub(crate) enum Decision {
     Mismatch,
 }
 
-/// `claim`, made with `fingerprint`, decided.
+/// `claim`, made with `fingerprint`, decided; a record is compared with the request
+/// the way its fingerprint was computed ([`Fingerprint::as_recorded`]).
 pub(crate) fn decide(claim: Claim, fingerprint: Fingerprint) -> Decision {
     match claim {
         Claim::Acquired(lease) => Decision::Run(lease),
         Claim::Completed { fingerprint: f, .. } | Claim::Running { fingerprint: f, .. }
-            if f != fingerprint =>
+            if !fingerprint.matches(&f) =>
         {
             Decision::Mismatch
         }

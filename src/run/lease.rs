@@ -109,6 +109,12 @@ async fn claim<B>(
     handoff: &Handoff,
     in_flight: &InFlight,
 ) -> Result<Lease, Response<ResponseBody<B>>> {
+    // Claims with the fingerprint a running record was made with, when it is this
+    // request's computed another way (a record from before an upgrade of the scheme):
+    // its lapsed lease is then taken over, its run waited for, as the record's own.
+    // What a claim finds is still compared with the request's own fingerprint, which
+    // knows each way.
+    let mut claiming = request.clone();
     let wait_until = (!config.wait.is_zero()).then(|| tokio::time::Instant::now() + config.wait);
     // Counted once it first waits, and among those waiting until it returns (or is
     // dropped).
@@ -125,15 +131,22 @@ async fn claim<B>(
         let claim = crate::store::claim_within(
             &config.store,
             config.store_timeout,
-            request,
+            &claiming,
             in_flight.clone(),
         )
         .await;
         match claim {
+            Ok(Ok(Claim::Running { fingerprint, .. }))
+                if fingerprint != claiming.fingerprint
+                    && request.fingerprint.matches(&fingerprint) =>
+            {
+                claiming.fingerprint = request.fingerprint.as_recorded(&fingerprint);
+                continue;
+            }
             Ok(Ok(Claim::Running {
                 fingerprint,
                 retry_after,
-            })) if fingerprint == request.fingerprint
+            })) if fingerprint == claiming.fingerprint
                 && wait_until.is_some_and(|until| tokio::time::Instant::now() < until) =>
             {
                 // Registering and waiting hold nothing: a client that goes now takes the

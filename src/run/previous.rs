@@ -285,7 +285,7 @@ fn standing(record: Option<KeyRecord>, fingerprint: Fingerprint) -> Option<Claim
     }
     match record.state {
         KeyState::Running { lease_left }
-            if lease_left.is_zero() && record.fingerprint == fingerprint =>
+            if lease_left.is_zero() && fingerprint.matches(&record.fingerprint) =>
         {
             None
         }
@@ -305,8 +305,8 @@ mod tests {
     use super::*;
     use crate::{StoredResponse, store::FencingToken};
 
-    const MINE: Fingerprint = Fingerprint([1; 32]);
-    const OTHER: Fingerprint = Fingerprint([2; 32]);
+    const MINE: Fingerprint = Fingerprint::new([1; 32]);
+    const OTHER: Fingerprint = Fingerprint::new([2; 32]);
     const LIVE: Duration = Duration::from_secs(60);
 
     fn running(fingerprint: Fingerprint, lease_left: Duration, expires_in: Duration) -> KeyRecord {
@@ -327,17 +327,11 @@ mod tests {
         assert!(standing(None, MINE).is_none());
         assert!(matches!(
             standing(Some(completed(MINE, LIVE)), MINE),
-            Some(Claim::Completed {
-                fingerprint: MINE,
-                ..
-            })
+            Some(Claim::Completed { fingerprint, .. }) if fingerprint == MINE
         ));
         assert!(matches!(
             standing(Some(completed(OTHER, LIVE)), MINE),
-            Some(Claim::Completed {
-                fingerprint: OTHER,
-                ..
-            })
+            Some(Claim::Completed { fingerprint, .. }) if fingerprint == OTHER
         ));
         assert!(matches!(
             standing(Some(running(MINE, LIVE, LIVE)), MINE),
@@ -350,16 +344,33 @@ mod tests {
         assert!(standing(Some(running(MINE, Duration::ZERO, LIVE)), MINE).is_none());
         assert!(matches!(
             standing(Some(running(OTHER, Duration::ZERO, LIVE)), MINE),
-            Some(Claim::Running {
-                fingerprint: OTHER,
-                ..
-            })
+            Some(Claim::Running { fingerprint, .. }) if fingerprint == OTHER
         ));
         // Past its TTL: as if there were none.
         assert!(standing(Some(completed(OTHER, Duration::ZERO)), MINE).is_none());
         assert!(standing(Some(running(OTHER, Duration::ZERO, Duration::ZERO)), MINE).is_none());
         // A live lease keeps its record past the TTL.
         assert!(standing(Some(running(MINE, LIVE, Duration::ZERO)), MINE).is_some());
+    }
+
+    /// A record of the previous scope made under the bytes scheme (before the JSON
+    /// scheme) stands as the same request's for a JSON-scheme request that made it.
+    #[test]
+    fn a_record_made_under_the_bytes_scheme_is_compared_its_way() {
+        use crate::FingerprintScheme;
+        use http::header::CONTENT_TYPE;
+        let parts = http::Request::post("/p")
+            .header(CONTENT_TYPE, "application/json")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let body = br#"{"a":1}"#;
+        let request = FingerprintScheme::Json.fingerprint(&parts, &[CONTENT_TYPE], body);
+        let before = FingerprintScheme::Bytes.fingerprint(&parts, &[CONTENT_TYPE], body);
+        // A lapsed lease of the same request: taken over, not standing.
+        assert!(standing(Some(running(before, Duration::ZERO, LIVE)), request).is_none());
+        assert!(standing(Some(running(OTHER, Duration::ZERO, LIVE)), request).is_some());
     }
 
     /// The forms looked through: none without either setting; one with either; three,

@@ -269,7 +269,7 @@ mod tests {
         let request = ClaimRequest {
             scope: &scope,
             key: "k",
-            fingerprint: crate::Fingerprint([0; 32]),
+            fingerprint: crate::Fingerprint::new([0; 32]),
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
         };

@@ -25,7 +25,7 @@ use crate::{Fingerprint, StoredResponse};
 ///
 /// let record = KeyRecord::running(
 ///     FencingToken::new(7),
-///     Fingerprint([0; 32]),
+///     Fingerprint::new([0; 32]),
 ///     Duration::from_secs(20),
 ///     Duration::from_secs(3600),
 /// );

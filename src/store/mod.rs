@@ -20,7 +20,7 @@
 //! let request = ClaimRequest {
 //!     scope: &scope,
 //!     key: "message-1",
-//!     fingerprint: Fingerprint([0; 32]),
+//!     fingerprint: Fingerprint::new([0; 32]),
 //!     lease: Duration::from_secs(30),
 //!     ttl: Duration::from_secs(24 * 3600),
 //! };
@@ -464,7 +464,7 @@ pub trait Store: Send + Sync + 'static {
     /// let request = ClaimRequest {
     ///     scope: &scope,
     ///     key: "order-1",
-    ///     fingerprint: Fingerprint([1; 32]),
+    ///     fingerprint: Fingerprint::new([1; 32]),
     ///     lease: Duration::from_secs(30),
     ///     ttl: Duration::from_secs(3600),
     /// };
@@ -759,7 +759,7 @@ mod tests {
                 let request = ClaimRequest {
                     scope: &scope,
                     key,
-                    fingerprint: crate::Fingerprint([0; 32]),
+                    fingerprint: crate::Fingerprint::new([0; 32]),
                     lease: Duration::ZERO,
                     ttl: Duration::ZERO,
                 };

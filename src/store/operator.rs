@@ -70,7 +70,7 @@ pub enum Removal {
 /// let request = ClaimRequest {
 ///     scope: &scope,
 ///     key: "order-1",
-///     fingerprint: Fingerprint([1; 32]),
+///     fingerprint: Fingerprint::new([1; 32]),
 ///     lease: Duration::from_secs(30),
 ///     ttl: Duration::from_secs(3600),
 /// };

@@ -107,6 +107,146 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            /// The same JSON re-spelt (whitespace, member order, escapes) and sent as
+            /// `application/json; charset=UTF-8` is the same request: replayed, never a
+            /// final 422; another amount is another request.
+            #[tokio::test]
+            async fn a_json_body_re_spelt_is_the_same_request() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) = app(layer);
+                let first = send(&router, post("k", r#"{"amount":1000,"currency":"EUR"}"#)).await;
+                assert_eq!(first.status, 201);
+                let resent = send(
+                    &router,
+                    post("k", r#"{ "currency" : "EUR", "amount" : 1000 }"#),
+                )
+                .await;
+                assert_eq!(resent.outcome, Some(Outcome::Replayed));
+                assert_eq!(resent.body, first.body);
+                let mut utf8 = post(
+                    "k",
+                    "{\n  \"currency\": \"\\u0045UR\",\n  \"amount\": 1000\n}",
+                );
+                // `post` sends `application/json`: the one value, the client's.
+                utf8.headers_mut().insert(
+                    "content-type",
+                    axum::http::HeaderValue::from_static("Application/JSON; charset=UTF-8"),
+                );
+                let utf8 = send(&router, utf8).await;
+                assert_eq!(utf8.outcome, Some(Outcome::Replayed));
+                assert_eq!(utf8.body, first.body);
+                let other = send(&router, post("k", r#"{"currency":"EUR","amount":1001}"#)).await;
+                assert_eq!(other.status, 422);
+                assert_eq!(other.outcome, Some(Outcome::Mismatch));
+                let long = send(&router, post("n", r#"{"amount":9007199254740993}"#)).await;
+                assert_eq!(long.status, 201);
+                let rounded = send(&router, post("n", r#"{"amount":9007199254740992}"#)).await;
+                assert_eq!(rounded.status, 422, "a digit of a long number counts");
+                assert_eq!(counter.runs(), 2);
+            }
+
+            /// `FingerprintScheme::Bytes` keeps byte-exact fingerprints.
+            #[tokio::test]
+            async fn the_bytes_scheme_compares_bytes() {
+                let (layer, _store, _g) = layer().await;
+                let (router, counter) =
+                    app(layer.fingerprint_scheme(tower_idempotency::FingerprintScheme::Bytes));
+                assert_eq!(
+                    send(&router, post("k", r#"{"a":1,"b":2}"#)).await.status,
+                    201
+                );
+                let same = send(&router, post("k", r#"{"a":1,"b":2}"#)).await;
+                assert_eq!(same.outcome, Some(Outcome::Replayed));
+                let resent = send(&router, post("k", r#"{"b":2,"a":1}"#)).await;
+                assert_eq!(resent.status, 422);
+                assert_eq!(counter.runs(), 1);
+            }
+
+            /// A deploy that turns the JSON scheme on lands amid a client's retries:
+            /// a record stored before it (a 32-byte bytes fingerprint) is compared with
+            /// its retry the bytes' way, and replayed; the new layer's records say
+            /// their scheme (33 bytes).
+            #[tokio::test]
+            async fn a_record_made_before_the_json_scheme_is_replayed_after_it() {
+                let (layer, store, _g) = layer().await;
+                let body = r#"{"amount":1000,"currency":"EUR"}"#;
+                let before = layer
+                    .clone()
+                    .fingerprint_scheme(tower_idempotency::FingerprintScheme::Bytes);
+                let (old, counter) = app(before);
+                let first = send(&old, post("k", body)).await;
+                assert_eq!(first.status, 201);
+                let record = store
+                    .look_up(&Scope::anonymous(), "k")
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(record.fingerprint.as_bytes().len(), 32);
+
+                let (new, after) = app(layer);
+                let replay = send(&new, post("k", body)).await;
+                assert_eq!(replay.outcome, Some(Outcome::Replayed));
+                assert_eq!(replay.body, first.body);
+                // Compared the record's way: its bytes.
+                let resent = send(&new, post("k", r#"{"currency":"EUR","amount":1000}"#)).await;
+                assert_eq!(resent.status, 422);
+                assert_eq!(counter.runs() + after.runs(), 1);
+
+                assert_eq!(send(&new, post("fresh", body)).await.status, 201);
+                let record = store
+                    .look_up(&Scope::anonymous(), "fresh")
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(record.fingerprint.as_bytes().len(), 33);
+                assert_eq!(
+                    record.fingerprint.scheme(),
+                    tower_idempotency::FingerprintScheme::Json
+                );
+            }
+
+            /// A running key claimed before the upgrade (a bytes fingerprint) whose
+            /// holder is gone: its retry after the upgrade takes it over and runs it
+            /// once, then is replayed, instead of a 422.
+            #[tokio::test]
+            async fn a_lapsed_claim_made_before_the_json_scheme_is_taken_over_after_it() {
+                use axum::http::header::CONTENT_TYPE;
+                let (layer, store, _g) = layer().await;
+                let body = r#"{"amount":1000,"currency":"EUR"}"#;
+                let (parts, _) = post("k", body).into_parts();
+                let old = tower_idempotency::FingerprintScheme::Bytes.fingerprint(
+                    &parts,
+                    &[CONTENT_TYPE],
+                    body.as_bytes(),
+                );
+                let scope = Scope::anonymous();
+                let lease = Duration::from_secs(1);
+                let request = ClaimRequest {
+                    scope: &scope,
+                    key: "k",
+                    fingerprint: old,
+                    lease,
+                    ttl: Duration::from_secs(60),
+                };
+                let Claim::Acquired(held) = store.claim(&request).await.unwrap() else {
+                    panic!("the old claim must acquire")
+                };
+                // Its holder never completes it; its lease lapses.
+                tokio::time::sleep(lease * 2).await;
+
+                let (router, counter) = app(layer);
+                let retry = send(&router, post("k", body)).await;
+                assert_eq!(retry.status, 201, "{:?}", retry.body);
+                assert_eq!(retry.outcome, Some(Outcome::Executed));
+                assert_eq!(counter.runs(), 1);
+                let again = send(&router, post("k", body)).await;
+                assert_eq!(again.outcome, Some(Outcome::Replayed));
+                assert_eq!(counter.runs(), 1);
+                let record = store.look_up(&scope, "k").await.unwrap().unwrap();
+                assert_eq!(record.fingerprint, old);
+                assert!(record.token > held.token);
+            }
+
             #[tokio::test]
             async fn a_duplicate_in_flight_gets_409_with_retry_after() {
                 let (layer, _store, _g) = layer().await;
@@ -791,6 +931,43 @@ macro_rules! layer_suite {
                 assert_eq!(counter.runs(), 1);
             }
 
+            /// A deploy that changes both how scopes and how fingerprints are computed:
+            /// records the old layer stored under the `Authorization` hash with bytes
+            /// fingerprints are found under the previous scope and compared the bytes'
+            /// way: the done one replayed, the running one 409, nothing run again.
+            #[tokio::test]
+            async fn an_upgrade_to_principals_and_the_json_scheme_at_once_runs_nothing_again() {
+                let (old_layer, store, _g) = layer().await;
+                let old_layer = old_layer
+                    .lease_duration(Duration::from_secs(60))
+                    .fingerprint_scheme(tower_idempotency::FingerprintScheme::Bytes);
+                let (old, old_counter) = app(old_layer);
+                let body = r#"{"amount":1000,"currency":"EUR"}"#;
+                let first = send(&old, post_as("acct7.first", "done", body)).await;
+                assert_eq!(first.outcome, Some(Outcome::Executed));
+                let held = post_as("acct7.first", "running", "{}");
+                let (parts, _) = held.into_parts();
+                let mut held = axum::http::Request::from_parts(parts, Body::from("{}"));
+                held.headers_mut().insert("x-held", "1".parse().unwrap());
+                let running = in_flight(&old, held, &old_counter).await;
+
+                let new_layer = IdempotencyLayer::new(store.clone())
+                    .require_principal(true)
+                    .previous_scope_with(Scope::from_authorization);
+                let (new, counter) = app_behind_auth(new_layer);
+                let retry = send(&new, post_as("acct7.first", "done", body)).await;
+                assert_eq!(retry.outcome, Some(Outcome::Replayed));
+                assert_eq!(retry.body, first.body);
+                let dup = send(&new, post_as("acct7.first", "running", "{}")).await;
+                assert_eq!(dup.status, 409);
+                let other = send(&new, post_as("acct7.first", "done", r#"{"amount":1}"#)).await;
+                assert_eq!(other.status, 422);
+                assert_eq!(counter.runs(), 0);
+                old_counter.let_go(1);
+                assert_eq!(running.await.unwrap().status, 201);
+                assert_eq!(old_counter.runs(), 2);
+            }
+
             /// A deploy that starts scoping by principal where the layer scoped by the
             /// `Authorization` hash: a retry of a request the old layer ran is
             /// replayed, one of a request it still runs gets 409, another request
@@ -877,7 +1054,7 @@ macro_rules! layer_suite {
                     .unwrap()
                     .expect("running");
                 assert_eq!(running.token, lease.token);
-                assert_eq!(running.fingerprint, Fingerprint([3; 32]));
+                assert_eq!(running.fingerprint, Fingerprint::new([3; 32]));
                 let tower_idempotency::store::KeyState::Running { lease_left } = running.state
                 else {
                     panic!("running: {running:?}")
@@ -1093,7 +1270,7 @@ macro_rules! layer_suite {
                     .unwrap();
                 assert!(matches!(crashed, Claim::Acquired(_)));
                 let layer = layer
-                    .fingerprint_with(|_, _| Fingerprint([7; 32]))
+                    .fingerprint_with(|_, _| Fingerprint::new([7; 32]))
                     .wait_for_running(Duration::from_secs(600));
                 let (router, counter) = app(layer);
                 // The waiter looks again when the lease lapses, not at its bound.
@@ -1209,7 +1386,7 @@ macro_rules! layer_suite {
                 ClaimRequest {
                     scope,
                     key: "job-1",
-                    fingerprint: Fingerprint([fp; 32]),
+                    fingerprint: Fingerprint::new([fp; 32]),
                     lease,
                     ttl: Duration::from_secs(60),
                 }
@@ -1244,7 +1421,7 @@ macro_rules! layer_suite {
                 else {
                     panic!("a different fingerprint must not take over")
                 };
-                assert_eq!(fingerprint, Fingerprint([1; 32]));
+                assert_eq!(fingerprint, Fingerprint::new([1; 32]));
                 let Claim::Acquired(new) =
                     store.claim(&claim_request(&scope, lease, 1)).await.unwrap()
                 else {
@@ -1304,7 +1481,7 @@ macro_rules! layer_suite {
                     Claim::Completed { .. }
                 ));
                 tokio::time::sleep(Duration::from_secs(4)).await;
-                request.fingerprint = Fingerprint([9; 32]);
+                request.fingerprint = Fingerprint::new([9; 32]);
                 let Claim::Acquired(again) = store.claim(&request).await.unwrap() else {
                     panic!("expired records are gone")
                 };
@@ -1422,7 +1599,7 @@ macro_rules! layer_suite {
                 let short = |key: &'static str| ClaimRequest {
                     scope: &scope,
                     key,
-                    fingerprint: Fingerprint([1; 32]),
+                    fingerprint: Fingerprint::new([1; 32]),
                     lease: Duration::from_secs(30),
                     ttl: Duration::from_millis(20),
                 };
@@ -1472,7 +1649,7 @@ macro_rules! layer_suite {
                     let request = ClaimRequest {
                         scope: &scope,
                         key,
-                        fingerprint: Fingerprint([1; 32]),
+                        fingerprint: Fingerprint::new([1; 32]),
                         lease: Duration::from_secs(30),
                         ttl: Duration::from_millis(20),
                     };

@@ -170,14 +170,44 @@ where
     } else {
         config.wait.min(crate::settings::LONGEST_LOCK_TIMEOUT)
     };
-    let opened = open(
-        &store,
-        &request,
-        (&config.problems, &config.sealing),
-        claim_wait,
-        config.lock_timeout,
-        config.store_timeout,
-    );
+    // A running record whose fingerprint is this request's computed another way (from
+    // before an upgrade of the scheme) is claimed again with its fingerprint, so that
+    // its lapsed lease is taken over as the record's own.
+    let opened = async {
+        let (problems, sealing) = (&config.problems, &config.sealing);
+        let (lock_timeout, store_timeout) = (config.lock_timeout, config.store_timeout);
+        let first = open(
+            &store,
+            &request,
+            (problems, sealing),
+            claim_wait,
+            lock_timeout,
+            store_timeout,
+        )
+        .await;
+        let recorded = match &first {
+            Opened::Found(crate::store::Claim::Running { fingerprint, .. })
+                if *fingerprint != request.fingerprint
+                    && request.fingerprint.matches(fingerprint) =>
+            {
+                request.fingerprint.as_recorded(fingerprint)
+            }
+            _ => return first,
+        };
+        let as_recorded = ClaimRequest {
+            fingerprint: recorded,
+            ..request.clone()
+        };
+        open(
+            &store,
+            &as_recorded,
+            (problems, sealing),
+            claim_wait,
+            lock_timeout,
+            store_timeout,
+        )
+        .await
+    };
     // A close ends the wait on another request's row: dropped, the claim is cancelled
     // and rolled back, and nothing was run.
     let opened = tokio::select! {

@@ -10,7 +10,7 @@ fn request<'a>(scope: &'a Scope, key: &'a str, lease: Duration, ttl: Duration) -
     ClaimRequest {
         scope,
         key,
-        fingerprint: Fingerprint([0; 32]),
+        fingerprint: Fingerprint::new([0; 32]),
         lease,
         ttl,
     }

@@ -355,10 +355,7 @@ async fn send_batch(
     };
     let scopes: Vec<&str> = claims.iter().map(|c| c.scope.as_str()).collect();
     let keys: Vec<&str> = claims.iter().map(|c| c.key.as_str()).collect();
-    let fingerprints: Vec<&[u8]> = claims
-        .iter()
-        .map(|c| &c.fingerprint.as_bytes()[..])
-        .collect();
+    let fingerprints: Vec<&[u8]> = claims.iter().map(|c| c.fingerprint.as_bytes()).collect();
     let leases: Vec<i64> = claims.iter().map(|c| ms(c.lease)).collect();
     let ttls: Vec<i64> = claims.iter().map(|c| ms(c.ttl)).collect();
     let tokens: Vec<i64> = claims.iter().map(|c| c.token.get()).collect();
@@ -380,7 +377,7 @@ async fn send_batch(
     let (scope, key, fingerprint) = (
         one.scope.as_str(),
         one.key.as_str(),
-        &one.fingerprint.as_bytes()[..],
+        one.fingerprint.as_bytes(),
     );
     let (lease, ttl) = (ms(one.lease), ms(one.ttl));
     let alone: [&(dyn ToSql + Sync); 7] = [

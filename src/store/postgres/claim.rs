@@ -376,7 +376,7 @@ pub(super) fn found(
         ));
     };
     let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
-        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes, nor 33 with a known scheme"))?;
     let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
     let expires_at: SystemTime = row.get(col::EXPIRES_AT);
     let state: &str = row.get(col::STATE);

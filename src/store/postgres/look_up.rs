@@ -48,7 +48,7 @@ impl PostgresStore {
 pub(super) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
     let token = FencingToken::new(row.get(col::TOKEN));
     let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
-        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes, nor 33 with a known scheme"))?;
     let now: SystemTime = row.get(col::NOW);
     let expires_at: SystemTime = row.get(col::EXPIRES_AT);
     let expires_in = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
