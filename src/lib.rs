@@ -31,6 +31,7 @@ mod random;
 mod record;
 pub mod rejection;
 mod request;
+mod rfc3339;
 mod run;
 mod service;
 mod settings;

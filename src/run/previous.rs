@@ -297,6 +297,17 @@ fn standing(record: Option<KeyRecord>, fingerprint: Fingerprint) -> Option<Claim
             fingerprint: record.fingerprint,
             response,
         }),
+        // Its response gone, the key remembered under this earlier form: refused as a
+        // claim that found it under the new one would be (`410 response-expired`).
+        KeyState::Remembered { status } => {
+            let now = std::time::SystemTime::now();
+            Some(Claim::Remembered {
+                fingerprint: record.fingerprint,
+                status,
+                completed_at: record.completed_at.unwrap_or(now),
+                remembered_until: now + record.expires_in,
+            })
+        }
     }
 }
 
