@@ -664,10 +664,10 @@ async fn a_listener_whose_runtime_ended_is_started_again() {
     woken_by_a_notification(a, b).await;
 }
 
-/// Purgers on several replicas at once share the work: each expired row is deleted
+/// Purgers on several replicas at once share the work: each expired row is reduced
 /// once, and none of them fails or waits on another (`SKIP LOCKED`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn purgers_on_several_replicas_delete_each_row_once() {
+async fn purgers_on_several_replicas_reduce_each_row_once() {
     let schema = TestSchema::new();
     let store = schema.store().await;
     schema
@@ -699,8 +699,12 @@ async fn purgers_on_several_replicas_delete_each_row_once() {
     });
     let deleted: u64 = futures_join_all(purgers).await.into_iter().sum();
     assert_eq!(deleted, 2000);
-    let left = format!("SELECT count(*) FROM \"{}\".idempotency_keys", schema.name);
-    assert_eq!(schema.query(&left).await[0].get::<_, i64>(0), 0);
+    // Each reduced once to a remembered row (the stores remember keys for 7 days).
+    let left = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys WHERE headers IS NULL AND expires_at > now()",
+        schema.name
+    );
+    assert_eq!(schema.query(&left).await[0].get::<_, i64>(0), 2000);
 }
 
 /// A store without a notification connection (a `Pool` passed to the
