@@ -1169,7 +1169,9 @@ async fn a_key_taken_over_after_it_completed_has_no_waiters() {
         store::{Claim, ClaimRequest, Store},
     };
     let schema = TestSchema::new();
-    let store = schema.store().await;
+    // Keys forgotten with their responses: a completed key is taken over once expired
+    // (a remembered one is refused instead, tests/remembered.rs).
+    let store = schema.store().await.remember_keys_for(Duration::ZERO);
     let scope = Scope::anonymous();
     let request = ClaimRequest {
         scope: &scope,
@@ -1227,9 +1229,12 @@ async fn until_rows(schema: &TestSchema, table: &str, n: i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_in_use_purges_its_expired_rows_by_itself() {
     let schema = TestSchema::new();
+    // Keys forgotten with their responses, so that the purge deletes rows (it reduces
+    // them to remembered ones otherwise: tests/remembered.rs).
     let purging = schema
         .store()
         .await
+        .remember_keys_for(Duration::ZERO)
         .with_background_purge(Some(Duration::from_millis(20)));
     let keeping = schema
         .store()
@@ -1259,9 +1264,11 @@ async fn replicas_purge_in_turn() {
     use sha2::Digest;
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
+    // Keys forgotten with their responses: the purge deletes the rows, as counted here.
     let store = schema
         .store_at(&proxy.url(), 4)
         .await
+        .remember_keys_for(Duration::ZERO)
         .with_background_purge(Some(Duration::from_millis(20)));
     let table = store.table().to_owned();
     // The lock another replica's round holds while it deletes a batch.
