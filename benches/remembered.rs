@@ -10,8 +10,9 @@
 //! answered `Remembered`) on the full one, and replays (claims of a completed key) on
 //! the empty one. Printed: bytes per remembered row (`pg_column_size` of the row, and
 //! the heap and primary-key index per row), the same for a completed row with a 300-byte
-//! body, and claim latencies with their ratios within the run. Both schemas are dropped
-//! at the end (`REMEMBERED_KEEP=1` keeps them).
+//! body, and claim latencies with their ratios within the run, also written to
+//! `target/bench/remembered.md` (`BENCH_OUT_DIR`). Both schemas are dropped at the end
+//! (`REMEMBERED_KEEP=1` keeps them).
 #![allow(missing_docs)]
 
 mod support;
@@ -265,6 +266,11 @@ async fn main() {
         }
     }
 
+    let mut out = String::new();
+    macro_rules! println {
+        () => { out.push('\n') };
+        ($($arg:tt)*) => {{ out.push_str(&format!($($arg)*)); out.push('\n'); }};
+    }
     println!("## Remembered keys ({rows} rows loaded in {load_secs:.0} s)\n");
     println!("| bytes per key | remembered row | completed row (300-byte body) |");
     println!("|---|---:|---:|");

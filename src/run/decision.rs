@@ -112,3 +112,33 @@ pub(crate) fn opened_or_answer<B>(
         Err(_) => Err(unreadable(&config.problems)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use super::*;
+
+    fn remembered(fingerprint: Fingerprint) -> Claim {
+        let completed_at = SystemTime::now();
+        Claim::Remembered {
+            fingerprint,
+            status: http::StatusCode::CREATED,
+            completed_at,
+            remembered_until: completed_at + Duration::from_secs(60),
+        }
+    }
+
+    #[test]
+    fn a_remembered_key_refuses_its_own_request_as_expired_and_another_as_reused() {
+        let (mine, other) = (Fingerprint([1; 32]), Fingerprint([2; 32]));
+        assert!(matches!(
+            decide(remembered(mine), mine),
+            Decision::Remembered { status, .. } if status == 201
+        ));
+        assert!(matches!(
+            decide(remembered(mine), other),
+            Decision::Mismatch
+        ));
+    }
+}

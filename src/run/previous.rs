@@ -371,6 +371,19 @@ mod tests {
         assert!(standing(Some(running(OTHER, Duration::ZERO, Duration::ZERO)), MINE).is_none());
         // A live lease keeps its record past the TTL.
         assert!(standing(Some(running(MINE, LIVE, Duration::ZERO)), MINE).is_some());
+        // A remembered key stands while it is remembered, for any request (the
+        // decision tells the same request's 410 from another's 422); then it is gone.
+        let remembered = |left| {
+            KeyRecord::remembered(FencingToken::new(1), MINE, http::StatusCode::CREATED, left)
+        };
+        assert!(matches!(
+            standing(Some(remembered(LIVE)), OTHER),
+            Some(Claim::Remembered {
+                fingerprint: MINE,
+                ..
+            })
+        ));
+        assert!(standing(Some(remembered(Duration::ZERO)), MINE).is_none());
     }
 
     /// The forms looked through: none without either setting; one with either; three,
