@@ -305,6 +305,10 @@ async fn main() {
         l50 / r50,
         l99 / r99
     );
+    print!("{out}");
+    let dir = support::in_repository(env_or("BENCH_OUT_DIR", "target/bench".to_owned()));
+    std::fs::create_dir_all(&dir).expect("the output directory");
+    std::fs::write(dir.join("remembered.md"), out).expect("remembered.md");
 
     if !keep {
         for schema in ["remembered_empty", "remembered_full"] {

@@ -257,8 +257,7 @@ impl PostgresStore {
             purge::lock_id(&sql.qualified),
             generations
                 .zip(sql.generations.clone())
-                .map(|(period, names)| super::generations::Rotator::new(period, names, remember)),
-            (!remember.is_zero()).then(|| sql.reduce_in_turn.clone()),
+                .map(|(period, names)| super::generations::Rotator::new(period, names, &sql)),
         ));
         let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
             Arc::new(Liveness::new(

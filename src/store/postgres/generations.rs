@@ -140,14 +140,19 @@ pub(super) struct Rotator {
     /// How long a completed key is remembered once its response expired: a
     /// generation is emptied only once its rows are all forgotten.
     remember: Duration,
+    /// With keys remembered: the batch that reduces the completed rows whose response
+    /// expired to remembered ones, run before each rotation (`Sql::reduce_in_turn`),
+    /// so that no response outlives its TTL here either.
+    pub(super) reduce: Option<super::sql::Statement>,
 }
 
 impl Rotator {
-    pub(super) fn new(period: Duration, names: Names, remember: Duration) -> Self {
+    pub(super) fn new(period: Duration, names: Names, sql: &super::sql::Sql) -> Self {
         Self {
             period,
             names,
-            remember,
+            remember: sql.remember,
+            reduce: (!sql.remember.is_zero()).then(|| sql.reduce_in_turn.clone()),
         }
     }
 

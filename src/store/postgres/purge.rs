@@ -62,10 +62,6 @@ pub(super) struct BackgroundPurge {
     lock: i64,
     /// Rounds rotate the generations instead of deleting rows, if the table has them.
     rotator: Option<Rotator>,
-    /// Over a table in generations, with keys remembered: the batch that reduces the
-    /// completed rows whose response expired to remembered ones, before each rotation
-    /// (`Sql::reduce_in_turn`), so that no response outlives its TTL there either.
-    reduce: Option<Statement>,
 }
 
 impl BackgroundPurge {
@@ -79,11 +75,9 @@ impl BackgroundPurge {
         prepared: bool,
         lock: i64,
         rotator: Option<Rotator>,
-        reduce: Option<Statement>,
     ) -> Self {
         Self {
             rotator,
-            reduce,
             every: every.map(|e| e.clamp(SHORTEST, crate::settings::TEN_YEARS)),
             started: AtomicBool::new(false),
             pool,
@@ -166,7 +160,7 @@ impl BackgroundPurge {
             return Ok(GenerationRotation::default());
         };
         // Responses past their TTL dropped first, their keys remembered.
-        if let Some(reduce) = &self.reduce {
+        if let Some(reduce) = &rotator.reduce {
             self.batches(reduce).await?;
         }
         // Bounded as a batch is: a detach waits for the transactions that may still
