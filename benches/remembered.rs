@@ -148,8 +148,10 @@ async fn main() {
         .await
         .expect("autovacuum off");
 
-    // The remembered rows, as the purge leaves them: completed two days ago, their
-    // response gone, forgotten in five days.
+    // The remembered rows, as the purge leaves them: completed over a day two days
+    // ago, their response gone, forgotten over a day five days from now (times spread
+    // to the second, as real ones are: the `expires_at` index deduplicates equal
+    // values).
     let loading = Instant::now();
     let mut from = 1;
     while from <= rows {
@@ -159,7 +161,9 @@ async fn main() {
                 "INSERT INTO {table} (scope, key, fingerprint, state, token, expires_at, created_at,
                                       completed_at, status, headers, body)
                  SELECT {SCOPE_SQL}, {KEY_SQL}, {FINGERPRINT_SQL}, 'completed', i,
-                        now() + interval '5 days', now() - interval '2 days', now() - interval '2 days',
+                        now() + interval '5 days' + (i % 86400) * interval '1 second',
+                        now() - interval '2 days' + (i % 86400) * interval '1 second',
+                        now() - interval '2 days' + (i % 86400) * interval '1 second',
                         201, NULL, NULL
                  FROM generate_series({from}, {to}) AS i"
             ))
