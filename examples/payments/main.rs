@@ -240,9 +240,14 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
             let listen_url = args.listen_url.as_deref();
-            let (backend, store) =
-                Backend::postgres(url, &args.schema, args.transaction_pooler, listen_url).await?;
-            let store = store.remember_keys_for(args.remember);
+            let (backend, store) = Backend::postgres(
+                url,
+                &args.schema,
+                args.transaction_pooler,
+                listen_url,
+                args.remember,
+            )
+            .await?;
             let direct = !args.transaction_pooler || listen_url.is_some();
             if args.wait_ms > 0 && direct {
                 // Waiting duplicates are woken by notifications from the first request,
