@@ -226,6 +226,10 @@ fn print_record(record: &KeyRecord) {
                 response.body.len()
             );
         }
+        KeyState::Remembered { status } => println!(
+            "state remembered (its response expired and is gone; a retry gets 410), status {}",
+            status.as_u16()
+        ),
         _ => println!("state {:?}", record.state),
     }
     println!("claimed {}", when(record.claimed_at));

@@ -115,6 +115,12 @@ async fn main() -> Result<(), Error> {
                 skipped += 1;
                 println!("{id}: duplicate delivery, already applied");
             }
+            // A late redelivery (a dead-letter replay): applied long ago, its result no
+            // longer kept, its key still remembered. Ack it; it is not applied again.
+            Ok((id, JobOutcome::ResultExpired { completed_at, .. })) => {
+                skipped += 1;
+                println!("{id}: late redelivery, applied at {completed_at:?}; not applied again");
+            }
             Ok((id, JobOutcome::Running { retry_after })) => {
                 // Not done yet: do not ack. The worker applying it may still fail and
                 // release it; a broker redelivers this copy after `retry_after`.

@@ -213,6 +213,28 @@ pub(crate) fn unreadable<B>(problems: &Problems) -> Response<ResponseBody<B>> {
     with_outcome(res.map(ResponseBody::full), Outcome::StoreError)
 }
 
+/// `410 response-expired`: the key was completed with a response of `status` at
+/// `completed_at`, that response is gone, and the key is remembered until
+/// `remembered_until`: the request is not run again. The times are RFC 3339, in UTC;
+/// the stored response's status is `response_status` (a problem's `status` member is
+/// its own, RFC 9457 §3.1.4).
+pub(crate) fn response_expired<B>(
+    problems: &Problems,
+    status: http::StatusCode,
+    completed_at: std::time::SystemTime,
+    remembered_until: std::time::SystemTime,
+) -> Response<ResponseBody<B>> {
+    let rejection = crate::rejection::Rejection::new(
+        Problem::ResponseExpired,
+        "the request with this Idempotency-Key was processed, and its stored response has expired; it is not processed again. Use a new key for a new request",
+    )
+    .with_member("completed_at", crate::rfc3339::format(completed_at))
+    .with_member("response_status", status.as_u16())
+    .with_member("remembered_until", crate::rfc3339::format(remembered_until));
+    let res = problems.render(&rejection);
+    with_outcome(res.map(ResponseBody::full), Outcome::Expired)
+}
+
 pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     let mut res = Response::new(ResponseBody::full(stored.body));
     *res.status_mut() = stored.status;

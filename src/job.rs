@@ -98,6 +98,15 @@ pub enum JobOutcome {
         /// with liveness); transactional mode: 1 s.
         retry_after: Duration,
     },
+    /// The work had already run, and its stored result is gone (its TTL ended), but
+    /// the key is remembered ([`DEFAULT_REMEMBER`](crate::store::DEFAULT_REMEMBER)):
+    /// it is not run again. Acknowledge the message; its result is not available.
+    ResultExpired {
+        /// When the work completed, by the store's clock.
+        completed_at: std::time::SystemTime,
+        /// Until when the key is remembered: a delivery after it runs the work anew.
+        remembered_until: std::time::SystemTime,
+    },
 }
 
 /// Why a [`JobRunner::run`] failed. Except for [`Mismatch`](Self::Mismatch), which no
@@ -543,6 +552,7 @@ fn outcome_of<E>(result: &Result<JobOutcome, JobError<E>>) -> (Outcome, &'static
         Ok(JobOutcome::Ran(_)) => (Outcome::Executed, "ran"),
         Ok(JobOutcome::AlreadyDone(_)) => (Outcome::Replayed, "already_done"),
         Ok(JobOutcome::Running { .. }) => (Outcome::Conflict, "running"),
+        Ok(JobOutcome::ResultExpired { .. }) => (Outcome::Expired, "result_expired"),
         Err(JobError::Failed(_)) => (Outcome::Released, "failed"),
         Err(JobError::Panicked) => (Outcome::Released, "panicked"),
         Err(JobError::TakenOver(_)) => (Outcome::Executed, "taken_over"),

@@ -32,6 +32,7 @@ mod random;
 mod record;
 pub mod rejection;
 mod request;
+mod rfc3339;
 mod run;
 mod service;
 mod settings;

@@ -102,6 +102,10 @@ impl Seen {
             Outcome::Mismatch => event!(WARN, "the key came with a different request"),
             Outcome::Rejected => event!(INFO, "refused before its key was claimed"),
             Outcome::StoreError => event!(DEBUG, "the store failed; answered 503"),
+            Outcome::Expired => event!(
+                WARN,
+                "a late retry: its key was done and its response is gone; refused, not run again"
+            ),
             // Not guarded here: an outer layer of the same mode guards it.
             Outcome::PassedThrough => {}
         }
@@ -239,6 +243,10 @@ pub(crate) fn job_ended(outcome: Outcome, result: &'static str, mode: Mode) {
         Outcome::Mismatch => event!(WARN, "the key came with a different input"),
         Outcome::Rejected => event!(INFO, "refused before its key was claimed"),
         Outcome::StoreError => event!(DEBUG, "the store failed; the work did not run"),
+        Outcome::Expired => event!(
+            WARN,
+            "a late redelivery: its key was done and its result is gone; not run again"
+        ),
         Outcome::PassedThrough => {}
     }
 }

@@ -49,6 +49,9 @@ pub enum Outcome {
     /// when the connection died during `COMMIT` and no check could tell, that is
     /// unknown, and the problem's detail says so).
     StoreError,
+    /// The key was completed and its response is gone, but the key is remembered: the
+    /// request was refused, not run again (`410 response-expired`).
+    Expired,
 }
 
 impl Outcome {
@@ -63,6 +66,7 @@ impl Outcome {
             Self::Mismatch => "mismatch",
             Self::Rejected => "rejected",
             Self::StoreError => "store_error",
+            Self::Expired => "expired",
         }
     }
 }

@@ -63,6 +63,11 @@ pub enum Problem {
     /// layer does not have, or does not authenticate: changed, or copied from another
     /// record); the request ran once, and is not run again.
     ResponseUnreadable,
+    /// 410: the request with this key was completed, and its stored response is gone
+    /// (its retention ended), but the key is remembered: it is not run again. The
+    /// document's members say when it was completed (`completed_at`), with what status
+    /// (`response_status`), and until when the key is remembered (`remembered_until`).
+    ResponseExpired,
 }
 
 #[derive(Serialize)]
@@ -72,6 +77,9 @@ struct Body<'a> {
     title: &'a str,
     status: u16,
     detail: &'a str,
+    /// The problem's own members (RFC 9457 §3.2), after the standard ones.
+    #[serde(flatten)]
+    members: &'a serde_json::Map<String, serde_json::Value>,
 }
 
 impl Problem {
@@ -93,6 +101,7 @@ impl Problem {
             Self::Misconfigured => "misconfigured",
             Self::TransactionEnded => "transaction-ended",
             Self::ResponseUnreadable => "response-unreadable",
+            Self::ResponseExpired => "response-expired",
         }
     }
 
@@ -114,6 +123,11 @@ impl Problem {
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InProgress => StatusCode::CONFLICT,
+            // Not 409 (a conflict with the key's current state that a retry may
+            // resolve) nor 422 (another request under the key), as the IETF
+            // Idempotency-Key draft uses them; RFC 9110 §15.5.11: the target's state is
+            // gone and this is likely permanent. docs/clients.md says more.
+            Self::ResponseExpired => StatusCode::GONE,
             Self::StoreUnavailable | Self::ShuttingDown | Self::NotCommitted => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -143,22 +157,30 @@ impl Problem {
             Self::Misconfigured => "Idempotency layers misconfigured",
             Self::TransactionEnded => "Transaction ended by the handler",
             Self::ResponseUnreadable => "Stored response unreadable",
+            Self::ResponseExpired => "Request done; its stored response has expired",
         }
     }
 
     /// The problem document with `detail` as a response.
     pub fn response(self, detail: &str) -> Response<Bytes> {
-        self.document(DEFAULT_TYPE_BASE, detail)
+        self.document(DEFAULT_TYPE_BASE, detail, &serde_json::Map::new())
     }
 
-    /// The problem document with `detail`, its `type` the slug under `base`.
-    fn document(self, base: &str, detail: &str) -> Response<Bytes> {
+    /// The problem document with `detail` and the problem's own `members`, its `type`
+    /// the slug under `base`.
+    fn document(
+        self,
+        base: &str,
+        detail: &str,
+        members: &serde_json::Map<String, serde_json::Value>,
+    ) -> Response<Bytes> {
         let type_uri = format!("{base}{}", self.slug());
         let body = Body {
             type_: &type_uri,
             title: self.title(),
             status: self.status().as_u16(),
             detail,
+            members,
         };
         let bytes = serde_json::to_vec(&body)
             .map(Bytes::from)
@@ -206,6 +228,7 @@ pub struct Rejection {
     problem: Problem,
     detail: String,
     retry_after: Option<std::time::Duration>,
+    members: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Rejection {
@@ -215,7 +238,31 @@ impl Rejection {
             problem,
             detail: detail.into(),
             retry_after: None,
+            members: serde_json::Map::new(),
         }
+    }
+
+    /// With a member of the problem's own, `name` (not one of RFC 9457's: `type`,
+    /// `title`, `status`, `detail`, `instance`), after the standard ones.
+    ///
+    /// ```
+    /// use tower_idempotency::rejection::{Problem, Rejection};
+    ///
+    /// let rejection = Rejection::new(Problem::ResponseExpired, "done, response gone")
+    ///     .with_member("response_status", 201);
+    /// assert_eq!(rejection.status(), 410);
+    /// assert_eq!(rejection.members()["response_status"], 201);
+    /// ```
+    #[must_use]
+    pub fn with_member(mut self, name: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.members.insert(name.to_owned(), value.into());
+        self
+    }
+
+    /// The problem's own members ([`with_member`](Self::with_member)): what an app's
+    /// own format may carry over.
+    pub fn members(&self) -> &serde_json::Map<String, serde_json::Value> {
+        &self.members
     }
 
     /// With a `Retry-After` of `after` (whole seconds, rounded up, at least 1).
@@ -248,7 +295,7 @@ impl Rejection {
     /// The RFC 9457 problem document, its `type` the problem's slug under `base` (the
     /// default: [`DEFAULT_TYPE_BASE`]), with `Retry-After` if set.
     pub fn to_response(&self, base: &str) -> Response<Bytes> {
-        let mut res = self.problem.document(base, &self.detail);
+        let mut res = self.problem.document(base, &self.detail, &self.members);
         if let Some(after) = self.retry_after {
             let secs = after.as_millis().div_ceil(1000).max(1);
             res.headers_mut()
@@ -432,7 +479,8 @@ mod tests {
             | Problem::ResponseNotStored
             | Problem::Misconfigured
             | Problem::TransactionEnded
-            | Problem::ResponseUnreadable => p,
+            | Problem::ResponseUnreadable
+            | Problem::ResponseExpired => p,
         };
         let all = [
             Problem::KeyMissing,
@@ -450,6 +498,7 @@ mod tests {
             Problem::Misconfigured,
             Problem::TransactionEnded,
             Problem::ResponseUnreadable,
+            Problem::ResponseExpired,
         ];
         let all = all.map(listed);
         let page = include_str!("../docs/problems.md");

@@ -155,7 +155,11 @@ async fn in_one_batch(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
     let schema = TestSchema::new();
-    let store = batched_store(&schema, &database_url()).await;
+    // Keys remembered for 2 s once their response expired: "expired" is forgotten by
+    // the time of the batch, "remembered" is not.
+    let store = batched_store(&schema, &database_url())
+        .await
+        .remember_keys_for(Duration::from_secs(2));
     let done = acquire(&store, "done", A, MINUTE, MINUTE).await;
     assert!(
         store
@@ -181,7 +185,20 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
     .await;
     until(
         &schema,
-        "SELECT bool_and(expires_at <= now()) FROM {t} WHERE key = 'expired'",
+        "SELECT bool_and(expires_at + interval '2 s' <= now()) FROM {t} WHERE key = 'expired'",
+    )
+    .await;
+    let remembered = acquire(&store, "remembered", A, MINUTE, MS).await;
+    assert!(
+        store
+            .complete(&remembered, &response("remembered"), MS)
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    until(
+        &schema,
+        "SELECT bool_and(expires_at <= now()) FROM {t} WHERE key = 'remembered'",
     )
     .await;
 
@@ -197,6 +214,7 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
         ("done", B),
         ("running", A),
         ("expired", B),
+        ("remembered", B),
     ];
     let answers = in_one_batch(&store, &claims).await;
     let after = store.metrics();
@@ -237,6 +255,13 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
     // any request.
     assert_eq!(token(&answers[4]), lapsed.token.next());
     assert_eq!(token(&answers[9]), expired.token.next());
+    // A remembered key (its response expired, the key not forgotten): refused, with
+    // the fingerprint of the request that completed it.
+    assert!(
+        matches!(answers[10], Claim::Remembered { fingerprint, status, .. } if fingerprint == A && status == 201),
+        "{:?}",
+        answers[10]
+    );
 
     // The rows say the same.
     let rows = schema
@@ -288,11 +313,12 @@ async fn a_batch_mixing_every_kind_of_key_answers_each_claim_as_alone() {
             B.as_bytes().to_vec()
         )
     );
-    assert_eq!(rows.len(), 7);
+    assert_eq!(row("remembered").1, "completed");
+    assert_eq!(rows.len(), 8);
 
-    // All ten in one statement; the duplicate read again in a second.
+    // All eleven in one statement; the duplicate read again in a second.
     assert_eq!(after.claim_batches - before.claim_batches, 2);
-    assert_eq!(after.batched_claims - before.batched_claims, 11);
+    assert_eq!(after.batched_claims - before.batched_claims, 12);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1584,3 +1584,49 @@ async fn json_re_spelt_is_one_payment_on_the_memory_store_too() {
     demo.wait_ready(&client).await;
     re_spelt_json_is_one_payment(&client, demo.addr).await;
 }
+
+/// `--retention-secs N`: a retry after N seconds finds the payment's response gone and
+/// its key remembered (`--remember-secs`, 7 days by default): refused with `410
+/// response-expired`, never charged again, with encryption on and off, on PostgreSQL
+/// (both modes) and on the memory store.
+#[tokio::test]
+async fn a_retry_after_the_retention_is_refused_not_charged_again() {
+    const HEX: &str = "5f0e1d2c3b4a59687786a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let runs: [(bool, &[&str]); 4] = [
+        (true, &["--retention-secs", "1", "--encryption-key", HEX]),
+        (true, &["--retention-secs", "1", "--mode", "transactional"]),
+        (
+            true,
+            &[
+                "--retention-secs",
+                "1",
+                "--remember-secs",
+                "3600",
+                "--encryption-key",
+                HEX,
+            ],
+        ),
+        (false, &["--retention-secs", "1"]),
+    ];
+    for (on_postgres, args) in runs {
+        let schema = Schema::new();
+        let mut demo = Demo::start_with(on_postgres.then_some(&schema), args);
+        let client = client();
+        demo.wait_ready(&client).await;
+        let body = r#"{"amount":4200,"currency":"EUR"}"#;
+        let first = post_payment(&client, demo.addr, Some("late-retry"), body).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{args:?}: {first:?}");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let late = post_payment(&client, demo.addr, Some("late-retry"), body).await;
+        late.assert_problem(StatusCode::GONE, "response-expired");
+        let problem = late.json();
+        assert_eq!(problem["response_status"], 201, "{args:?}: {problem}");
+        assert!(problem["remembered_until"].is_string(), "{problem}");
+        assert_eq!(
+            stats(&client, demo.addr).await,
+            json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1}),
+            "{args:?}"
+        );
+        demo.kill9();
+    }
+}

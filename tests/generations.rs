@@ -149,7 +149,9 @@ async fn a_new_table_is_made_in_generations_and_keys_go_to_the_newest() {
 #[tokio::test]
 async fn a_generation_goes_only_once_none_of_its_rows_is_live() {
     let schema = TestSchema::new();
-    let store = store(&schema).await;
+    // Keys forgotten with their responses: an expired row is not live (the next test
+    // keeps them).
+    let store = store(&schema).await.remember_keys_for(Duration::ZERO);
     let scope = Scope::anonymous();
     let short = Duration::from_millis(20);
 
@@ -219,6 +221,71 @@ async fn a_generation_goes_only_once_none_of_its_rows_is_live() {
         Claim::Acquired(_)
     ));
     assert_eq!(generation_of(&schema, "brief").await, 5);
+}
+
+/// A remembered row lives and rotates like the rest: its generation is emptied only
+/// once it is forgotten, and a rotation first drops the headers and body of the rows
+/// whose response expired.
+#[tokio::test]
+async fn a_generation_with_remembered_rows_goes_only_once_they_are_forgotten() {
+    let schema = TestSchema::new();
+    let window = Duration::from_millis(1500);
+    let store = store(&schema).await.remember_keys_for(window);
+    let scope = Scope::anonymous();
+    completed(&store, "late", Duration::from_millis(20), "secret").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // Generation 2 starts; 1 holds a remembered row (not reduced until this round):
+    // it stays, and the row keeps no response.
+    let rotation = store.rotate_generations().await.unwrap();
+    assert_eq!((rotation.started, rotation.emptied.len()), (Some(2), 0));
+    let reduced = schema
+        .query(&format!(
+            "SELECT headers IS NULL AND body IS NULL, status FROM \"{}\".idempotency_keys WHERE key = 'late'",
+            schema.name
+        ))
+        .await;
+    assert!(reduced[0].get::<_, bool>(0), "headers and body dropped");
+    assert_eq!(reduced[0].get::<_, i16>(1), 201);
+    let late = request(
+        &scope,
+        "late",
+        Duration::from_secs(60),
+        Duration::from_secs(60),
+    );
+    assert!(matches!(
+        store.claim(&late).await.unwrap(),
+        Claim::Remembered { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let rotation = store.rotate_generations().await.unwrap();
+    assert!(!rotation.emptied.contains(&1), "{rotation:?}");
+    assert_eq!(rows_of(&schema, "late").await, 1);
+
+    // Forgotten: its generation goes, and the key is new again.
+    tokio::time::sleep(window).await;
+    let rotation = store.rotate_generations().await.unwrap();
+    assert!(rotation.emptied.contains(&1), "{rotation:?}");
+    assert_eq!(rows_of(&schema, "late").await, 0);
+    assert!(matches!(
+        store.claim(&late).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+}
+
+/// The rotation's form of the previous release (three arguments, no window) stays,
+/// for its stores during a rolling upgrade, and still rotates.
+#[tokio::test]
+async fn the_previous_release_s_rotation_still_runs() {
+    let schema = TestSchema::new();
+    let _store = store(&schema).await;
+    let rows = schema
+        .query(&format!(
+            "SELECT started FROM \"{}\".idempotency_keys_rotate(1, 7, 50)",
+            schema.name
+        ))
+        .await;
+    assert_eq!(rows[0].get::<_, Option<i64>>(0), Some(2));
 }
 
 #[tokio::test]

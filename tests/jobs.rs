@@ -83,6 +83,7 @@ async fn deliveries_run_once(runner: JobRunner) {
             }
             JobOutcome::AlreadyDone(r) => assert_eq!(r, "run 1"),
             JobOutcome::Running { .. } => {}
+            other => panic!("{other:?}"),
         }
     }
     assert_eq!(ran, 1);

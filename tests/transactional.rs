@@ -1299,6 +1299,8 @@ async fn record_and_answer_204(
 async fn a_commit_in_doubt_is_not_mistaken_for_another_takeover_of_the_same_expired_record() {
     let schema = TestSchema::new();
     let (proxy, store, table) = through_proxy(&schema, 4).await;
+    // Keys forgotten with their responses: an expired record is taken over.
+    let store = store.remember_keys_for(Duration::ZERO);
     let layer = IdempotencyLayer::transactional(store).ttl(Duration::from_millis(200));
     let (router, counter) = app_on(post(record_and_answer_204), layer, &table);
     let expired = send(&router, post_body("k", "{\"amount\":1}", &[])).await;
@@ -2177,7 +2179,11 @@ async fn a_retry_after_a_handler_s_rollback_runs_again_and_keeps_its_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_rolls_back_a_takeover_gets_transaction_ended_and_runs_once() {
     let schema = TestSchema::new();
-    let store = schema.store_at(&common::database_url(), 2).await;
+    // Keys forgotten with their responses: an expired record is taken over.
+    let store = schema
+        .store_at(&common::database_url(), 2)
+        .await
+        .remember_keys_for(Duration::ZERO);
     let table = setup(&schema, &store).await;
     // Records it completes expire at once, free to be taken over.
     let expiring = IdempotencyLayer::transactional(store.clone()).ttl(Duration::from_millis(1));

@@ -195,12 +195,14 @@ impl Backend {
 
     /// Connects, migrates the idempotency table and the demo's own tables. `pooled`:
     /// `url` is a transaction-pooling PgBouncer, and `listen_url` (if any) the database
-    /// itself, for `LISTEN`.
+    /// itself, for `LISTEN`. Completed keys are remembered for `remember` once their
+    /// response expired.
     pub(crate) async fn postgres(
         url: &str,
         schema: &str,
         pooled: bool,
         listen_url: Option<&str>,
+        remember: Duration,
     ) -> Result<(Self, PostgresStore), Error> {
         let pool = pool_for_url(url, 32)?;
         let store = PostgresStore::new(pool.clone())
@@ -216,7 +218,8 @@ impl Backend {
         let store = store
             // The default, said out loud: keys past their TTL are deleted in the
             // background, by one demo process at a time.
-            .with_background_purge(Some(PURGE_EVERY));
+            .with_background_purge(Some(PURGE_EVERY))
+            .remember_keys_for(remember);
         store.migrate().await?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;

@@ -4,7 +4,8 @@
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
-//!     [--encryption-key HEX] [--print-migration-sql]
+//!     [--encryption-key HEX] [--retention-secs N] [--remember-secs N]
+//!     [--print-migration-sql]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -42,6 +43,11 @@
 //! stored responses under that key (id 1) and stores keys hashed: nothing of a
 //! payment's response, nor its key, can be read in the idempotency table. Give every
 //! process that shares the database the same key.
+//!
+//! `--retention-secs N` keeps a payment's response N seconds (the layer's TTL; 24 h by
+//! default); `--remember-secs N` remembers its key N seconds more once the response is
+//! gone (7 days by default; 0: not at all). A retry in that time is refused with `410
+//! response-expired`, never charged again; after it, the key is new.
 
 mod backend;
 
@@ -81,11 +87,15 @@ struct Args {
     listen_url: Option<String>,
     /// Seals stored responses, and hashes keys, under this key (id 1).
     encryption_key: Option<[u8; 32]>,
+    /// How long a payment's response is kept (the layer's TTL).
+    retention: Duration,
+    /// How long a key is remembered once its response is gone.
+    remember: Duration,
     /// Print the store's migrations as SQL, and exit.
     print_migration_sql: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--print-migration-sql]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--retention-secs N] [--remember-secs N] [--print-migration-sql]";
 
 /// 64 hex digits as 32 bytes.
 fn parse_key(hex: &str) -> Result<[u8; 32], String> {
@@ -118,6 +128,8 @@ fn parse_args() -> Result<Args, String> {
         transaction_pooler: false,
         listen_url: None,
         encryption_key: None,
+        retention: Duration::from_secs(24 * 3600),
+        remember: tower_idempotency::store::DEFAULT_REMEMBER,
         print_migration_sql: false,
     };
     let mut it = std::env::args().skip(1);
@@ -164,6 +176,20 @@ fn parse_args() -> Result<Args, String> {
             "--listen-url" => args.listen_url = Some(value("--listen-url")?),
             "--encryption-key" => {
                 args.encryption_key = Some(parse_key(&value("--encryption-key")?)?)
+            }
+            "--retention-secs" => {
+                let v = value("--retention-secs")?;
+                let secs: u64 = v.parse().ok().filter(|&s| s >= 1).ok_or_else(|| {
+                    format!("--retention-secs {v:?}: expected seconds, at least 1")
+                })?;
+                args.retention = Duration::from_secs(secs);
+            }
+            "--remember-secs" => {
+                let v = value("--remember-secs")?;
+                let secs: u64 = v
+                    .parse()
+                    .map_err(|_| format!("--remember-secs {v:?}: expected seconds"))?;
+                args.remember = Duration::from_secs(secs);
             }
             "--print-migration-sql" => args.print_migration_sql = true,
             "-h" | "--help" => return Err(USAGE.into()),
@@ -214,8 +240,14 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
             let listen_url = args.listen_url.as_deref();
-            let (backend, store) =
-                Backend::postgres(url, &args.schema, args.transaction_pooler, listen_url).await?;
+            let (backend, store) = Backend::postgres(
+                url,
+                &args.schema,
+                args.transaction_pooler,
+                listen_url,
+                args.remember,
+            )
+            .await?;
             let direct = !args.transaction_pooler || listen_url.is_some();
             if args.wait_ms > 0 && direct {
                 // Waiting duplicates are woken by notifications from the first request,
@@ -251,11 +283,13 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             );
         }
         None => {
-            let store = MemoryStore::new().with_max_entries(args.memory_max_keys);
+            let store = MemoryStore::new()
+                .with_max_entries(args.memory_max_keys)
+                .remember_keys_for(args.remember);
             let name = format!(
                 "memory (in-process; set DATABASE_URL or --database-url to use PostgreSQL); \
-                 at most {} keys or {} MiB of them, each kept 24 h unless the completed keys \
-                 soonest to expire are evicted first to make room; the demo's ledger keeps \
+                 at most {} keys or {} MiB of them, each kept as long as its retention \
+                 unless evicted first to make room; the demo's ledger keeps \
                  the last {} charges and payments",
                 store.max_entries(),
                 store.max_bytes() >> 20,
@@ -274,6 +308,7 @@ async fn run(args: Args) -> Result<(), backend::Error> {
     };
     let layer = layer
         .require_key(true)
+        .ttl(args.retention)
         .lease_duration(lease)
         .wait_for_running(Duration::from_millis(args.wait_ms));
     let shutdown = layer.shutdown_handle();
@@ -301,6 +336,11 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         }
     );
     println!("wait: {} ms", args.wait_ms);
+    println!(
+        "retention: {} s; keys remembered {} s more",
+        args.retention.as_secs(),
+        args.remember.as_secs()
+    );
     if args.encryption_key.is_some() {
         println!("encryption: stored responses sealed, keys hashed (key id 1)");
     }

@@ -8,7 +8,7 @@ use http::Response;
 
 use crate::{
     Fingerprint, StoredResponse,
-    answers::{in_progress, mismatch, replay, unreadable},
+    answers::{in_progress, mismatch, replay, response_expired, unreadable},
     body::ResponseBody,
     layer::Config,
     store::{Claim, ClaimRequest, Lease},
@@ -23,8 +23,16 @@ pub(crate) enum Decision {
     /// A request with the same fingerprint holds the key and still runs; its lease
     /// lapses after `retry_after`.
     Running { retry_after: Duration },
-    /// The key belongs to a request with another fingerprint, running or done.
+    /// The key belongs to a request with another fingerprint, running, done or
+    /// remembered.
     Mismatch,
+    /// The key was completed by a request with the same fingerprint, and its result is
+    /// gone: remembered only. Nothing runs.
+    Remembered {
+        status: http::StatusCode,
+        completed_at: std::time::SystemTime,
+        remembered_until: std::time::SystemTime,
+    },
 }
 
 /// `claim`, made with `fingerprint`, decided; a record is compared with the request
@@ -32,13 +40,28 @@ pub(crate) enum Decision {
 pub(crate) fn decide(claim: Claim, fingerprint: Fingerprint) -> Decision {
     match claim {
         Claim::Acquired(lease) => Decision::Run(lease),
-        Claim::Completed { fingerprint: f, .. } | Claim::Running { fingerprint: f, .. }
+        // A remembered key met with another request is refused as it was while its
+        // response was kept (422, key-reused): that the key belongs to another request
+        // is what the client must fix, and the more precise answer; neither runs.
+        Claim::Completed { fingerprint: f, .. }
+        | Claim::Running { fingerprint: f, .. }
+        | Claim::Remembered { fingerprint: f, .. }
             if !fingerprint.matches(&f) =>
         {
             Decision::Mismatch
         }
         Claim::Completed { response, .. } => Decision::Replay(response),
         Claim::Running { retry_after, .. } => Decision::Running { retry_after },
+        Claim::Remembered {
+            status,
+            completed_at,
+            remembered_until,
+            ..
+        } => Decision::Remembered {
+            status,
+            completed_at,
+            remembered_until,
+        },
     }
 }
 
@@ -57,6 +80,16 @@ pub(crate) fn lease_or_answer<B>(
         Decision::Run(lease) => Ok(lease),
         Decision::Mismatch => Err(mismatch(&config.problems)),
         Decision::Replay(response) => Err(replay(response)),
+        Decision::Remembered {
+            status,
+            completed_at,
+            remembered_until,
+        } => Err(response_expired(
+            &config.problems,
+            status,
+            completed_at,
+            remembered_until,
+        )),
         Decision::Running { retry_after } => Err(in_progress(
             &config.problems,
             retry_after,
@@ -78,5 +111,35 @@ pub(crate) fn opened_or_answer<B>(
     match config.sealing.opened(claim, request, key) {
         Ok(claim) => lease_or_answer(claim, request.fingerprint, config),
         Err(_) => Err(unreadable(&config.problems)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use super::*;
+
+    fn remembered(fingerprint: Fingerprint) -> Claim {
+        let completed_at = SystemTime::now();
+        Claim::Remembered {
+            fingerprint,
+            status: http::StatusCode::CREATED,
+            completed_at,
+            remembered_until: completed_at + Duration::from_secs(60),
+        }
+    }
+
+    #[test]
+    fn a_remembered_key_refuses_its_own_request_as_expired_and_another_as_reused() {
+        let (mine, other) = (Fingerprint::new([1; 32]), Fingerprint::new([2; 32]));
+        assert!(matches!(
+            decide(remembered(mine), mine),
+            Decision::Remembered { status, .. } if status == 201
+        ));
+        assert!(matches!(
+            decide(remembered(mine), other),
+            Decision::Mismatch
+        ));
     }
 }

@@ -73,5 +73,13 @@ pub(crate) fn found<E>(
         }
         Decision::Replay(response) => Ok(Err(JobOutcome::AlreadyDone(response.body))),
         Decision::Running { retry_after } => Ok(Err(JobOutcome::Running { retry_after })),
+        Decision::Remembered {
+            completed_at,
+            remembered_until,
+            ..
+        } => Ok(Err(JobOutcome::ResultExpired {
+            completed_at,
+            remembered_until,
+        })),
     }
 }

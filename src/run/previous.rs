@@ -297,6 +297,17 @@ fn standing(record: Option<KeyRecord>, fingerprint: Fingerprint) -> Option<Claim
             fingerprint: record.fingerprint,
             response,
         }),
+        // Its response gone, the key remembered under this earlier form: refused as a
+        // claim that found it under the new one would be (`410 response-expired`).
+        KeyState::Remembered { status } => {
+            let now = std::time::SystemTime::now();
+            Some(Claim::Remembered {
+                fingerprint: record.fingerprint,
+                status,
+                completed_at: record.completed_at.unwrap_or(now),
+                remembered_until: now + record.expires_in,
+            })
+        }
     }
 }
 
@@ -351,6 +362,16 @@ mod tests {
         assert!(standing(Some(running(OTHER, Duration::ZERO, Duration::ZERO)), MINE).is_none());
         // A live lease keeps its record past the TTL.
         assert!(standing(Some(running(MINE, LIVE, Duration::ZERO)), MINE).is_some());
+        // A remembered key stands while it is remembered, for any request (the
+        // decision tells the same request's 410 from another's 422); then it is gone.
+        let remembered = |left| {
+            KeyRecord::remembered(FencingToken::new(1), MINE, http::StatusCode::CREATED, left)
+        };
+        assert!(matches!(
+            standing(Some(remembered(LIVE)), OTHER),
+            Some(Claim::Remembered { fingerprint, .. }) if fingerprint == MINE
+        ));
+        assert!(standing(Some(remembered(Duration::ZERO)), MINE).is_none());
     }
 
     /// A record of the previous scope made under the bytes scheme (before the JSON

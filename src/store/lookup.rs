@@ -40,11 +40,12 @@ pub struct KeyRecord {
     pub token: FencingToken,
     /// The fingerprint of the request that claimed it.
     pub fingerprint: Fingerprint,
-    /// Running, or completed with its response.
+    /// Running, completed with its response, or remembered without it.
     pub state: KeyState,
     /// How long the record is kept from now (its TTL, counted from completion; a
-    /// running record lives at least as long as its lease). Zero: past it, and free
-    /// for a new claim once its lease, if it runs, has lapsed; the purge removes it.
+    /// running record lives at least as long as its lease; a remembered one, what is
+    /// left of the time it is remembered). Zero: past it, and free for a new claim
+    /// once its lease, if it runs, has lapsed; the purge removes it.
     pub expires_in: Duration,
     /// When the claim that holds the key, or completed it, was taken, by the store's
     /// clock (PostgreSQL's `now()` for [`PostgresStore`](super::PostgresStore)); a
@@ -71,6 +72,13 @@ pub enum KeyState {
         /// (`response.body.len()`; the headers as stored,
         /// [`StoredResponse::encode_headers`] of `response.headers`).
         response: StoredResponse,
+    },
+    /// Completed, its response gone (its TTL has passed), the key remembered: a retry
+    /// is refused (`410 response-expired`), never run again. `expires_in` is then what
+    /// is left of the time it is remembered; `completed_at` says when it was completed.
+    Remembered {
+        /// The status of the response it was completed with.
+        status: http::StatusCode,
     },
 }
 
@@ -111,6 +119,24 @@ impl KeyRecord {
         }
     }
 
+    /// A remembered record: completed under `token` by a request of `fingerprint` with
+    /// a response of `status` that is gone; remembered for `expires_in` more.
+    pub fn remembered(
+        token: FencingToken,
+        fingerprint: Fingerprint,
+        status: http::StatusCode,
+        expires_in: Duration,
+    ) -> Self {
+        Self {
+            token,
+            fingerprint,
+            state: KeyState::Remembered { status },
+            expires_in,
+            claimed_at: None,
+            completed_at: None,
+        }
+    }
+
     /// This record, claimed at `at` (see [`claimed_at`](Self::claimed_at)).
     #[must_use]
     pub fn with_claimed_at(mut self, at: SystemTime) -> Self {
@@ -134,7 +160,7 @@ impl KeyRecord {
     pub fn response(&self) -> Option<&StoredResponse> {
         match &self.state {
             KeyState::Completed { response } => Some(response),
-            KeyState::Running { .. } => None,
+            KeyState::Running { .. } | KeyState::Remembered { .. } => None,
         }
     }
 
@@ -144,7 +170,7 @@ impl KeyRecord {
         self.expires_in.is_zero()
             && match &self.state {
                 KeyState::Running { lease_left } => lease_left.is_zero(),
-                KeyState::Completed { .. } => true,
+                KeyState::Completed { .. } | KeyState::Remembered { .. } => true,
             }
     }
 }

@@ -34,7 +34,14 @@
 //! # Ok(()) }
 //! ```
 
-use std::{borrow::Cow, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    borrow::Cow,
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use crate::{Fingerprint, Scope, StoredResponse};
 
@@ -290,7 +297,32 @@ pub enum Claim {
         /// The response to replay.
         response: StoredResponse,
     },
+    /// The key was completed, and its response is gone (its retention, the TTL, has
+    /// ended), but the key is remembered ([`DEFAULT_REMEMBER`]): the request was done,
+    /// and is not run again. The layer answers `410 response-expired`.
+    Remembered {
+        /// The fingerprint of the request that completed it.
+        fingerprint: Fingerprint,
+        /// The status of the response it was completed with.
+        status: http::StatusCode,
+        /// When it was completed, by the store's clock.
+        completed_at: SystemTime,
+        /// Until when the key is remembered: past it, the key is claimed as new.
+        remembered_until: SystemTime,
+    },
 }
+
+/// How long a store remembers a completed key once its response is gone, by default:
+/// 7 days.
+///
+/// Longer than the retry budgets clients commonly have (hours: mobile apps that queue
+/// requests while offline, SDKs with exponential backoff, a client's own retry budget
+/// longer than the server's 24 h TTL) and than the time messages commonly wait in a
+/// dead-letter queue before an operator replays them (days; a week covers a weekend and
+/// a slow reaction to it), while a remembered key costs only its row without headers
+/// or body (docs/benchmarks.md). `Duration::ZERO` turns remembering off: a key is then
+/// forgotten when its response is, and a retry after that runs as a new request.
+pub const DEFAULT_REMEMBER: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// What went wrong talking to a store.
 ///

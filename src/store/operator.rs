@@ -250,6 +250,7 @@ fn state(record: &KeyRecord) -> &'static str {
     match record.state {
         KeyState::Running { .. } => "running",
         KeyState::Completed { .. } => "completed",
+        KeyState::Remembered { .. } => "remembered",
     }
 }
 

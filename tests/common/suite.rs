@@ -1461,7 +1461,7 @@ macro_rules! layer_suite {
             }
 
             #[tokio::test]
-            async fn an_expired_record_is_claimed_afresh() {
+            async fn an_expired_record_is_remembered_not_claimed_afresh() {
                 let (_layer, store, _g) = layer().await;
                 let scope = Scope::new("s");
                 let mut request = claim_request(&scope, Duration::from_secs(10), 1);
@@ -1481,13 +1481,35 @@ macro_rules! layer_suite {
                     Claim::Completed { .. }
                 ));
                 tokio::time::sleep(Duration::from_secs(4)).await;
-                request.fingerprint = Fingerprint::new([9; 32]);
-                let Claim::Acquired(again) = store.claim(&request).await.unwrap() else {
-                    panic!("expired records are gone")
-                };
-                // Taken over (the token plus one) or, once swept, inserted afresh (a
-                // random token): either way the old lease is fenced.
-                assert_ne!(again.token, lease.token);
+                // Its response gone, before the purge and after it alike: remembered
+                // (the stores remember keys for 7 days by default), never taken again,
+                // whichever request comes with the key.
+                for purged in [false, true] {
+                    if purged {
+                        store.purge(100).await.unwrap();
+                    }
+                    for fingerprint in [Fingerprint::new([1; 32]), Fingerprint::new([9; 32])] {
+                        request.fingerprint = fingerprint;
+                        match store.claim(&request).await.unwrap() {
+                            Claim::Remembered {
+                                fingerprint,
+                                status,
+                                completed_at,
+                                remembered_until,
+                            } => {
+                                assert_eq!(
+                                    fingerprint,
+                                    Fingerprint::new([1; 32]),
+                                    "the first request's"
+                                );
+                                assert_eq!(status, 200, "stored(\"x\")'s");
+                                let window = remembered_until.duration_since(completed_at).unwrap();
+                                assert!(window >= Duration::from_secs(7 * 24 * 3600), "{window:?}");
+                            }
+                            other => panic!("purged {purged}: {other:?}"),
+                        }
+                    }
+                }
                 assert!(
                     !store
                         .complete(&lease, &stored("old"), request.ttl)
@@ -1495,6 +1517,41 @@ macro_rules! layer_suite {
                         .unwrap()
                         .is_kept()
                 );
+            }
+
+            #[tokio::test]
+            async fn a_late_retry_after_the_response_expired_is_410_and_runs_nothing() {
+                let (layer, store, _g) = layer().await;
+                let (router, counter) = app(layer.ttl(Duration::from_secs(1)));
+                let first = send(&router, post("late", "{\"amount\":1}")).await;
+                assert_eq!(first.status, 201);
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                // Before the purge reduced the record, and after it.
+                for purged in [false, true] {
+                    if purged {
+                        store.purge(100).await.unwrap();
+                    }
+                    let late = send(&router, post("late", "{\"amount\":1}")).await;
+                    assert_eq!(late.status, 410, "purged {purged}: {:?}", late.body);
+                    assert_eq!(late.outcome, Some(Outcome::Expired));
+                    assert_eq!(
+                        late.header("content-type"),
+                        Some("application/problem+json")
+                    );
+                    assert_eq!(late.header("idempotent-replayed"), None);
+                    let doc: serde_json::Value = serde_json::from_slice(&late.body).unwrap();
+                    assert!(doc["type"].as_str().unwrap().ends_with("#response-expired"));
+                    assert_eq!(doc["status"], 410);
+                    assert_eq!(doc["response_status"], 201);
+                    let completed_at = doc["completed_at"].as_str().unwrap();
+                    let until = doc["remembered_until"].as_str().unwrap();
+                    assert_eq!((completed_at.len(), until.len()), (20, 20), "{doc}");
+                    assert!(completed_at < until, "{doc}");
+                    // Another request under the key: the key is another request's.
+                    let other = send(&router, post("late", "{\"amount\":2}")).await;
+                    assert_eq!(other.status, 422);
+                }
+                assert_eq!(counter.runs(), 1, "a late retry never runs again");
             }
 
             #[tokio::test]
@@ -1632,9 +1689,10 @@ macro_rules! layer_suite {
                     store.claim(&short("running")).await.unwrap(),
                     Claim::Running { .. }
                 ));
+                // Its response gone, its key remembered.
                 assert!(matches!(
                     store.claim(&short("done-1")).await.unwrap(),
-                    Claim::Acquired(_)
+                    Claim::Remembered { .. }
                 ));
             }
 

@@ -34,12 +34,19 @@ use crate::{Fingerprint, Scope, StoredResponse};
 /// [`purge`](Store::purge) ([`spawn_purger`](super::spawn_purger)) and
 /// [`purge_expired`](Self::purge_expired).
 ///
+/// **What it remembers.** Once a completed record's TTL has passed, its response is
+/// dropped and the key is remembered for [`remember_keys_for`](Self::remember_keys_for)
+/// more ([`DEFAULT_REMEMBER`](super::DEFAULT_REMEMBER), 7 days, by default): its
+/// fingerprint, its response's status and when it was completed, and no headers or
+/// body. A retry in that time is refused (`410 response-expired`), not run again.
+///
 /// **Its bound.** It holds at most [`with_max_entries`](Self::with_max_entries) records
 /// (100 000 by default) and [`with_max_bytes`](Self::with_max_bytes) bytes of them
 /// (64 MiB by default, as [`bytes`](Self::bytes) counts them), whichever comes first.
-/// At the bound, a new key evicts completed records, those soonest to expire first. An
-/// evicted key is gone as an expired one is: a retry with it runs the handler again, as
-/// a new key. Keep the bound above the keys that arrive in the time clients retry
+/// At the bound, a new key evicts remembered records, those soonest to be forgotten
+/// first, then completed records, those soonest to expire first (a retry while a
+/// response is kept is far likelier than one after it). An evicted key is gone as a
+/// forgotten one is: a retry with it runs the handler again, as a new key. Keep the bound above the keys that arrive in the time clients retry
 /// within. Running claims are never evicted: when only running claims are left, a claim
 /// of a new key fails with a [`StoreError`] of kind
 /// [`Unavailable`](super::StoreErrorKind::Unavailable), which the layer answers with
@@ -123,6 +130,29 @@ impl MemoryStore {
         self
     }
 
+    /// Remembers a completed key for `window` once its response expired (its TTL
+    /// passed): its fingerprint, its response's status and when it was completed, no
+    /// headers or body. A retry in that window gets `410 response-expired` and runs
+    /// nothing. [`DEFAULT_REMEMBER`](super::DEFAULT_REMEMBER) (7 days) by default;
+    /// `Duration::ZERO` turns it off. Clones of the store share the setting.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::MemoryStore;
+    ///
+    /// let store = MemoryStore::new().remember_keys_for(Duration::from_secs(3 * 24 * 3600));
+    /// assert_eq!(store.remembers_keys_for(), Duration::from_secs(3 * 24 * 3600));
+    /// ```
+    pub fn remember_keys_for(self, window: Duration) -> Self {
+        self.lock().remember = later(0, window);
+        self
+    }
+
+    /// How long a completed key is remembered once its response expired.
+    pub fn remembers_keys_for(&self) -> Duration {
+        Duration::from_nanos(self.lock().remember)
+    }
+
     /// The most records it holds.
     pub fn max_entries(&self) -> usize {
         self.lock().max_entries
@@ -156,22 +186,39 @@ impl MemoryStore {
         self.lock().evicted
     }
 
-    /// Removes expired records now; returns how many.
+    /// How many remembered records were evicted to make room, since the store was made.
+    pub fn evicted_remembered(&self) -> u64 {
+        self.lock().evicted_remembered
+    }
+
+    /// Removes records past their time now (a remembered one: past the time it is
+    /// remembered), and reduces completed ones whose response expired to remembered
+    /// ones; returns how many it removed or reduced.
     pub fn purge_expired(&self) -> usize {
         let mut inner = self.lock();
         let now = inner.now();
+        let remember = inner.remember;
         let free: Vec<Id> = inner
             .records
             .iter()
-            .filter(|(_, r)| r.is_free(now))
+            .filter(|(_, r)| r.is_free(now, remember))
             .map(|(id, _)| id.clone())
             .collect();
         for id in &free {
             inner.remove(id);
         }
+        let expired: Vec<Id> = inner
+            .records
+            .iter()
+            .filter(|(_, r)| matches!(r.state, State::Completed(_)) && r.expires_at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &expired {
+            inner.reduce(id, now);
+        }
         // Their entries go too, here, rather than in a rebuild the next claim would pay.
         inner.compact();
-        free.len()
+        free.len() + expired.len()
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -213,6 +260,8 @@ impl MemoryStore {
                 locked_until: later(now, req.lease),
             },
         };
+        let (wall_epoch, remember) = (inner.wall_epoch, inner.remember);
+        let wall = |at| wall_epoch + Duration::from_nanos(at);
         let Some(held) = inner.records.get_mut(&id) else {
             let cost = inner.cost_of_new(&id, &record);
             if !inner.make_room(1, cost, None) {
@@ -223,7 +272,7 @@ impl MemoryStore {
             inner.insert(id.clone(), record);
             return Ok(Claimed::Now(Claim::Acquired(lease(token))));
         };
-        let expired = held.is_free(now);
+        let expired = held.is_free(now, remember);
         match &held.state {
             _ if expired => {}
             State::Running { locked_until, .. }
@@ -234,8 +283,29 @@ impl MemoryStore {
                     retry_after: Duration::from_nanos(locked_until.saturating_sub(now)),
                 }));
             }
-            State::Completed(stored) => {
+            State::Completed(stored) if held.expires_at > now => {
                 return Ok(Claimed::Replay(held.fingerprint, stored.clone()));
+            }
+            // Its response expired, not swept yet: remembered as if it were.
+            State::Completed(stored) => {
+                let forget_at = held.expires_at.saturating_add(remember);
+                return Ok(Claimed::Now(Claim::Remembered {
+                    fingerprint: held.fingerprint,
+                    status: stored.status,
+                    completed_at: wall(stored.completed_at),
+                    remembered_until: wall(forget_at),
+                }));
+            }
+            State::Remembered {
+                status,
+                completed_at,
+            } => {
+                return Ok(Claimed::Now(Claim::Remembered {
+                    fingerprint: held.fingerprint,
+                    status: *status,
+                    completed_at: wall(*completed_at),
+                    remembered_until: wall(held.expires_at),
+                }));
             }
         }
         // Taken over, or claimed afresh once expired: the key's tokens only grow while
@@ -347,8 +417,17 @@ struct Seen {
     fingerprint: Fingerprint,
     expires_in: Duration,
     claimed_at: SystemTime,
-    /// The lease left, or the stored response and when it was stored.
-    state: Result<(Stored, SystemTime), Duration>,
+    state: Seeing,
+}
+
+/// What a record holds, as read under the lock.
+enum Seeing {
+    /// The lease left.
+    Running(Duration),
+    /// The stored response, and when it was stored.
+    Completed(Stored, SystemTime),
+    /// The status of the response, and when it was completed.
+    Remembered(http::StatusCode, SystemTime),
 }
 
 impl Seen {
@@ -356,25 +435,43 @@ impl Seen {
         let now = inner.now();
         let left = |at: records::At| Duration::from_nanos(at.saturating_sub(now));
         let when = |at| inner.wall(at);
+        let mut expires_in = left(record.expires_at);
+        let state = match &record.state {
+            State::Running { locked_until } => Seeing::Running(left(*locked_until)),
+            State::Completed(stored) if record.expires_at > now => {
+                Seeing::Completed(stored.clone(), when(stored.completed_at))
+            }
+            // Its response expired, not swept yet: remembered as if it were.
+            State::Completed(stored) => {
+                expires_in = left(record.expires_at.saturating_add(inner.remember));
+                Seeing::Remembered(stored.status, when(stored.completed_at))
+            }
+            State::Remembered {
+                status,
+                completed_at,
+            } => Seeing::Remembered(*status, when(*completed_at)),
+        };
         Self {
             token: record.token,
             fingerprint: record.fingerprint,
-            expires_in: left(record.expires_at),
+            expires_in,
             claimed_at: when(record.claimed_at),
-            state: match &record.state {
-                State::Running { locked_until } => Err(left(*locked_until)),
-                State::Completed(stored) => Ok((stored.clone(), when(stored.completed_at))),
-            },
+            state,
         }
     }
 
     fn record(self) -> Result<KeyRecord, StoreError> {
         let (token, fingerprint, expires_in) = (self.token, self.fingerprint, self.expires_in);
         let record = match self.state {
-            Err(lease_left) => KeyRecord::running(token, fingerprint, lease_left, expires_in),
-            Ok((stored, at)) => {
+            Seeing::Running(lease_left) => {
+                KeyRecord::running(token, fingerprint, lease_left, expires_in)
+            }
+            Seeing::Completed(stored, at) => {
                 KeyRecord::completed(token, fingerprint, stored.response()?, expires_in)
                     .with_completed_at(at)
+            }
+            Seeing::Remembered(status, at) => {
+                KeyRecord::remembered(token, fingerprint, status, expires_in).with_completed_at(at)
             }
         };
         Ok(record.with_claimed_at(self.claimed_at))

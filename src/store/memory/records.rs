@@ -1,6 +1,7 @@
 //! The memory store's records: what each holds, what it costs in bytes, and how the
-//! store keeps them within its bound (sweeping expired ones, evicting completed ones
-//! soonest to expire first).
+//! store keeps them within its bound (sweeping expired ones, reducing completed ones
+//! whose response expired to remembered ones, evicting remembered ones and then
+//! completed ones, soonest to expire first).
 
 use std::{
     cmp::Reverse,
@@ -40,6 +41,15 @@ pub(super) struct Inner {
     /// record went, or was claimed afresh), dropped when they come to the front, or all
     /// at once when they outnumber the records.
     pub(super) expiry: BinaryHeap<Reverse<(At, Id)>>,
+    /// The remembered records by the time they are forgotten, soonest first, with
+    /// stale entries as `expiry` has them: the order of their sweep and of their
+    /// eviction, which comes before any completed record's.
+    pub(super) remembered: BinaryHeap<Reverse<(At, Id)>>,
+    /// How long a completed record is remembered once its response expired (nanos;
+    /// 0: not at all).
+    pub(super) remember: At,
+    /// Remembered records evicted to make room.
+    pub(super) evicted_remembered: u64,
     /// The bytes the records are counted for (see [`RECORD_BYTES`]).
     pub(super) bytes: usize,
     pub(super) max_entries: usize,
@@ -94,6 +104,12 @@ pub(super) enum State {
         locked_until: At,
     },
     Completed(Stored),
+    /// Completed, its response gone: what a late retry is refused with. `expires_at`
+    /// is then when the record is forgotten.
+    Remembered {
+        status: StatusCode,
+        completed_at: At,
+    },
 }
 
 /// A stored response in one allocation: the encoded headers, then the body.
@@ -142,15 +158,20 @@ impl Stored {
 }
 
 impl Record {
-    /// Past its TTL and not held by a live lease: it may be purged or claimed afresh.
-    pub(super) fn is_free(&self, now: At) -> bool {
-        self.free_at() <= now
+    /// Past its TTL and not held by a live lease, and, completed, past the time it is
+    /// remembered after its TTL, `remember`: it may be purged or claimed afresh.
+    pub(super) fn is_free(&self, now: At, remember: At) -> bool {
+        match self.state {
+            State::Completed(_) => self.expires_at.saturating_add(remember) <= now,
+            _ => self.free_at() <= now,
+        }
     }
 
-    /// When it becomes free: at its expiry, or when its lease lapses if that is later.
+    /// When it becomes free, its response aside: at its expiry (a remembered one's:
+    /// when it is forgotten), or when its lease lapses if that is later.
     pub(super) fn free_at(&self) -> At {
         match self.state {
-            State::Completed(_) => self.expires_at,
+            State::Completed(_) | State::Remembered { .. } => self.expires_at,
             State::Running { locked_until } => self.expires_at.max(locked_until),
         }
     }
@@ -160,7 +181,7 @@ impl Record {
         RECORD_BYTES
             + key.len()
             + match &self.state {
-                State::Running { .. } => 0,
+                State::Running { .. } | State::Remembered { .. } => 0,
                 State::Completed(stored) => STORED_BYTES + stored.bytes.len(),
             }
     }
@@ -178,6 +199,9 @@ impl Inner {
             scopes: HashMap::new(),
             running: BTreeSet::new(),
             expiry: BinaryHeap::new(),
+            remembered: BinaryHeap::new(),
+            remember: later(0, crate::store::DEFAULT_REMEMBER),
+            evicted_remembered: 0,
             bytes: 0,
             max_entries: super::MemoryStore::DEFAULT_MAX_ENTRIES,
             max_bytes: super::MemoryStore::DEFAULT_MAX_BYTES,
@@ -280,16 +304,55 @@ impl Inner {
     /// (records purged or claimed afresh), so that it stays within a few times the
     /// records held.
     pub(super) fn compact(&mut self) {
-        let completed = self.records.len() - self.running.len();
-        if self.expiry.len() > 2 * completed + SWEPT_PER_CLAIM {
-            let mut expiry = Vec::with_capacity(completed);
+        let done = self.records.len() - self.running.len();
+        if self.expiry.len() + self.remembered.len() > 2 * done + SWEPT_PER_CLAIM {
+            let (mut expiry, mut remembered) = (Vec::new(), Vec::new());
             for (id, r) in &self.records {
-                if let State::Completed(_) = r.state {
-                    expiry.push(Reverse((r.expires_at, id.clone())));
+                match r.state {
+                    State::Completed(_) => expiry.push(Reverse((r.expires_at, id.clone()))),
+                    State::Remembered { .. } => {
+                        remembered.push(Reverse((r.expires_at, id.clone())));
+                    }
+                    State::Running { .. } => {}
                 }
             }
             self.expiry = expiry.into();
+            self.remembered = remembered.into();
         }
+    }
+
+    /// Whether `entry` is the own entry of a remembered record in `remembered`.
+    pub(super) fn is_remembered_at(&self, entry: &Reverse<(At, Id)>) -> bool {
+        let Reverse((at, id)) = entry;
+        matches!(
+            self.records.get(id),
+            Some(r) if r.expires_at == *at && matches!(r.state, State::Remembered { .. })
+        )
+    }
+
+    /// Reduces `id`'s completed record, whose response expired, to a remembered one:
+    /// its response dropped, its status and completion time kept, forgotten at its
+    /// expiry plus `remember`. Removes it instead if that time has passed at `now`.
+    pub(super) fn reduce(&mut self, id: &Id, now: At) {
+        let remember = self.remember;
+        let Some(r) = self.records.get_mut(id) else {
+            return;
+        };
+        let State::Completed(stored) = &r.state else {
+            return;
+        };
+        let forget_at = r.expires_at.saturating_add(remember);
+        if forget_at <= now {
+            self.remove(id);
+            return;
+        }
+        self.bytes -= STORED_BYTES + stored.bytes.len();
+        r.state = State::Remembered {
+            status: stored.status,
+            completed_at: stored.completed_at,
+        };
+        r.expires_at = forget_at;
+        self.remembered.push(Reverse((forget_at, id.clone())));
     }
 
     /// Whether `entry` is the own entry of a completed record in `expiry`.
@@ -322,24 +385,45 @@ impl Inner {
                 }
                 continue;
             }
-            match self.expiry.peek() {
-                Some(Reverse((at, _))) if *at <= now => {}
-                _ => break,
-            }
-            let Some(entry) = self.expiry.pop() else {
-                break;
+            let due = |heap: &BinaryHeap<Reverse<(At, Id)>>| match heap.peek() {
+                Some(Reverse((at, _))) if *at <= now => Some(*at),
+                _ => None,
             };
-            if self.is_completed_at(&entry) {
-                self.remove(&entry.0.1);
-                gone += 1;
+            match (due(&self.expiry), due(&self.remembered)) {
+                // A remembered record, forgotten.
+                (expiring, Some(forgotten)) if expiring.is_none_or(|at| forgotten <= at) => {
+                    let Some(entry) = self.remembered.pop() else {
+                        break;
+                    };
+                    if self.is_remembered_at(&entry) {
+                        self.remove(&entry.0.1);
+                        gone += 1;
+                    }
+                }
+                // A completed record whose response expired: remembered, or removed.
+                (Some(_), _) => {
+                    let Some(entry) = self.expiry.pop() else {
+                        break;
+                    };
+                    if self.is_completed_at(&entry) {
+                        self.reduce(&entry.0.1, now);
+                        gone += 1;
+                    }
+                }
+                _ => break,
             }
         }
         gone
     }
 
-    /// Evicts completed records, soonest to expire first and never `keep`'s, until
-    /// `entries` more records of `bytes` more bytes fit within the bounds; `false` when
-    /// they do not, and only running claims (and `keep`) are left to evict.
+    /// Evicts remembered records, soonest to be forgotten first, then completed
+    /// records, soonest to expire first and never `keep`'s, until `entries` more
+    /// records of `bytes` more bytes fit within the bounds; `false` when they do not,
+    /// and only running claims (and `keep`) are left to evict.
+    ///
+    /// Remembered records go first: a retry while a response is kept is far likelier
+    /// than one after it, and a completed record evicted loses both its replay and the
+    /// memory of its key.
     pub(super) fn make_room(&mut self, entries: usize, bytes: usize, keep: Option<&Id>) -> bool {
         let mut kept = None;
         let fits = loop {
@@ -347,6 +431,13 @@ impl Inner {
                 && self.bytes + bytes <= self.max_bytes
             {
                 break true;
+            }
+            if let Some(entry) = self.remembered.pop() {
+                if self.is_remembered_at(&entry) {
+                    self.remove(&entry.0.1);
+                    self.evicted_remembered += 1;
+                }
+                continue;
             }
             let Some(entry) = self.expiry.pop() else {
                 break false;

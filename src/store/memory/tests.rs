@@ -120,9 +120,11 @@ fn the_bytes_held_stay_within_the_bound_and_are_all_given_back() {
     let rt = current_thread();
     let body = "x".repeat(1000);
     let one = RECORD_BYTES + 2 + STORED_BYTES + 40 + body.len();
-    let store = MemoryStore::new().with_max_bytes(3 * one + one / 2);
-    let scope = Scope::anonymous();
     let short = Duration::from_millis(300);
+    let store = MemoryStore::new()
+        .with_max_bytes(3 * one + one / 2)
+        .remember_keys_for(short);
+    let scope = Scope::anonymous();
     for i in 0..10 {
         let key = format!("k{i}");
         let held = acquire(&store, &request(&scope, &key, short, short));
@@ -137,10 +139,87 @@ fn the_bytes_held_stay_within_the_bound_and_are_all_given_back() {
     assert_eq!(store.len(), 3, "{store:?}");
     assert_eq!(store.evicted(), 7);
     assert_eq!(store.bytes(), 3 * one + SCOPE_BYTES);
-    // What the records held goes with them: nothing is left counted.
+    // Their responses expired: what they held goes, and the keys are remembered.
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(rt.block_on(store.purge(100)).unwrap(), 3);
+    assert_eq!(
+        (store.len(), store.bytes()),
+        (3, 3 * (RECORD_BYTES + 2) + SCOPE_BYTES)
+    );
+    // Forgotten in turn: nothing is left counted.
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(rt.block_on(store.purge(100)).unwrap(), 3);
     assert_eq!((store.len(), store.bytes()), (0, 0));
+}
+
+#[test]
+fn a_completed_key_is_remembered_without_its_response_then_forgotten() {
+    let rt = current_thread();
+    let (ttl, window) = (Duration::from_millis(200), Duration::from_millis(600));
+    let store = MemoryStore::new().remember_keys_for(window);
+    let scope = Scope::anonymous();
+    let req = request(&scope, "k", Duration::from_secs(60), ttl);
+    let held = acquire(&store, &req);
+    let kept = rt.block_on(store.complete(&held, &created(&"x".repeat(500)), ttl));
+    assert!(kept.unwrap().is_kept());
+    let full = store.bytes();
+    std::thread::sleep(Duration::from_millis(300));
+    // Before a sweep (a look-up sweeps nothing) and after it (a claim sweeps first)
+    // alike: remembered, with its status; a claim is refused, never run again.
+    let record = store.look_up_now(&scope, "k").unwrap().expect("a record");
+    assert!(matches!(record.state, crate::store::KeyState::Remembered { status } if status == 201));
+    assert!(!record.is_free());
+    match store.claim_now(&req) {
+        Ok(Claim::Remembered {
+            status,
+            completed_at,
+            remembered_until,
+            ..
+        }) => {
+            assert_eq!(status, http::StatusCode::CREATED);
+            assert!(completed_at < remembered_until);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Swept by the claim: its response's bytes are gone.
+    assert!(store.bytes() < full - 500, "{store:?}");
+    assert_eq!(store.len(), 1);
+    assert!(matches!(
+        store.claim_now(&req),
+        Ok(Claim::Remembered { .. })
+    ));
+    // Past the window: forgotten, and a claim takes the key as new.
+    std::thread::sleep(Duration::from_millis(600));
+    acquire(&store, &req);
+}
+
+#[test]
+fn at_its_bound_the_store_evicts_remembered_records_before_completed_ones() {
+    let rt = current_thread();
+    let store = MemoryStore::new().with_max_entries(3);
+    let scope = Scope::anonymous();
+    let (lease, short, long) = (
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        Duration::from_secs(3600),
+    );
+    // "old" completes first and expires first; "kept" expires in an hour.
+    for (key, ttl) in [("old", short), ("kept", long)] {
+        let held = acquire(&store, &request(&scope, key, lease, ttl));
+        assert!(
+            rt.block_on(store.complete(&held, &created(key), ttl))
+                .unwrap()
+                .is_kept()
+        );
+    }
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(store.purge_expired(), 1);
+    // Remembered for 7 days, "old" is forgotten before "kept", which expires far sooner.
+    acquire(&store, &request(&scope, "new1", lease, long));
+    acquire(&store, &request(&scope, "new2", lease, long));
+    assert!(!holds(&store, &scope, "old"));
+    assert!(holds(&store, &scope, "kept"));
+    assert_eq!((store.evicted_remembered(), store.evicted()), (1, 0));
 }
 
 #[test]

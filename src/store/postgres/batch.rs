@@ -495,7 +495,7 @@ impl PostgresStore {
                 Answer::Alone => return self.claim_pooled(req, token).await,
                 Answer::Failed(e) => return Err(e),
             };
-            match found(&row, req)?.0 {
+            match found(&row, req, self.sql.remember)?.0 {
                 Found::Claim(Some(claim)) => return Ok(claim),
                 Found::Claim(None) => {}
                 Found::TakeOver(seen) => {

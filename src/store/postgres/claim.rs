@@ -280,7 +280,7 @@ impl PostgresStore {
                 ));
             }
         };
-        match found(row, req)? {
+        match found(row, req, self.sql.remember)? {
             (Found::Claim(claim), now) => Ok((claim, now)),
             (Found::TakeOver(seen), now) => {
                 Ok((self.take_over(client, req, seen, holder).await?, now))
@@ -354,10 +354,12 @@ pub(super) enum Found {
 }
 
 /// Reads a claim statement's `row` (the columns of `col`) for `req`, with the
-/// database's `now()` as the statement read it.
+/// database's `now()` as the statement read it; a completed key is remembered for
+/// `remember` once its response expired.
 pub(super) fn found(
     row: &tokio_postgres::Row,
     req: &ClaimRequest<'_>,
+    remember: Duration,
 ) -> Result<(Found, SystemTime), StoreError> {
     let lease = |token| Lease {
         scope: req.scope.clone(),
@@ -383,7 +385,11 @@ pub(super) fn found(
     // Asked of a running row with a holder, a live lease and this fingerprint only.
     let gone: Option<bool> = row.get(col::GONE);
     let lapsed = locked_until.is_some_and(|until| until <= now);
-    let expired = expires_at <= now && (state == "completed" || lapsed);
+    let remembered_until = remembered_until(row, state, expires_at, remember);
+    let expired = match remembered_until {
+        Some(until) => until <= now,
+        None => expires_at <= now && (state == "completed" || lapsed),
+    };
     let holder_gone = gone == Some(true) && !expired;
     let take_over = expired
         || (state == "running" && (lapsed || holder_gone) && fingerprint == req.fingerprint);
@@ -396,25 +402,64 @@ pub(super) fn found(
             fingerprint,
             retry_after: lease_left(locked_until, now),
         },
-        "completed" => Claim::Completed {
-            fingerprint,
-            response: stored_response(row)?,
+        "completed" => match remembered_until {
+            Some(remembered_until) if expires_at <= now || reduced(row) => Claim::Remembered {
+                fingerprint,
+                status: stored_status(row)?,
+                completed_at: row
+                    .get::<_, Option<SystemTime>>(col::CLAIM_COMPLETED_AT)
+                    .unwrap_or(now),
+                remembered_until,
+            },
+            _ => Claim::Completed {
+                fingerprint,
+                response: stored_response(row)?,
+            },
         },
         other => return Err(corrupt(&format!("unknown state {other:?}"))),
     };
     Ok((Found::Claim(Some(found)), now))
 }
 
-/// The stored response of a completed record, from a row with the claim's columns
-/// (`col`): the claim's, or a look-up's.
-pub(super) fn stored_response(row: &tokio_postgres::Row) -> Result<StoredResponse, StoreError> {
+/// Whether a completed row was reduced to a remembered one (by the purge): its
+/// headers dropped, which a stored response always has, if empty.
+pub(super) fn reduced(row: &tokio_postgres::Row) -> bool {
+    row.get::<_, Option<&[u8]>>(col::HEADERS).is_none()
+}
+
+/// Until when a completed row's key is remembered: a reduced row's `expires_at` (the
+/// purge moved it there); another's, its response's expiry plus `remember`. `None`
+/// for a running row, and for a completed one when keys are not remembered.
+pub(super) fn remembered_until(
+    row: &tokio_postgres::Row,
+    state: &str,
+    expires_at: SystemTime,
+    remember: Duration,
+) -> Option<SystemTime> {
+    if state != "completed" {
+        return None;
+    }
+    if reduced(row) {
+        return Some(expires_at);
+    }
+    (!remember.is_zero()).then(|| expires_at + remember)
+}
+
+/// A completed row's stored status.
+pub(super) fn stored_status(row: &tokio_postgres::Row) -> Result<StatusCode, StoreError> {
     let status: i16 = row
         .try_get(col::STATUS)
         .map_err(|_| corrupt("completed record without status"))?;
-    let status = u16::try_from(status)
+    u16::try_from(status)
         .ok()
         .and_then(|s| StatusCode::from_u16(s).ok())
-        .ok_or_else(|| corrupt("stored status out of range"))?;
+        .ok_or_else(|| corrupt("stored status out of range"))
+}
+
+/// The stored response of a completed record, from a row with the claim's columns
+/// (`col`): the claim's, or a look-up's.
+pub(super) fn stored_response(row: &tokio_postgres::Row) -> Result<StoredResponse, StoreError> {
+    let status = stored_status(row)?;
     let headers = row
         .try_get::<_, &[u8]>(col::HEADERS)
         .ok()

@@ -42,6 +42,8 @@ pub(super) struct Options {
     /// What the app runs on each connection the store makes outside its pool to write
     /// the table (`with_session_setup`): the reserve's, and liveness's.
     session_setup: Option<SessionSetup>,
+    /// How long a completed key is remembered once its response expired.
+    remember: Duration,
 }
 
 /// A rejected store setting.
@@ -118,6 +120,7 @@ impl PostgresStore {
                 batching: (0, 0),
                 liveness: true,
                 session_setup: None,
+                remember: crate::store::DEFAULT_REMEMBER,
             },
         )
     }
@@ -195,6 +198,7 @@ impl PostgresStore {
                 .map_or((0, 0), |b| (b.connections(), b.max_claims())),
             liveness: self.liveness_on,
             session_setup: self.reserve.session_setup(),
+            remember: self.sql.remember,
         }
     }
 
@@ -213,6 +217,7 @@ impl PostgresStore {
             batching,
             liveness,
             session_setup,
+            remember,
         } = options;
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions. With batching,
@@ -237,7 +242,7 @@ impl PostgresStore {
         let tx_claims = Arc::new(tokio::sync::Semaphore::new(
             (pool.status().max_size / 2).max(1),
         ));
-        let sql = Sql::new(&schema, &table, generations.is_some());
+        let sql = Sql::new(&schema, &table, generations.is_some(), remember);
         let location = Arc::from(format!(
             "{} {}",
             database(listen_config.as_ref(), &pool),
@@ -252,7 +257,7 @@ impl PostgresStore {
             purge::lock_id(&sql.qualified),
             generations
                 .zip(sql.generations.clone())
-                .map(|(period, names)| super::generations::Rotator::new(period, names)),
+                .map(|(period, names)| super::generations::Rotator::new(period, names, &sql)),
         ));
         let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
             Arc::new(Liveness::new(
@@ -582,6 +587,37 @@ impl PostgresStore {
             ..self.options()
         };
         Self::build(self.pool, options)
+    }
+
+    /// Remembers a completed key for `window` once its response expired (its TTL, the
+    /// layer's `ttl`, passed): the purge then drops the row's headers and body (the
+    /// TTL's promise holds: no response outlives it in the table, past the purge's
+    /// next round) and keeps its fingerprint, status and completion time, until
+    /// `window` has passed, when it deletes the row. A retry in that window gets `410
+    /// response-expired` and runs nothing. [`DEFAULT_REMEMBER`](crate::store::DEFAULT_REMEMBER)
+    /// (7 days) by default; `Duration::ZERO` turns it off (a key is then forgotten with
+    /// its response, as before). Every replica over one table should say the same.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .remember_keys_for(Duration::from_secs(30 * 24 * 3600));
+    /// # Ok::<(), tower_idempotency::store::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub fn remember_keys_for(self, window: Duration) -> Self {
+        let options = Options {
+            remember: window.min(crate::settings::TEN_YEARS),
+            ..self.options()
+        };
+        Self::build(self.pool, options)
+    }
+
+    /// How long a completed key is remembered once its response expired.
+    pub fn remembers_keys_for(&self) -> Duration {
+        self.sql.remember
     }
 
     /// Whether the store's pooled connections go through a transaction-pooling

@@ -28,7 +28,8 @@ const CREATE: &str = include_str!("../../../migrations/generations/create.sql");
 /// The functions of a table in generations, in order, each with the version
 /// `<table>_migrations` records once it is applied, after the numbered migrations,
 /// whose versions stay below them (`migrate::scripts`): the functions themselves, then
-/// the claim's insert that names its holder (migration 0004's, for generations).
+/// the claim's insert that names its holder (migration 0004's, for generations), then
+/// the rotation that keeps remembered keys (`remember_keys_for`).
 pub(super) const VERSIONS: &[(i32, &str)] = &[
     (
         1001,
@@ -37,6 +38,10 @@ pub(super) const VERSIONS: &[(i32, &str)] = &[
     (
         1002,
         include_str!("../../../migrations/generations/holder.sql"),
+    ),
+    (
+        1003,
+        include_str!("../../../migrations/generations/remembered.sql"),
     ),
 ];
 
@@ -132,11 +137,23 @@ pub struct GenerationRotation {
 pub(super) struct Rotator {
     pub(super) period: Duration,
     names: Names,
+    /// How long a completed key is remembered once its response expired: a
+    /// generation is emptied only once its rows are all forgotten.
+    remember: Duration,
+    /// With keys remembered: the batch that reduces the completed rows whose response
+    /// expired to remembered ones, run before each rotation (`Sql::reduce_in_turn`),
+    /// so that no response outlives its TTL here either.
+    pub(super) reduce: Option<super::sql::Statement>,
 }
 
 impl Rotator {
-    pub(super) fn new(period: Duration, names: Names) -> Self {
-        Self { period, names }
+    pub(super) fn new(period: Duration, names: Names, sql: &super::sql::Sql) -> Self {
+        Self {
+            period,
+            names,
+            remember: sql.remember,
+            reduce: (!sql.remember.is_zero()).then(|| sql.reduce_in_turn.clone()),
+        }
     }
 
     /// One round: a new generation if one is due, then every generation that can be
@@ -177,9 +194,10 @@ impl Rotator {
         let conn = checkout(pool, connector).await?;
         let period = period.map_or("NULL".to_owned(), |p| p.to_string());
         let timeout = super::ms(EMPTY_LOCK_TIMEOUT);
+        let remember = super::ms(self.remember);
         let sql = format!(
             "BEGIN ISOLATION LEVEL READ COMMITTED;
-             SELECT started, emptied FROM {}({period}, {lock}, {timeout});
+             SELECT started, emptied FROM {}({period}, {lock}, {timeout}, {remember});
              COMMIT",
             self.names.rotate_function
         );

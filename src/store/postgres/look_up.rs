@@ -8,7 +8,10 @@ use tokio_postgres::{Row, types::ToSql};
 
 use super::{
     PostgresStore,
-    claim::{lease_left, stored_response},
+    claim::{
+        lease_left, reduced, remembered_until, stored_response,
+        stored_status as stored_response_status,
+    },
     errors::corrupt,
     sql::col,
 };
@@ -26,7 +29,9 @@ impl PostgresStore {
     ) -> Result<Option<KeyRecord>, StoreError> {
         let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
         let rows = self.query_pooled(&self.sql.look_up, &params).await?;
-        rows.first().map(record).transpose()
+        rows.first()
+            .map(|row| record(row, self.sql.remember))
+            .transpose()
     }
 
     /// The record of `key` in `scope`, read on `client`, which may be inside a
@@ -39,13 +44,15 @@ impl PostgresStore {
     ) -> Result<Option<KeyRecord>, StoreError> {
         let params: [&(dyn ToSql + Sync); 2] = [&scope.as_str(), &key];
         let rows = self.query_on(client, &self.sql.look_up, &params).await?;
-        rows.first().map(record).transpose()
+        rows.first()
+            .map(|row| record(row, self.sql.remember))
+            .transpose()
     }
 }
 
 /// A look-up's row (the claim's columns, up to `now`, then the record's times), as a
-/// record.
-pub(super) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
+/// record; a completed key remembered for `remember` once its response expired.
+pub(super) fn record(row: &Row, remember: Duration) -> Result<KeyRecord, StoreError> {
     let token = FencingToken::new(row.get(col::TOKEN));
     let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
         .ok_or_else(|| corrupt("fingerprint is not 32 bytes, nor 33 with a known scheme"))?;
@@ -59,7 +66,15 @@ pub(super) fn record(row: &Row) -> Result<KeyRecord, StoreError> {
             lease_left(row.get(col::LOCKED_UNTIL), now),
             expires_in,
         ),
-        "completed" => KeyRecord::completed(token, fingerprint, stored_response(row)?, expires_in),
+        "completed" => match remembered_until(row, "completed", expires_at, remember) {
+            Some(until) if expires_at <= now || reduced(row) => KeyRecord::remembered(
+                token,
+                fingerprint,
+                stored_response_status(row)?,
+                until.duration_since(now).unwrap_or(Duration::ZERO),
+            ),
+            _ => KeyRecord::completed(token, fingerprint, stored_response(row)?, expires_in),
+        },
         other => return Err(corrupt(&format!("unknown state {other:?}"))),
     };
     let record = record.with_claimed_at(row.get(col::CREATED_AT));

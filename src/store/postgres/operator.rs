@@ -27,7 +27,11 @@ impl PostgresStore {
         rows.iter()
             .map(|row| {
                 let scope = Scope::new(row.get::<_, String>(col::SCOPE));
-                Ok(RunningKey::new(scope, row.get(col::KEY), record(row)?))
+                Ok(RunningKey::new(
+                    scope,
+                    row.get(col::KEY),
+                    record(row, self.sql.remember)?,
+                ))
             })
             .collect()
     }

@@ -123,10 +123,16 @@ impl BackgroundPurge {
                 .await
                 .map(|rotation| rotation.emptied.len() as u64);
         }
+        self.batches(&self.statement).await
+    }
+
+    /// Batches of `statement` until one comes back short; returns the rows they
+    /// changed.
+    async fn batches(&self, statement: &Statement) -> Result<u64, String> {
         let mut purged = 0;
         loop {
             let started = tokio::time::Instant::now();
-            let deleted = match tokio::time::timeout(BATCH_BOUND, self.batch()).await {
+            let deleted = match tokio::time::timeout(BATCH_BOUND, self.batch(statement)).await {
                 Ok(Ok(deleted)) => deleted,
                 Ok(Err(e)) => {
                     crate::observe::store_failed("purge");
@@ -153,6 +159,10 @@ impl BackgroundPurge {
         let Some(rotator) = &self.rotator else {
             return Ok(GenerationRotation::default());
         };
+        // Responses past their TTL dropped first, their keys remembered.
+        if let Some(reduce) = &rotator.reduce {
+            self.batches(reduce).await?;
+        }
         // Bounded as a batch is: a detach waits for the transactions that may still
         // read its partition, and one given up on is finished in a later round.
         let rotated = tokio::time::timeout(
@@ -180,19 +190,19 @@ impl BackgroundPurge {
     /// One batch, on a pooled connection that goes back to the pool once answered (and
     /// is closed instead, its statement cancelled, if the batch is given up on: a
     /// [`Checkout`]).
-    async fn batch(&self) -> Result<u64, String> {
+    async fn batch(&self, statement: &Statement) -> Result<u64, String> {
         let client = self.pool.get().await.map_err(|e| e.to_string())?;
         let conn = Checkout(Some(client), self.connector.clone());
         let params: [&(dyn ToSql + Sync); 2] = [&BATCH, &self.lock];
         let deleted = if self.prepared {
-            let statement = conn
-                .prepare_cached(&self.statement)
+            let prepared = conn
+                .prepare_cached(statement)
                 .await
                 .map_err(|e| describe(&e))?;
-            conn.execute(&statement, &params).await
+            conn.execute(&prepared, &params).await
         } else {
-            let typed = sql::typed(&self.statement, &params);
-            conn.execute_typed(&self.statement, &typed).await
+            let typed = sql::typed(statement, &params);
+            conn.execute_typed(statement, &typed).await
         };
         conn.done();
         deleted.map_err(|e| describe(&e))

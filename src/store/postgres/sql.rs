@@ -196,8 +196,10 @@ pub(super) mod col {
     /// Whether the holder of a running claim is gone (`liveness`): NULL when the row
     /// is not judged so (no holder, a lapsed lease, another fingerprint, no row).
     pub(in crate::store::postgres) const GONE: usize = 10;
+    /// When the row was completed: what a remembered key's refusal says.
+    pub(in crate::store::postgres) const CLAIM_COMPLETED_AT: usize = 11;
     /// The batched claim's own: the claim's position in its batch, from 1.
-    pub(in crate::store::postgres) const N: usize = 11;
+    pub(in crate::store::postgres) const N: usize = 12;
     /// A look-up's own (and the list of running keys'), in place of `CLAIMED` and `N`.
     pub(in crate::store::postgres) const CREATED_AT: usize = 9;
     pub(in crate::store::postgres) const COMPLETED_AT: usize = 10;
@@ -232,6 +234,12 @@ pub(super) struct Sql {
     pub(super) in_doubt_read: Statement,
     pub(super) purge: Statement,
     pub(super) purge_in_turn: Statement,
+    /// A table in generations': completed rows whose response expired reduced to
+    /// remembered ones, in this replica's turn.
+    pub(super) reduce_in_turn: Statement,
+    /// How long a completed key is remembered once its response expired
+    /// (`remember_keys_for`).
+    pub(super) remember: std::time::Duration,
     /// Liveness's own (`liveness`): the registration of a holder that holds its lock,
     /// and the removal of holders long gone, on its liveness connection.
     pub(super) register_holder: Statement,
@@ -254,7 +262,12 @@ pub(super) struct Sql {
 }
 
 impl Sql {
-    pub(super) fn new(schema: &str, table: &str, in_generations: bool) -> Self {
+    pub(super) fn new(
+        schema: &str,
+        table: &str,
+        in_generations: bool,
+        remember: std::time::Duration,
+    ) -> Self {
         let names = in_generations.then(|| super::generations::Names::new(schema, table));
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_function = format!("\"{schema}\".\"{table}_claim\"");
@@ -277,6 +290,30 @@ impl Sql {
         let record = "token, fingerprint, state, locked_until, expires_at, status, headers, body,
                       now() AS now, created_at, completed_at";
         let ms = "$ms::bigint * interval '1 millisecond'";
+        let window = format!(
+            "{}::bigint * interval '1 millisecond'",
+            super::claim::ms(remember)
+        );
+        let purge = |turn: &str| {
+            format!(
+                "WITH due AS (
+                    SELECT ctid FROM {t}
+                    WHERE {turn}expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                    LIMIT $1 FOR UPDATE SKIP LOCKED),
+                 gone AS (
+                    DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM due))
+                      AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                      AND (state = 'running' OR headers IS NULL OR expires_at + {window} <= now())
+                    RETURNING 1),
+                 reduced AS (
+                    UPDATE {t} SET headers = NULL, body = NULL, expires_at = expires_at + {window}
+                    WHERE ctid = ANY(ARRAY(SELECT ctid FROM due))
+                      AND expires_at <= now() AND state = 'completed' AND headers IS NOT NULL
+                      AND expires_at + {window} > now()
+                    RETURNING 1)
+                 SELECT 1 FROM gone UNION ALL SELECT 1 FROM reduced"
+            )
+        };
         // The notification is delivered when, and only if, the change commits. The
         // TTL counts from this statement: in transactional mode `now()` would be the
         // transaction's start, before the handler ran.
@@ -309,7 +346,7 @@ impl Sql {
             "SELECT f.token, f.fingerprint, f.state, f.locked_until, f.expires_at,
                     f.status, f.headers, f.body, now() AS now,
                     CASE WHEN f.token IS NULL THEN {claim_function}($1, $2, $3, $4, $5, $6, $7) END AS claimed,
-                    {gone}
+                    {gone}, f.completed_at
              FROM (VALUES (1)) AS one LEFT JOIN {t} AS f ON f.scope = $1 AND f.key = $2",
             gone = gone("f", "$3"),
         );
@@ -341,13 +378,13 @@ impl Sql {
                             f.status, f.headers, f.body, now() AS now,
                             CASE WHEN f.token IS NULL THEN {claim_function}(
                                 r.scope, r.key, r.fingerprint, r.lease_ms, r.ttl_ms, r.token, $7) END AS claimed,
-                            {gone},
+                            {gone}, f.completed_at,
                             r.n
                      FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bigint[], $5::bigint[], $6::bigint[])
                           WITH ORDINALITY AS r(scope, key, fingerprint, lease_ms, ttl_ms, token, n)
                      LEFT JOIN LATERAL (
                          SELECT k.token, k.fingerprint, k.state, k.locked_until, k.expires_at,
-                                k.status, k.headers, k.body, k.holder, k.created_at
+                                k.status, k.headers, k.body, k.holder, k.created_at, k.completed_at
                          FROM {t} AS k WHERE k.scope = r.scope AND k.key = r.key OFFSET 0) AS f ON true
                      WHERE r.n >= 1 AND r.n <= array_length($2::text[], 1)
                      ORDER BY r.n",
@@ -510,29 +547,35 @@ impl Sql {
                 ),
                 params::KEY,
             ),
-            // The outer condition repeats the inner one: a ctid names a row only within
+            // Expired rows, a batch at a time: a completed row whose response expired is
+            // reduced to a remembered one (headers and body dropped, status, fingerprint
+            // and completion time kept, `expires_at` moved to when it is forgotten, so
+            // that it leaves the expired range of the index the purge walks); a
+            // remembered row past that time, a completed one past it unreduced, and a
+            // lapsed running one are deleted. One row back per row changed, so that the
+            // count of the command is the batch's.
+            // The outer conditions repeat the inner one: a ctid names a row only within
             // one table, so on a partitioned table it could name a live row elsewhere.
-            purge: Statement::new(
-                format!(
-                    "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                        SELECT ctid FROM {t}
-                        WHERE expires_at <= now() AND (state = 'completed' OR locked_until <= now())
-                        LIMIT $1 FOR UPDATE SKIP LOCKED))
-                     AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
-                ),
-                params::PURGE,
-            ),
+            purge: Statement::new(purge(""), params::PURGE),
             // The background purge's batch: the same, in this replica's turn only (an
             // advisory lock of the table's own, `$2`, tried once per statement and held
-            // until it commits; another replica's batch holding it deletes nothing).
+            // until it commits; another replica's batch holding it changes nothing).
             purge_in_turn: Statement::new(
+                purge("(SELECT pg_try_advisory_xact_lock($2)) AND "),
+                params::PURGE_IN_TURN,
+            ),
+            // Over a table in generations, whose rows go with their generation: the
+            // completed rows whose response expired are reduced (never deleted), so
+            // that a generation with remembered rows lives on until they are forgotten.
+            reduce_in_turn: Statement::new(
                 format!(
-                    "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                    "UPDATE {t} SET headers = NULL, body = NULL, expires_at = expires_at + {window}
+                     WHERE ctid = ANY(ARRAY(
                         SELECT ctid FROM {t}
                         WHERE (SELECT pg_try_advisory_xact_lock($2))
-                          AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())
+                          AND expires_at <= now() AND state = 'completed' AND headers IS NOT NULL
                         LIMIT $1 FOR UPDATE SKIP LOCKED))
-                     AND expires_at <= now() AND (state = 'completed' OR locked_until <= now())"
+                     AND expires_at <= now() AND state = 'completed' AND headers IS NOT NULL"
                 ),
                 params::PURGE_IN_TURN,
             ),
@@ -575,6 +618,7 @@ impl Sql {
             holders,
             holder_gone_function,
             generations: names,
+            remember,
             expires_index: format!("\"{table}_expires_at\""),
             qualified: t,
         }
@@ -608,7 +652,7 @@ mod tests {
 
     #[test]
     fn claim_columns_are_read_in_the_order_the_statement_lists_them() {
-        let sql = Sql::new("s", "t", false);
+        let sql = Sql::new("s", "t", false, std::time::Duration::ZERO);
         let names = selected(&sql.claim);
         let expected = [
             (col::TOKEN, "token"),
@@ -622,6 +666,7 @@ mod tests {
             (col::NOW, "now"),
             (col::CLAIMED, "claimed"),
             (col::GONE, "gone"),
+            (col::CLAIM_COMPLETED_AT, "completed_at"),
         ];
         assert_eq!(names.len(), expected.len(), "{names:?}");
         for (index, name) in expected {

@@ -213,7 +213,12 @@ impl PostgresStore {
             .map_err(plain)?;
         // What the migrations make, in the session's temporary schema, rolled back
         // below. (`IF NOT EXISTS` draws notices there too.)
-        let reference = Sql::new("pg_temp", &self.table, self.sql.generations.is_some());
+        let reference = Sql::new(
+            "pg_temp",
+            &self.table,
+            self.sql.generations.is_some(),
+            self.sql.remember,
+        );
         let mut script = String::from("SET LOCAL client_min_messages = warning;\n");
         if let Some(names) = &reference.generations {
             script.push_str(&generations::create_sql(names));
