@@ -252,7 +252,10 @@ impl PostgresStore {
             purge::lock_id(&sql.qualified),
             generations
                 .zip(sql.generations.clone())
-                .map(|(period, names)| super::generations::Rotator::new(period, names)),
+                .map(|(period, names)| {
+                    let orphans = sql.steps.forget_orphans.clone();
+                    super::generations::Rotator::new(period, names, orphans)
+                }),
         ));
         let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
             Arc::new(Liveness::new(

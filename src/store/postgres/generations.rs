@@ -132,11 +132,18 @@ pub struct GenerationRotation {
 pub(super) struct Rotator {
     pub(super) period: Duration,
     names: Names,
+    /// Forgets the recorded steps of keys whose rows went with a generation emptied
+    /// (a `TRUNCATE` fires no trigger).
+    forget_orphan_steps: String,
 }
 
 impl Rotator {
-    pub(super) fn new(period: Duration, names: Names) -> Self {
-        Self { period, names }
+    pub(super) fn new(period: Duration, names: Names, forget_orphan_steps: String) -> Self {
+        Self {
+            period,
+            names,
+            forget_orphan_steps,
+        }
     }
 
     /// One round: a new generation if one is due, then every generation that can be
@@ -158,6 +165,13 @@ impl Rotator {
                 Some(g) => rotation.emptied.push(g),
                 None => break,
             }
+        }
+        if !rotation.emptied.is_empty() {
+            let conn = checkout(pool, connector).await?;
+            conn.batch_execute(&self.forget_orphan_steps)
+                .await
+                .map_err(|e| describe(&e))?;
+            conn.done();
         }
         rotation.dropped = self.drop_emptied(pool, connector).await?;
         Ok(rotation)
