@@ -57,7 +57,7 @@ use axum::{
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, NoStore, Principal, encryption::EncryptionKeys,
+    IdempotencyKey, IdempotencyLayer, NoStore, Principal, StepError, encryption::EncryptionKeys,
     store::MemoryStore, transactional::TransactionHandle,
 };
 
@@ -505,10 +505,21 @@ async fn create_payment(
         Err(detail) => return invalid(detail),
     };
     // The provider gets a key derived from the client's, so a retry cannot charge twice.
-    let charge_id = match backend
-        .charge(&key.derive("psp"), payment.amount, &payment.currency)
-        .await
-    {
+    let psp_key = key.derive("psp");
+    let charging = || backend.charge(&psp_key, payment.amount, &payment.currency);
+    let charged = match &tx {
+        // In lease mode the charge is a recorded step: a retry after a crash (this
+        // process killed after the charge) gets the recorded charge, and the provider
+        // is not called again.
+        None => key.try_step("charge", charging).await.map_err(|e| match e {
+            StepError::Failed(e) => e,
+            other => other.to_string().into(),
+        }),
+        // In transactional mode a crash rolls the payment back, and the retry asks the
+        // provider again, which charges once under the derived key.
+        Some(_) => charging().await,
+    };
+    let charge_id = match charged {
         Ok(Charged::Charge(id)) => id,
         // Reachable only when the key holds no record: its first payment failed after
         // the charge, and was released for a retry; this one has another body.
