@@ -14,7 +14,7 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
     IdempotencyKey,
-    store::{Lease, RecordedStep, Store, StoreError},
+    store::{Lease, RecordedStep, Store, StoreError, StoreErrorKind},
 };
 
 /// The steps of one run of a key: its store and lease, and how far the run has come.
@@ -23,6 +23,8 @@ pub(crate) struct StepLog {
     store: Arc<dyn Store>,
     lease: Lease,
     store_timeout: Duration,
+    /// Seals the results, if the layer or runner has keys.
+    sealing: super::sealing::Sealing,
     progress: tokio::sync::Mutex<Progress>,
 }
 
@@ -36,11 +38,12 @@ struct Progress {
 
 impl StepLog {
     /// The steps of a run under `lease`, recorded in `store`.
-    pub(crate) fn new(store: Arc<dyn Store>, lease: Lease, store_timeout: Duration) -> Self {
+    pub(crate) fn new(leased: &super::Leased, lease: Lease) -> Self {
         Self {
-            store,
+            store: leased.store.clone(),
             lease,
-            store_timeout,
+            store_timeout: leased.store_timeout,
+            sealing: leased.sealing.clone(),
             progress: tokio::sync::Mutex::default(),
         }
     }
@@ -79,11 +82,7 @@ pub(crate) fn attach(extensions: &mut http::Extensions, leased: &super::Leased, 
 
 /// The steps of a run under `lease`.
 pub(crate) fn log(leased: &super::Leased, lease: &Lease) -> Steps {
-    Steps(Some(Arc::new(StepLog::new(
-        leased.store.clone(),
-        lease.clone(),
-        leased.store_timeout,
-    ))))
+    Steps(Some(Arc::new(StepLog::new(leased, lease.clone()))))
 }
 
 /// Why a step of [`IdempotencyKey::step`] or [`IdempotencyKey::try_step`] returned no
@@ -266,11 +265,19 @@ impl IdempotencyKey {
                     recorded: recorded.name.clone(),
                 });
             }
-            let value = serde_json::from_slice(&recorded.result).map_err(|error| {
-                StepError::Unreadable {
-                    name: name.into(),
-                    error,
-                }
+            let (scope, key) = (&log.lease.scope, &log.lease.key);
+            let opened = log
+                .sealing
+                .open_step(scope, key, n, recorded.result.clone());
+            let opened = opened.map_err(|unreadable| {
+                StepError::Store(StoreError::new(
+                    StoreErrorKind::Corrupt,
+                    format!("the recorded result of step {name:?} could not be opened: {unreadable}; nothing ran"),
+                ))
+            })?;
+            let value = serde_json::from_slice(&opened).map_err(|error| StepError::Unreadable {
+                name: name.into(),
+                error,
             })?;
             progress.next += 1;
             tracing::debug!(step = name, n, "a recorded step's result replayed");
@@ -284,7 +291,9 @@ impl IdempotencyKey {
         let record = RecordedStep {
             n,
             name: name.into(),
-            result: result.into(),
+            result: log
+                .sealing
+                .seal_step(&log.lease.scope, &log.lease.key, n, result),
         };
         let recording = log.store.record_step(&log.lease, &record);
         match crate::store::within(timeout, "recording a step", recording).await {
