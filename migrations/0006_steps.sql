@@ -9,7 +9,10 @@
 ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS steps boolean NOT NULL DEFAULT false;
 
 -- One row per step: its place in the handler's order (`n`, from 0), its name, the token
--- of the holder that recorded it, and its result as the app serialised it.
+-- of the holder that recorded it, and its result as the app serialised it. In
+-- transactional mode, whose claim row is not committed while the handler runs, the
+-- request's fingerprint too: a claim rolled back leaves its steps for a retry of the
+-- same request, and another request under the key does not see them.
 CREATE TABLE IF NOT EXISTS {{steps}} (
     scope       text        NOT NULL,
     key         text        NOT NULL,
@@ -17,6 +20,7 @@ CREATE TABLE IF NOT EXISTS {{steps}} (
     name        text        NOT NULL,
     token       bigint      NOT NULL,
     result      bytea       NOT NULL,
+    fingerprint bytea,
     recorded_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (scope, key, n)
 );

@@ -59,6 +59,9 @@ async fn pay(
     if headers.contains_key("x-hang-after") {
         std::future::pending::<()>().await;
     }
+    if headers.contains_key("x-fail-after") {
+        return Ok((StatusCode::SERVICE_UNAVAILABLE, charge));
+    }
     Ok((StatusCode::CREATED, charge))
 }
 
@@ -131,7 +134,8 @@ fn child_store(schema: &str) -> PostgresStore {
 }
 
 /// What a holder process runs, by `TI_STEPS_CHILD`: the header it sends
-/// (`x-hang-after`, `x-hang-inside`).
+/// (`x-hang-after`, `x-hang-inside`) through a lease-mode layer, or `transactional`:
+/// `x-hang-after` through a transactional one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child() {
     let Ok(hang) = std::env::var("TI_STEPS_CHILD") else {
@@ -141,8 +145,12 @@ async fn child() {
     let key = std::env::var("TI_STEPS_KEY").expect("key");
     let store = child_store(&schema);
     store.start_liveness().await.expect("liveness");
-    let (router, _) = router(IdempotencyLayer::new(store));
-    send(&router, post_with_headers(&key, &[(hang.as_str(), "1")])).await;
+    let (layer, hang) = match hang.as_str() {
+        "transactional" => (IdempotencyLayer::transactional(store), "x-hang-after"),
+        lease => (IdempotencyLayer::new(store), lease),
+    };
+    let (router, _) = router(layer);
+    send(&router, post_with_headers(&key, &[(hang, "1")])).await;
     unreachable!("the request hangs until the process is killed");
 }
 
@@ -418,4 +426,101 @@ async fn a_key_made_by_hand_runs_no_step() {
         "{step:?}"
     );
     assert_eq!(ran.load(Ordering::SeqCst), 0);
+}
+
+/// In transactional mode, a step is recorded apart from the request's transaction: a
+/// handler that charged and then failed (its transaction rolled back) leaves the charge
+/// recorded, and the retry gets it, without charging again; the commit forgets it.
+#[tokio::test]
+async fn a_rolled_back_transaction_keeps_its_recorded_step() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let (router, ran) = router(IdempotencyLayer::transactional(store));
+    let failed = send(&router, post_with_headers("tx", &[("x-fail-after", "1")])).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failed.outcome, Some(Outcome::Released));
+    assert_eq!(steps_rows(&schema).await, 1, "the rollback kept the step");
+    let reply = send(&router, post_with_headers("tx", &[])).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(ran.charge.load(Ordering::SeqCst), 1, "charged again");
+    assert_eq!(
+        String::from_utf8_lossy(&reply.body),
+        format!("charged by {}", std::process::id())
+    );
+    assert_eq!(steps_rows(&schema).await, 0, "the commit forgets the steps");
+    // Another request under a key rolled back does not get its steps.
+    let failed = send(&router, post_with_headers("tx2", &[("x-fail-after", "1")])).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    let other = common::req("POST")
+        .header("idempotency-key", "tx2")
+        .body(axum::body::Body::from("{\"other\":1}"))
+        .expect("request");
+    assert_eq!(send(&router, other).await.status, StatusCode::CREATED);
+    assert_eq!(ran.charge.load(Ordering::SeqCst), 3);
+}
+
+/// A process killed in transactional mode after its charge was recorded: its
+/// transaction rolls back, and the retry gets the charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_in_transactional_mode_keeps_the_recorded_step() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    let mut holder = Holder::start(&schema, "tx-crash", "transactional");
+    holder.wait_for("charged: ");
+    holder.kill9();
+    let (router, ran) = router(IdempotencyLayer::transactional(store));
+    let reply = retry(&router, "tx-crash").await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(ran.charge.load(Ordering::SeqCst), 0, "charged again");
+    assert_eq!(
+        String::from_utf8_lossy(&reply.body),
+        format!("charged by {}", holder.0.id())
+    );
+}
+
+/// A transactional handler whose transaction ended under it (its session terminated)
+/// records no step: a retry may hold the key by then.
+#[tokio::test]
+async fn a_transaction_ended_under_its_handler_records_no_step() {
+    static SHIPPED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    async fn cut(
+        key: IdempotencyKey,
+        tx: tower_idempotency::transactional::TransactionHandle,
+    ) -> StatusCode {
+        let first: Result<u32, StepError> = key.step("charge", || async { 1 }).await;
+        assert_eq!(first.expect("recorded while the transaction runs"), 1);
+        let client = tx.client().await.expect("client");
+        let _ = client
+            .execute("SELECT pg_terminate_backend(pg_backend_pid())", &[])
+            .await;
+        drop(client);
+        let shipped = key.step("ship", || async { 2 }).await;
+        *SHIPPED.lock().expect("lock") = Some(format!("{shipped:?}"));
+        StatusCode::OK
+    }
+    let schema = TestSchema::new();
+    let store = schema.store_direct(4).await;
+    let router = Router::new()
+        .route("/payments", post(cut))
+        .layer(IdempotencyLayer::transactional(store));
+    let reply = send(&router, post_with_headers("cut", &[])).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "not committed"
+    );
+    let shipped = SHIPPED
+        .lock()
+        .expect("lock")
+        .clone()
+        .expect("the handler ran");
+    assert_eq!(shipped, r#"Err(LeaseLost { name: "ship" })"#);
+    let names = schema
+        .query(&format!(
+            "SELECT name FROM \"{}\".idempotency_keys_steps ORDER BY n",
+            schema.name
+        ))
+        .await;
+    let names: Vec<String> = names.iter().map(|r| r.get(0)).collect();
+    assert_eq!(names, ["charge"]);
 }

@@ -20,12 +20,65 @@ use crate::{
 /// The steps of one run of a key: its store and lease, and how far the run has come.
 /// Shared by every clone of the run's [`IdempotencyKey`].
 pub(crate) struct StepLog {
-    store: Arc<dyn Store>,
+    recorder: Recorder,
     lease: Lease,
     store_timeout: Duration,
     /// Seals the results, if the layer or runner has keys.
     sealing: super::sealing::Sealing,
     progress: tokio::sync::Mutex<Progress>,
+}
+
+impl fmt::Debug for StepLog {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StepLog")
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a run's steps are recorded.
+enum Recorder {
+    /// Lease mode: the store, fencing by the lease's token.
+    Lease(Arc<dyn Store>),
+    /// Transactional mode: apart from the claim's transaction (which may roll back),
+    /// while that transaction runs, for the request of `fingerprint`.
+    #[cfg(feature = "postgres")]
+    Transaction {
+        store: crate::store::PostgresStore,
+        backend: crate::store::transaction::Backend,
+        fingerprint: crate::Fingerprint,
+    },
+}
+
+impl Recorder {
+    async fn steps(&self, lease: &Lease) -> Result<Option<Vec<RecordedStep>>, StoreError> {
+        match self {
+            Self::Lease(store) => store.steps(lease).await,
+            #[cfg(feature = "postgres")]
+            Self::Transaction {
+                store, fingerprint, ..
+            } => store.steps_apart(lease, fingerprint).await.map(Some),
+        }
+    }
+
+    async fn record(
+        &self,
+        lease: &Lease,
+        step: &RecordedStep,
+    ) -> Result<crate::store::Fenced, StoreError> {
+        match self {
+            Self::Lease(store) => store.record_step(lease, step).await,
+            #[cfg(feature = "postgres")]
+            Self::Transaction {
+                store,
+                backend,
+                fingerprint,
+            } => {
+                let recording = store.record_step_apart(lease, backend, fingerprint, step);
+                recording.await
+            }
+        }
+    }
 }
 
 /// How far a run has come: the steps recorded when it began (read at its first step),
@@ -38,15 +91,51 @@ struct Progress {
 
 impl StepLog {
     /// The steps of a run under `lease`, recorded in `store`.
-    pub(crate) fn new(leased: &super::Leased, lease: Lease) -> Self {
+    fn new(leased: &super::Leased, lease: Lease) -> Self {
         Self {
-            store: leased.store.clone(),
+            recorder: Recorder::Lease(leased.store.clone()),
             lease,
             store_timeout: leased.store_timeout,
             sealing: leased.sealing.clone(),
             progress: tokio::sync::Mutex::default(),
         }
     }
+
+    /// Whether the run read or recorded any step: in transactional mode its steps are
+    /// then forgotten in its transaction, which commits with the response.
+    /// A step still under way (in a task the handler left running) counts.
+    pub(crate) fn has_steps(&self) -> bool {
+        let Ok(progress) = self.progress.try_lock() else {
+            return true;
+        };
+        progress.next > 0 || progress.recorded.as_ref().is_some_and(|r| !r.is_empty())
+    }
+}
+
+/// The steps of a run in transactional mode, in the transaction of `backend`.
+#[cfg(feature = "postgres")]
+pub(crate) fn in_transaction(
+    store: &crate::store::PostgresStore,
+    claimed: (
+        &Lease,
+        crate::store::transaction::Backend,
+        crate::Fingerprint,
+    ),
+    sealing: &super::sealing::Sealing,
+    store_timeout: Duration,
+) -> Arc<StepLog> {
+    let (lease, backend, fingerprint) = claimed;
+    Arc::new(StepLog {
+        recorder: Recorder::Transaction {
+            store: store.clone(),
+            backend,
+            fingerprint,
+        },
+        lease: lease.clone(),
+        store_timeout,
+        sealing: sealing.clone(),
+        progress: tokio::sync::Mutex::default(),
+    })
 }
 
 /// A key's steps, if it has any: what a layer or job runner leaves in the key it hands
@@ -75,8 +164,13 @@ impl fmt::Debug for Steps {
 /// Gives the key a layer handed over in `extensions` the steps of its run under
 /// `lease`.
 pub(crate) fn attach(extensions: &mut http::Extensions, leased: &super::Leased, lease: &Lease) {
+    attach_log(extensions, log(leased, lease));
+}
+
+/// Gives the key a layer handed over in `extensions` these steps.
+pub(crate) fn attach_log(extensions: &mut http::Extensions, steps: Steps) {
     if let Some(key) = extensions.get_mut::<IdempotencyKey>() {
-        key.set_steps(log(leased, lease));
+        key.set_steps(steps);
     }
 }
 
@@ -127,9 +221,8 @@ pub enum StepError<E = std::convert::Infallible> {
     /// be recorded, and its result is not returned.
     Store(StoreError),
     /// The key has no record to keep steps in: it was not handed over by an
-    /// [`IdempotencyLayer`](crate::IdempotencyLayer) in lease mode or a lease-mode
-    /// [`JobRunner`](crate::job::JobRunner) (a key made by hand, or a transactional
-    /// layer's). Nothing ran.
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer) or a
+    /// [`JobRunner`](crate::job::JobRunner) (a key made by hand). Nothing ran.
     Unrecorded {
         /// The step's name.
         name: String,
@@ -155,7 +248,7 @@ impl<E: fmt::Display> fmt::Display for StepError<E> {
             Self::Store(e) => write!(f, "the steps could not be read or recorded: {e}"),
             Self::Unrecorded { name } => write!(
                 f,
-                "step {name:?} has no record to be kept in: the key was not handed over by a lease-mode layer or job runner; nothing ran"
+                "step {name:?} has no record to be kept in: the key was not handed over by a layer or job runner; nothing ran"
             ),
         }
     }
@@ -245,7 +338,8 @@ impl IdempotencyKey {
         // Held through the step: steps of one run are taken one at a time, in one order.
         let mut progress = log.progress.lock().await;
         if progress.recorded.is_none() {
-            let read = crate::store::within(timeout, "reading steps", log.store.steps(&log.lease));
+            let read =
+                crate::store::within(timeout, "reading steps", log.recorder.steps(&log.lease));
             match read.await {
                 Ok(Some(recorded)) => progress.recorded = Some(recorded),
                 Ok(None) => return Err(StepError::LeaseLost { name: name.into() }),
@@ -295,7 +389,7 @@ impl IdempotencyKey {
                 .sealing
                 .seal_step(&log.lease.scope, &log.lease.key, n, result),
         };
-        let recording = log.store.record_step(&log.lease, &record);
+        let recording = log.recorder.record(&log.lease, &record);
         match crate::store::within(timeout, "recording a step", recording).await {
             Ok(fenced) if fenced.is_kept() => {
                 progress.next += 1;

@@ -56,7 +56,7 @@ pub use postgres::{
     ConfigError, GenerationRotation, Migration, PostgresStore, StoreMetrics, pool_for_url,
     pool_for_url_with_tls,
 };
-pub use steps::RecordedStep;
+pub use steps::{Orphan, RecordedStep};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -613,6 +613,43 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         let _ = (lease, step);
         Box::pin(std::future::ready(Err(no_steps())))
+    }
+
+    /// Records the request of a resumable key (`name`: what the layer was registered
+    /// as, [`IdempotencyLayer::resumable`](crate::IdempotencyLayer::resumable)) under
+    /// `lease`, if it still holds the key, for a completer to run it should the holder
+    /// die; forgotten with the key's steps. The default keeps nothing and answers
+    /// [`Kept`](Fenced::Kept): a store whose holders die with it (as
+    /// [`MemoryStore`]'s) has no key for another process to finish.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed.
+    fn record_request<'a>(
+        &'a self,
+        lease: &'a Lease,
+        name: &'a str,
+        request: &'a bytes::Bytes,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        let _ = (lease, name, request);
+        Box::pin(std::future::ready(Ok(Fenced::Kept)))
+    }
+
+    /// Up to `limit` running keys registered as `name` whose holder is known to be
+    /// gone (its process dead, by liveness: not a lease that lapsed), with their
+    /// stored requests: what a completer takes over and finishes. Changes nothing.
+    /// The default finds none.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed.
+    fn orphans<'a>(
+        &'a self,
+        name: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<Orphan>, StoreError>> {
+        let _ = (name, limit);
+        Box::pin(std::future::ready(Ok(Vec::new())))
     }
 
     /// Deletes up to `batch` records past their TTL whose lease (if running) has lapsed;

@@ -15,3 +15,18 @@ pub struct RecordedStep {
     /// Its result.
     pub result: Bytes,
 }
+
+/// A resumable key whose holder is gone ([`Store::orphans`](super::Store::orphans)): a
+/// completer takes it over and runs its handler with the request stored for it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Orphan {
+    /// The scope of the key.
+    pub scope: crate::Scope,
+    /// The key, as stored.
+    pub key: String,
+    /// The fingerprint of the request that claimed it.
+    pub fingerprint: crate::Fingerprint,
+    /// The request, as the layer stored it.
+    pub request: Bytes,
+}
