@@ -18,7 +18,12 @@ use std::{
     time::Duration,
 };
 
-use axum::{Router, extract::State, http::StatusCode, routing::post};
+use axum::{
+    Router,
+    extract::State,
+    http::{StatusCode, header::CONTENT_TYPE},
+    routing::post,
+};
 use bytes::Bytes;
 use common::{TestSchema, database_url, post_with_headers, send};
 use sha2::{Digest, Sha256};
@@ -33,6 +38,7 @@ use tower_idempotency::{
 /// How often this process ran each step itself.
 #[derive(Clone, Default)]
 struct Ran {
+    runs: Arc<AtomicUsize>,
     charge: Arc<AtomicUsize>,
 }
 
@@ -44,6 +50,7 @@ async fn pay(
     key: IdempotencyKey,
     headers: http::HeaderMap,
 ) -> Result<(StatusCode, String), StepError> {
+    ran.runs.fetch_add(1, Ordering::SeqCst);
     let inside = headers.contains_key("x-hang-inside");
     let charge: String = key
         .step("charge", || async {
@@ -135,7 +142,8 @@ fn child_store(schema: &str) -> PostgresStore {
 
 /// What a holder process runs, by `TI_STEPS_CHILD`: the header it sends
 /// (`x-hang-after`, `x-hang-inside`) through a lease-mode layer, or `transactional`:
-/// `x-hang-after` through a transactional one.
+/// `x-hang-after` through a transactional one, or `resumable`: `x-hang-after` through
+/// a lease-mode layer registered as resumable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child() {
     let Ok(hang) = std::env::var("TI_STEPS_CHILD") else {
@@ -147,6 +155,10 @@ async fn child() {
     store.start_liveness().await.expect("liveness");
     let (layer, hang) = match hang.as_str() {
         "transactional" => (IdempotencyLayer::transactional(store), "x-hang-after"),
+        "resumable" => {
+            let layer = IdempotencyLayer::new(store).resumable("payments", [CONTENT_TYPE]);
+            (layer, "x-hang-after")
+        }
         lease => (IdempotencyLayer::new(store), lease),
     };
     let (router, _) = router(layer);
@@ -523,4 +535,70 @@ async fn a_transaction_ended_under_its_handler_records_no_step() {
         .await;
     let names: Vec<String> = names.iter().map(|r| r.get(0)).collect();
     assert_eq!(names, ["charge"]);
+}
+
+/// `(state, token)` of `key`'s row.
+async fn key_row(schema: &TestSchema, key: &str) -> (String, i64) {
+    let sql = format!(
+        "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+        schema.name
+    );
+    let rows = schema.query(&sql).await;
+    let row = rows.first().expect("the key's row");
+    (row.get(0), row.get(1))
+}
+
+/// The completer of a resumable route never runs a live holder's key, however long
+/// it looks (several times liveness's grace); once that holder's process is killed,
+/// it takes the key over and runs it to its end, with no client retrying: the charge
+/// recorded by the dead process is replayed, not made again, and a later request with
+/// the key gets the stored response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_finishes_a_dead_holder_s_key_and_never_a_live_one_s() {
+    let schema = TestSchema::new();
+    let store = schema.store().await;
+    store.start_liveness().await.expect("liveness");
+    let layer = IdempotencyLayer::new(store).resumable("payments", [CONTENT_TYPE]);
+    let ran = Ran::default();
+    let completer = layer.spawn_completer(post(pay).with_state(ran.clone()));
+    let mut holder = Holder::start(&schema, "resumable", "resumable");
+    holder.wait_for("charged: ");
+    let (state, token) = key_row(&schema, "resumable").await;
+    assert_eq!(state, "running");
+    // Alive: left alone, for more than twice the grace after which a silent holder
+    // counts as gone.
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            key_row(&schema, "resumable").await,
+            ("running".into(), token)
+        );
+    }
+    assert_eq!(
+        ran.runs.load(Ordering::SeqCst),
+        0,
+        "a live holder's key was run"
+    );
+    holder.kill9();
+    let mut finished = false;
+    for _ in 0..600 {
+        if key_row(&schema, "resumable").await.0 == "completed" {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(finished, "the dead holder's key was never finished");
+    assert_eq!(key_row(&schema, "resumable").await.1, token + 1);
+    assert_eq!(ran.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(ran.charge.load(Ordering::SeqCst), 0, "charged again");
+    let (router, _) = router(layer);
+    let replay = send(&router, post_with_headers("resumable", &[])).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(
+        String::from_utf8_lossy(&replay.body),
+        format!("charged by {}", holder.0.id())
+    );
+    completer.abort();
 }

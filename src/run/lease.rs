@@ -62,6 +62,8 @@ where
         return Ok(answer);
     }
 
+    // A resumable layer's request is kept for a completer, should this process die.
+    super::completer::record(&config, &lease, &parts, &body, key).await;
     crate::request::hand_over(&mut parts.extensions, &request, key, &config, false);
     super::steps::attach(&mut parts.extensions, &config.leased(), &lease);
     let req = Request::from_parts(parts, ReqBody::from(body));

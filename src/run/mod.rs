@@ -9,6 +9,8 @@
 //!   result stored, its key released, each tried again while the store is away;
 //! - [`sealing`]: responses sealed before they are stored and opened before they are
 //!   replayed, keys hashed;
+//! - [`completer`]: resumable keys left running by a process that died, finished by a
+//!   live one;
 //! - [`steps`]: a handler's recorded steps, each run once per key, replayed to a
 //!   later run of the key;
 //! - [`previous`]: a key new in its (scope, stored key) looked for where the layer's
@@ -19,6 +21,7 @@ use std::{sync::Arc, time::Duration};
 
 use crate::store::Store;
 
+pub(crate) mod completer;
 pub(crate) mod decision;
 pub(crate) mod handler;
 pub(crate) mod job;

@@ -128,6 +128,46 @@ impl Sealing {
     }
 }
 
+impl Sealing {
+    /// The request of a resumable key, sealed for the key once the layer has keys.
+    pub(crate) fn seal_request(&self, scope: &Scope, key: &str, request: Vec<u8>) -> Bytes {
+        match &self.0 {
+            Some(keys) => {
+                seal(
+                    keys,
+                    scope,
+                    &request_bound(key),
+                    &step_response(request.into()),
+                )
+                .body
+            }
+            None => request.into(),
+        }
+    }
+
+    /// The stored request of a resumable key, opened if the layer has keys.
+    pub(crate) fn open_request(
+        &self,
+        scope: &Scope,
+        key: &str,
+        request: Bytes,
+    ) -> Result<Bytes, Unreadable> {
+        if self.0.is_none() {
+            return Ok(request);
+        }
+        let mut sealed = step_response(request);
+        sealed
+            .headers
+            .insert(crate::record::SEALED, http::HeaderValue::from_static("1"));
+        open(self.0.as_ref(), scope, &request_bound(key), sealed).map(|opened| opened.body)
+    }
+}
+
+/// What the request of a resumable key is sealed for.
+fn request_bound(key: &str) -> String {
+    format!("{key}\0request")
+}
+
 /// What a step's result is sealed for: the key, and the step's place (a NUL cannot be in
 /// a key).
 fn step_bound(key: &str, n: u32) -> String {

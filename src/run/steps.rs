@@ -43,11 +43,15 @@ enum Recorder {
     /// Transactional mode: apart from the claim's transaction (which may roll back),
     /// while that transaction runs, for the request of `fingerprint`.
     #[cfg(feature = "postgres")]
-    Transaction {
-        store: crate::store::PostgresStore,
-        backend: crate::store::transaction::Backend,
-        fingerprint: crate::Fingerprint,
-    },
+    Transaction(Box<InTransaction>),
+}
+
+/// Where transactional mode records a run's steps.
+#[cfg(feature = "postgres")]
+struct InTransaction {
+    store: crate::store::PostgresStore,
+    backend: crate::store::transaction::Backend,
+    fingerprint: crate::Fingerprint,
 }
 
 impl Recorder {
@@ -55,9 +59,7 @@ impl Recorder {
         match self {
             Self::Lease(store) => store.steps(lease).await,
             #[cfg(feature = "postgres")]
-            Self::Transaction {
-                store, fingerprint, ..
-            } => store.steps_apart(lease, fingerprint).await.map(Some),
+            Self::Transaction(t) => t.store.steps_apart(lease, &t.fingerprint).await.map(Some),
         }
     }
 
@@ -69,12 +71,10 @@ impl Recorder {
         match self {
             Self::Lease(store) => store.record_step(lease, step).await,
             #[cfg(feature = "postgres")]
-            Self::Transaction {
-                store,
-                backend,
-                fingerprint,
-            } => {
-                let recording = store.record_step_apart(lease, backend, fingerprint, step);
+            Self::Transaction(t) => {
+                let recording = t
+                    .store
+                    .record_step_apart(lease, &t.backend, &t.fingerprint, step);
                 recording.await
             }
         }
@@ -126,11 +126,11 @@ pub(crate) fn in_transaction(
 ) -> Arc<StepLog> {
     let (lease, backend, fingerprint) = claimed;
     Arc::new(StepLog {
-        recorder: Recorder::Transaction {
+        recorder: Recorder::Transaction(Box::new(InTransaction {
             store: store.clone(),
             backend,
             fingerprint,
-        },
+        })),
         lease: lease.clone(),
         store_timeout,
         sealing: sealing.clone(),
