@@ -1186,6 +1186,61 @@ async fn a_waiting_duplicate_takes_over_from_a_killed_process() {
     );
 }
 
+/// `--resumable`: a payment whose process A is killed after the charge, and that no
+/// client retries, is finished by process B's completer, with the charge A recorded
+/// (the provider called once); a later request with the key on B gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_nobody_retries_is_finished_by_another_process() {
+    const KEY: &str = "resumed-payment-1";
+    const PAYMENT: &str = r#"{"amount":2100,"currency":"EUR","delay_ms":4000}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut a = Demo::start_with(Some(&schema), &["--resumable"]);
+    let mut b = Demo::start_with(Some(&schema), &["--resumable"]);
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+    let (c, addr) = (client.clone(), a.addr);
+    let on_a = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    assert!(
+        wait_for_stat(&client, a.addr, "charges", 1).await,
+        "A never charged"
+    );
+    a.kill9();
+    assert!(
+        on_a.await.expect("join").is_err(),
+        "the killed process answered"
+    );
+    // Nobody retries: B finishes it (its handler sleeps the payment's 4 s again).
+    let mut finished = false;
+    for _ in 0..POLL_ATTEMPTS {
+        if key_row(&schema, KEY)
+            .await
+            .is_some_and(|r| r.0 == "completed")
+        {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(finished, "the payment was never finished");
+    let charge_id: String = query(&format!(
+        "SELECT charge_id FROM \"{}\".demo_psp_charges",
+        schema.name
+    ))
+    .await[0]
+        .get(0);
+    let replay = post_payment(&client, b.addr, Some(KEY), PAYMENT).await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.json()["charge_id"], charge_id.as_str());
+    assert_eq!(
+        stats(&client, b.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 1, "charges": 1, "payments": 1})
+    );
+}
+
 /// Waiting is bounded: a duplicate that waits longer than `--wait-ms` for a first
 /// request still running gets 409 in-progress, and the first request is not disturbed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,7 @@
 //! cargo run --release --example payments -- [--addr 127.0.0.1:3000] [--database-url URL]
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
-//!     [--encryption-key HEX] [--print-migration-sql]
+//!     [--encryption-key HEX] [--print-migration-sql] [--resumable]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -37,6 +37,14 @@
 //! idempotency transaction; `--wait-ms N` makes duplicates wait up to N ms (in
 //! transactional mode, at least the 5 s lock timeout) for the
 //! first request instead of answering 409.
+//!
+//! In lease mode the provider's charge is a recorded step
+//! (`IdempotencyKey::try_step`): a retry of a payment whose process died after the
+//! charge gets the charge without calling the provider again. `--resumable`
+//! (PostgreSQL, lease mode) registers `POST /payments` as resumable and runs its
+//! completer: a payment whose process died mid-way is finished by another demo process
+//! started with `--resumable` (within about a second and a half of the death), even if
+//! the client never retries, and its retry gets the replay.
 //!
 //! `--encryption-key HEX` (64 hex digits: 32 bytes, `openssl rand -hex 32`) seals the
 //! stored responses under that key (id 1) and stores keys hashed: nothing of a
@@ -83,9 +91,11 @@ struct Args {
     encryption_key: Option<[u8; 32]>,
     /// Print the store's migrations as SQL, and exit.
     print_migration_sql: bool,
+    /// Register the payments route as resumable, and run its completer.
+    resumable: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--print-migration-sql]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--print-migration-sql] [--resumable]";
 
 /// 64 hex digits as 32 bytes.
 fn parse_key(hex: &str) -> Result<[u8; 32], String> {
@@ -119,6 +129,7 @@ fn parse_args() -> Result<Args, String> {
         listen_url: None,
         encryption_key: None,
         print_migration_sql: false,
+        resumable: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -166,6 +177,7 @@ fn parse_args() -> Result<Args, String> {
                 args.encryption_key = Some(parse_key(&value("--encryption-key")?)?)
             }
             "--print-migration-sql" => args.print_migration_sql = true,
+            "--resumable" => args.resumable = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -210,6 +222,11 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), backend::Error> {
+    if args.resumable && (args.transactional || args.database_url.is_none()) {
+        return Err(
+            "--resumable needs PostgreSQL (DATABASE_URL or --database-url) and lease mode".into(),
+        );
+    }
     let lease = Duration::from_millis(args.lease_ms);
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
@@ -276,7 +293,17 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         .require_key(true)
         .lease_duration(lease)
         .wait_for_running(Duration::from_millis(args.wait_ms));
+    let layer = if args.resumable {
+        layer.resumable("payments", [header::CONTENT_TYPE])
+    } else {
+        layer
+    };
     let shutdown = layer.shutdown_handle();
+    // The payments route's handler, without the layer: what the completer runs for a
+    // payment another process left half-done.
+    let completer = args
+        .resumable
+        .then(|| layer.spawn_completer(post(create_payment).with_state(backend.clone())));
 
     let app = Router::new()
         .route("/payments", post(create_payment).route_layer(layer))
@@ -301,6 +328,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         }
     );
     println!("wait: {} ms", args.wait_ms);
+    if completer.is_some() {
+        println!("resumable: payments left half-done by a process that died are finished here");
+    }
     if args.encryption_key.is_some() {
         println!("encryption: stored responses sealed, keys hashed (key id 1)");
     }
