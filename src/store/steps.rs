@@ -30,3 +30,20 @@ pub struct Orphan {
     /// The request, as the layer stored it.
     pub request: Bytes,
 }
+
+impl Orphan {
+    /// An orphan, as a store found it.
+    pub fn new(
+        scope: crate::Scope,
+        key: impl Into<String>,
+        fingerprint: crate::Fingerprint,
+        request: Bytes,
+    ) -> Self {
+        Self {
+            scope,
+            key: key.into(),
+            fingerprint,
+            request,
+        }
+    }
+}
