@@ -602,3 +602,41 @@ async fn the_completer_finishes_a_dead_holder_s_key_and_never_a_live_one_s() {
     );
     completer.abort();
 }
+
+/// The steps of a transactional request rolled back and never retried are forgotten
+/// by the background purge once a day old.
+#[tokio::test]
+async fn stale_transactional_steps_are_purged() {
+    let schema = TestSchema::new();
+    let store = schema
+        .store()
+        .await
+        .with_background_purge(Some(Duration::from_millis(20)));
+    let (router, _) = router(IdempotencyLayer::transactional(store.clone()));
+    let failed = send(
+        &router,
+        post_with_headers("stale", &[("x-fail-after", "1")]),
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(steps_rows(&schema).await, 1);
+    let aged = format!(
+        "UPDATE \"{}\".idempotency_keys_steps SET recorded_at = now() - interval '25 hours'",
+        schema.name
+    );
+    schema.query(&aged).await;
+    // Any lease-mode claim starts the store's background purge.
+    let scope = Scope::anonymous();
+    let _ = store
+        .claim(&request(&scope, "other", b"x", Duration::from_secs(1)))
+        .await;
+    let mut purged = false;
+    for _ in 0..500 {
+        if steps_rows(&schema).await == 0 {
+            purged = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(purged, "the stale steps were never purged");
+}

@@ -256,6 +256,7 @@ impl PostgresStore {
                     let orphans = sql.steps.forget_orphans.clone();
                     super::generations::Rotator::new(period, names, orphans)
                 }),
+            sql.steps.forget_stale.clone(),
         ));
         let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
             Arc::new(Liveness::new(

@@ -80,6 +80,9 @@ pub(super) struct Statements {
     /// judgement, as the claim asks it), at most `$2`, with their requests (kept as the
     /// step of place -1, under the name registered).
     pub(super) orphans: Statement,
+    /// Up to a thousand steps transactional mode recorded a day ago or more, for keys
+    /// never completed (rolled back, never retried): the background purge's.
+    pub(super) forget_stale: String,
     /// The steps whose key has no row marked as having them: left by a generation
     /// emptied whole (`TRUNCATE` fires no trigger).
     pub(super) forget_orphans: String,
@@ -149,6 +152,12 @@ impl Statements {
             forget: Statement::new(
                 format!("DELETE FROM {steps} WHERE scope = $1 AND key = $2"),
                 super::sql::params::KEY,
+            ),
+            forget_stale: format!(
+                "DELETE FROM {steps} WHERE ctid = ANY(ARRAY(
+                    SELECT ctid FROM {steps}
+                    WHERE fingerprint IS NOT NULL AND recorded_at < now() - interval '1 day'
+                    LIMIT 1000))"
             ),
             forget_orphans: format!(
                 "DELETE FROM {steps} AS s WHERE NOT EXISTS (
