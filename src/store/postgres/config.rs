@@ -247,7 +247,7 @@ impl PostgresStore {
             purge_every,
             pool.clone(),
             (!transaction_pooling).then(|| connector.clone()),
-            sql.purge_in_turn.clone(),
+            (sql.purge_in_turn.clone(), sql.steps.forget_stale.clone()),
             !transaction_pooling,
             purge::lock_id(&sql.qualified),
             generations
@@ -256,7 +256,6 @@ impl PostgresStore {
                     let orphans = sql.steps.forget_orphans.clone();
                     super::generations::Rotator::new(period, names, orphans)
                 }),
-            sql.steps.forget_stale.clone(),
         ));
         let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
             Arc::new(Liveness::new(

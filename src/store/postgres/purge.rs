@@ -69,16 +69,15 @@ pub(super) struct BackgroundPurge {
 
 impl BackgroundPurge {
     /// A purge every `every` (`None`: never) with `statement`, which takes the batch
-    /// size and the lock id.
+    /// size and the lock id, and `forget_stale_steps`.
     pub(super) fn new(
         every: Option<Duration>,
         pool: Pool,
         connector: Option<Connector>,
-        statement: Statement,
+        (statement, forget_stale_steps): (Statement, String),
         prepared: bool,
         lock: i64,
         rotator: Option<Rotator>,
-        forget_stale_steps: String,
     ) -> Self {
         Self {
             rotator,
