@@ -490,8 +490,8 @@ async fn a_crash_in_transactional_mode_keeps_the_recorded_step() {
     );
 }
 
-/// A transactional handler whose transaction ended under it (its session terminated)
-/// records no step: a retry may hold the key by then.
+/// A transactional handler whose transaction ended under it (its session terminated,
+/// and gone) records no step: a retry may hold the key by then.
 #[tokio::test]
 async fn a_transaction_ended_under_its_handler_records_no_step() {
     static SHIPPED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
@@ -502,10 +502,35 @@ async fn a_transaction_ended_under_its_handler_records_no_step() {
         let first: Result<u32, StepError> = key.step("charge", || async { 1 }).await;
         assert_eq!(first.expect("recorded while the transaction runs"), 1);
         let client = tx.client().await.expect("client");
+        let pid: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get(0);
         let _ = client
             .execute("SELECT pg_terminate_backend(pg_backend_pid())", &[])
             .await;
         drop(client);
+        // The session is gone once the server no longer lists it (its exit may come a
+        // moment after its client hears of it).
+        let (watcher, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(connection);
+        for _ in 0..500 {
+            let listed: i64 = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                    &[&pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            if listed == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let shipped = key.step("ship", || async { 2 }).await;
         *SHIPPED.lock().expect("lock") = Some(format!("{shipped:?}"));
         StatusCode::OK
