@@ -112,6 +112,18 @@ fn into_axum(res: http::Response<Bytes>) -> Response {
     res.map(axum_core::body::Body::from)
 }
 
+/// A handler may pass on [`IdempotencyKey::step`]'s error with `?`: `500
+/// handler-failed`, as the problem document by default, saying why (map it to a
+/// response of your own where the app words its errors otherwise). The layer does not
+/// store a 5xx by default: the key is released, and a retry runs anew.
+impl IntoResponse for crate::StepError {
+    fn into_response(self) -> Response {
+        tracing::error!(error = %self, "a step of the handler failed");
+        let rejection = Rejection::new(Problem::HandlerFailed, self.to_string());
+        into_axum(rejection.to_response(DEFAULT_TYPE_BASE))
+    }
+}
+
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
     type Rejection = MissingIdempotencyKey;
 

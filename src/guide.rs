@@ -8,6 +8,12 @@ pub mod modes {
     #![doc = include_str!("../docs/modes.md")]
 }
 
+/// Recorded steps and resumable handlers: a handler that dies half-way is finished,
+/// not redone.
+pub mod steps {
+    #![doc = include_str!("../docs/steps.md")]
+}
+
 /// Every fault, what the client sees, what the table holds, and the test that proves it.
 ///
 /// [modes]: crate::guide::modes

@@ -412,6 +412,8 @@ impl JobRunner {
                 self.release(&lease, in_flight).await;
                 return answer;
             }
+            let mut ctx_key = ctx_key;
+            ctx_key.set_steps(crate::run::steps::log(&self.leased(), &lease));
             let ctx = JobContext {
                 key: ctx_key,
                 #[cfg(feature = "postgres")]

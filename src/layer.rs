@@ -91,6 +91,8 @@ pub(crate) struct Config {
     pub(crate) transactional: Option<crate::store::PostgresStore>,
     #[cfg(feature = "postgres")]
     pub(crate) lock_timeout: Duration,
+    /// Registered as resumable: each claim's request kept for a completer.
+    pub(crate) resumable: Option<crate::run::completer::Resumable>,
 }
 
 impl Config {
@@ -151,6 +153,7 @@ impl IdempotencyLayer {
                 transactional: None,
                 #[cfg(feature = "postgres")]
                 lock_timeout: Duration::from_secs(5),
+                resumable: None,
             }),
         }
     }
@@ -862,6 +865,78 @@ impl IdempotencyLayer {
     /// not lock its table in time, a role that may not create the table).
     pub async fn migrate(&self) -> Result<(), crate::store::StoreError> {
         self.config.store.migrate().await
+    }
+}
+
+impl IdempotencyLayer {
+    /// Registers the layer's route as resumable under `name`: with each claim in lease
+    /// mode, the request its handler needs is stored beside the key (method, URI, the
+    /// `headers` named here, the body, and the client's key; sealed if the layer has
+    /// [`encrypt_responses`](Self::encrypt_responses) keys), so that, should this
+    /// process die while the handler runs, a live process's completer
+    /// ([`spawn_completer`](Self::spawn_completer)) finishes it, even if the client
+    /// never retries: it takes the key over, runs the handler with the stored request
+    /// (its recorded [steps](crate::IdempotencyKey::step) replayed), and stores the
+    /// response, which a later retry gets.
+    ///
+    /// One more statement per claimed request. What the app's own middleware puts in a
+    /// request (a [`Principal`](crate::Principal)) is not stored: the completed run
+    /// keeps the key's scope, and its handler finds no principal. Name only headers
+    /// the handler needs; never a credential. Off by default. A key is finished only
+    /// once its holder is known gone ([`PostgresStore`](crate::store::PostgresStore)
+    /// with liveness); in transactional mode a crash rolls back, and nothing is left
+    /// to finish.
+    ///
+    /// ```
+    /// use axum::{Router, http::header, routing::post};
+    /// use tower_idempotency::{IdempotencyKey, IdempotencyLayer};
+    /// # use tower_idempotency::store::MemoryStore;
+    ///
+    /// async fn pay(key: IdempotencyKey) -> String {
+    ///     format!("paid under {key}")
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .resumable("payments", [header::CONTENT_TYPE]);
+    /// // The route's handler, without the layer: what the completer runs.
+    /// let completer = layer.spawn_completer(post(pay));
+    /// let app: Router = Router::new().route("/payments", post(pay).route_layer(layer));
+    /// # completer.abort();
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn resumable(mut self, name: &str, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config().resumable = Some(crate::run::completer::Resumable {
+            name: name.into(),
+            headers: headers.into_iter().collect(),
+        });
+        self
+    }
+
+    /// Spawns the completer of the name this layer is registered
+    /// [`resumable`](Self::resumable) under: every half second it asks the store for
+    /// keys of that name whose holder is known gone (a process dead, by the liveness of
+    /// [`PostgresStore`](crate::store::PostgresStore): never a live holder's, nor one
+    /// whose lease merely lapsed), and runs each with `inner`, the route's handler
+    /// without the layer, as the layer would have run it. Every replica may run one:
+    /// one of them takes each key. It stops when the layer's
+    /// [`shutdown_handle`](Self::shutdown_handle) closes, or when the handle is
+    /// aborted. Needs a Tokio runtime.
+    pub fn spawn_completer<S, ResBody>(&self, inner: S) -> tokio::task::JoinHandle<()>
+    where
+        S: tower_service::Service<
+                http::Request<http_body_util::Full<bytes::Bytes>>,
+                Response = http::Response<ResBody>,
+            > + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        ResBody::Error: Into<crate::BoxError>,
+    {
+        tokio::spawn(crate::run::completer::run(self.config.clone(), inner))
     }
 }
 

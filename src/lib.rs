@@ -54,6 +54,7 @@ pub use request::fingerprint::{Fingerprint, FingerprintScheme, fingerprint};
 pub use request::key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key};
 pub use request::principal::Principal;
 pub use request::scope::Scope;
+pub use run::steps::StepError;
 pub use service::Idempotency;
 pub use shutdown::ShutdownHandle;
 

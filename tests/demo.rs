@@ -715,9 +715,9 @@ async fn query(sql: &str) -> Vec<tokio_postgres::Row> {
 
 /// Crash in the window after the charge: the process is killed -9 while its handler
 /// sleeps between charging the provider and recording the payment. After a restart the
-/// retry takes the key over (its lease lapsed), runs the handler again, and the
-/// provider, given the same derived key, returns the same charge: one charge, one
-/// payment, and a proper 201.
+/// retry takes the key over (its holder gone), runs the handler again, and gets the
+/// charge the first run recorded as its step, without calling the provider again: one
+/// provider call, one charge, one payment, and a proper 201.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
     const KEY: &str = "crash-payment-1";
@@ -777,7 +777,7 @@ async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
     assert_eq!(
         payment["charge_id"],
         charge_id.as_str(),
-        "the provider returned the first charge"
+        "the retry got the first charge"
     );
     assert_eq!(payment["amount"], 700);
     assert!(
@@ -791,7 +791,7 @@ async fn a_process_killed_after_the_charge_is_retried_into_one_payment() {
     assert_eq!(replay.body, created.body);
     assert_eq!(
         stats(&client, second.addr).await,
-        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+        json!({"handler_runs": 2, "psp_calls": 1, "charges": 1, "payments": 1})
     );
     let key_row = query(&format!(
         "SELECT state, token FROM \"{}\".idempotency_keys WHERE key = '{KEY}'",
@@ -1130,7 +1130,8 @@ async fn a_waiting_duplicate_on_another_process_is_woken_by_a_notification() {
 
 /// A duplicate waiting on process B for a payment running on process A, when A is
 /// killed mid-payment: nothing notifies B, so it looks again when A's lease lapses,
-/// takes the key over and completes the payment, charged once.
+/// takes the key over and completes the payment with the charge A recorded, the
+/// provider called once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_takes_over_from_a_killed_process() {
     const KEY: &str = "wait-crash-payment-1";
@@ -1180,11 +1181,66 @@ async fn a_waiting_duplicate_takes_over_from_a_killed_process() {
     );
     assert_eq!(
         stats(&client, b.addr).await,
-        json!({"handler_runs": 2, "psp_calls": 2, "charges": 1, "payments": 1})
+        json!({"handler_runs": 2, "psp_calls": 1, "charges": 1, "payments": 1})
     );
     assert_eq!(
         key_row(&schema, KEY).await.map(|r| r.0).as_deref(),
         Some("completed")
+    );
+}
+
+/// `--resumable`: a payment whose process A is killed after the charge, and that no
+/// client retries, is finished by process B's completer, with the charge A recorded
+/// (the provider called once); a later request with the key on B gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_nobody_retries_is_finished_by_another_process() {
+    const KEY: &str = "resumed-payment-1";
+    const PAYMENT: &str = r#"{"amount":2100,"currency":"EUR","delay_ms":4000}"#;
+    let schema = Schema::new();
+    let client = client();
+    let mut a = Demo::start_with(Some(&schema), &["--resumable"]);
+    let mut b = Demo::start_with(Some(&schema), &["--resumable"]);
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+    let (c, addr) = (client.clone(), a.addr);
+    let on_a = tokio::spawn(async move {
+        request(&c, Method::POST, addr, "/payments", Some(KEY), PAYMENT).await
+    });
+    assert!(
+        wait_for_stat(&client, a.addr, "charges", 1).await,
+        "A never charged"
+    );
+    a.kill9();
+    assert!(
+        on_a.await.expect("join").is_err(),
+        "the killed process answered"
+    );
+    // Nobody retries: B finishes it (its handler sleeps the payment's 4 s again).
+    let mut finished = false;
+    for _ in 0..POLL_ATTEMPTS {
+        if key_row(&schema, KEY)
+            .await
+            .is_some_and(|r| r.0 == "completed")
+        {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(finished, "the payment was never finished");
+    let charge_id: String = query(&format!(
+        "SELECT charge_id FROM \"{}\".demo_psp_charges",
+        schema.name
+    ))
+    .await[0]
+        .get(0);
+    let replay = post_payment(&client, b.addr, Some(KEY), PAYMENT).await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.json()["charge_id"], charge_id.as_str());
+    assert_eq!(
+        stats(&client, b.addr).await,
+        json!({"handler_runs": 2, "psp_calls": 1, "charges": 1, "payments": 1})
     );
 }
 

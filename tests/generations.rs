@@ -616,3 +616,75 @@ async fn a_key_held_in_one_table_does_not_hold_up_another_tables() {
     counter.let_go(1);
     assert_eq!(held.await.unwrap().status, 201);
 }
+
+/// The recorded steps of a key whose generation is emptied whole (a `TRUNCATE`, which
+/// fires no trigger) are forgotten with it: a fresh claim of the key starts with none;
+/// a live key's steps stay.
+#[tokio::test]
+async fn steps_of_a_generation_emptied_are_forgotten() {
+    let schema = TestSchema::new();
+    let store = store(&schema).await;
+    let scope = Scope::anonymous();
+    let short = Duration::from_millis(20);
+    let step = |name: &str| tower_idempotency::store::RecordedStep {
+        n: 0,
+        name: name.into(),
+        result: "\"x\"".into(),
+    };
+    let lapsed = request(&scope, "lapsed", short, short);
+    let Claim::Acquired(dead) = store.claim(&lapsed).await.unwrap() else {
+        panic!("new")
+    };
+    assert!(
+        store
+            .record_step(&dead, &step("charge"))
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let first = store.rotate_generations().await.unwrap();
+    assert_eq!(first.started, Some(2));
+    let live = request(
+        &scope,
+        "live",
+        Duration::from_secs(60),
+        Duration::from_secs(60),
+    );
+    let Claim::Acquired(holder) = store.claim(&live).await.unwrap() else {
+        panic!("new")
+    };
+    assert!(
+        store
+            .record_step(&holder, &step("ship"))
+            .await
+            .unwrap()
+            .is_kept()
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let rotation = store.rotate_generations().await.unwrap();
+    assert!(
+        first.emptied.contains(&1) || rotation.emptied.contains(&1),
+        "{first:?} {rotation:?}"
+    );
+    let names: Vec<String> = schema
+        .query(&format!(
+            "SELECT name FROM \"{}\".idempotency_keys_steps",
+            schema.name
+        ))
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(names, ["ship"]);
+    let again = request(
+        &scope,
+        "lapsed",
+        Duration::from_secs(60),
+        Duration::from_secs(60),
+    );
+    let Claim::Acquired(fresh) = store.claim(&again).await.unwrap() else {
+        panic!("the key is new again")
+    };
+    assert_eq!(store.steps(&fresh).await.unwrap(), Some(vec![]));
+}

@@ -171,7 +171,9 @@ fn charge_id(n: u64) -> String {
     format!("ch_{n:016x}")
 }
 
-/// What the provider did with a charge.
+/// What the provider did with a charge: recorded as the payment's `charge` step, so
+/// that a retry after a crash gets it without calling the provider again.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub(crate) enum Charged {
     /// Charged now, or before under the same key with the same amount and currency.
     Charge(String),

@@ -5,7 +5,7 @@
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
 //!     [--encryption-key HEX] [--retention-secs N] [--remember-secs N]
-//!     [--print-migration-sql]
+//!     [--print-migration-sql] [--resumable]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -39,6 +39,14 @@
 //! transactional mode, at least the 5 s lock timeout) for the
 //! first request instead of answering 409.
 //!
+//! In lease mode the provider's charge is a recorded step
+//! (`IdempotencyKey::try_step`): a retry of a payment whose process died after the
+//! charge gets the charge without calling the provider again. `--resumable`
+//! (PostgreSQL, lease mode) registers `POST /payments` as resumable and runs its
+//! completer: a payment whose process died mid-way is finished by another demo process
+//! started with `--resumable` (within about a second and a half of the death), even if
+//! the client never retries, and its retry gets the replay.
+//!
 //! `--encryption-key HEX` (64 hex digits: 32 bytes, `openssl rand -hex 32`) seals the
 //! stored responses under that key (id 1) and stores keys hashed: nothing of a
 //! payment's response, nor its key, can be read in the idempotency table. Give every
@@ -63,7 +71,7 @@ use axum::{
 };
 use serde_json::{Value, json};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, NoStore, Principal, encryption::EncryptionKeys,
+    IdempotencyKey, IdempotencyLayer, NoStore, Principal, StepError, encryption::EncryptionKeys,
     store::MemoryStore, transactional::TransactionHandle,
 };
 
@@ -93,9 +101,11 @@ struct Args {
     remember: Duration,
     /// Print the store's migrations as SQL, and exit.
     print_migration_sql: bool,
+    /// Register the payments route as resumable, and run its completer.
+    resumable: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--retention-secs N] [--remember-secs N] [--print-migration-sql]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--retention-secs N] [--remember-secs N] [--print-migration-sql] [--resumable]";
 
 /// 64 hex digits as 32 bytes.
 fn parse_key(hex: &str) -> Result<[u8; 32], String> {
@@ -131,6 +141,7 @@ fn parse_args() -> Result<Args, String> {
         retention: Duration::from_secs(24 * 3600),
         remember: tower_idempotency::store::DEFAULT_REMEMBER,
         print_migration_sql: false,
+        resumable: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -192,6 +203,7 @@ fn parse_args() -> Result<Args, String> {
                 args.remember = Duration::from_secs(secs);
             }
             "--print-migration-sql" => args.print_migration_sql = true,
+            "--resumable" => args.resumable = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -236,6 +248,11 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), backend::Error> {
+    if args.resumable && (args.transactional || args.database_url.is_none()) {
+        return Err(
+            "--resumable needs PostgreSQL (DATABASE_URL or --database-url) and lease mode".into(),
+        );
+    }
     let lease = Duration::from_millis(args.lease_ms);
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
@@ -311,7 +328,17 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         .ttl(args.retention)
         .lease_duration(lease)
         .wait_for_running(Duration::from_millis(args.wait_ms));
+    let layer = if args.resumable {
+        layer.resumable("payments", [header::CONTENT_TYPE])
+    } else {
+        layer
+    };
     let shutdown = layer.shutdown_handle();
+    // The payments route's handler, without the layer: what the completer runs for a
+    // payment another process left half-done.
+    let completer = args
+        .resumable
+        .then(|| layer.spawn_completer(post(create_payment).with_state(backend.clone())));
 
     let app = Router::new()
         .route("/payments", post(create_payment).route_layer(layer))
@@ -341,6 +368,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
         args.retention.as_secs(),
         args.remember.as_secs()
     );
+    if completer.is_some() {
+        println!("resumable: payments left half-done by a process that died are finished here");
+    }
     if args.encryption_key.is_some() {
         println!("encryption: stored responses sealed, keys hashed (key id 1)");
     }
@@ -545,10 +575,21 @@ async fn create_payment(
         Err(detail) => return invalid(detail),
     };
     // The provider gets a key derived from the client's, so a retry cannot charge twice.
-    let charge_id = match backend
-        .charge(&key.derive("psp"), payment.amount, &payment.currency)
-        .await
-    {
+    let psp_key = key.derive("psp");
+    let charging = || backend.charge(&psp_key, payment.amount, &payment.currency);
+    let charged = match &tx {
+        // In lease mode the charge is a recorded step: a retry after a crash (this
+        // process killed after the charge) gets the recorded charge, and the provider
+        // is not called again.
+        None => key.try_step("charge", charging).await.map_err(|e| match e {
+            StepError::Failed(e) => e,
+            other => other.to_string().into(),
+        }),
+        // In transactional mode a crash rolls the payment back, and the retry asks the
+        // provider again, which charges once under the derived key.
+        Some(_) => charging().await,
+    };
+    let charge_id = match charged {
         Ok(Charged::Charge(id)) => id,
         // Reachable only when the key holds no record: its first payment failed after
         // the charge, and was released for a retry; this one has another body.

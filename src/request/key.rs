@@ -228,6 +228,9 @@ fn parse_sf_string(value: &[u8], offset: usize) -> Result<String, KeyError> {
 pub struct IdempotencyKey {
     key: Arc<str>,
     scope: Scope,
+    /// The steps of the run it was handed to, if a layer or job runner handed it over
+    /// ([`step`](Self::step)); not part of its identity.
+    steps: crate::run::steps::Steps,
 }
 
 impl IdempotencyKey {
@@ -236,7 +239,18 @@ impl IdempotencyKey {
         Self {
             key: key.into(),
             scope,
+            steps: crate::run::steps::Steps::default(),
         }
+    }
+
+    /// The steps of the run it was handed to.
+    pub(crate) fn steps(&self) -> &crate::run::steps::Steps {
+        &self.steps
+    }
+
+    /// Hands it the steps of the run it goes to.
+    pub(crate) fn set_steps(&mut self, steps: crate::run::steps::Steps) {
+        self.steps = steps;
     }
 
     /// The key as the client sent it (the sf-string's value).

@@ -62,7 +62,10 @@ where
         return Ok(answer);
     }
 
+    // A resumable layer's request is kept for a completer, should this process die.
+    super::completer::record(&config, &lease, &parts, &body, key).await;
     crate::request::hand_over(&mut parts.extensions, &request, key, &config, false);
+    super::steps::attach(&mut parts.extensions, &config.leased(), &lease);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task, like the app's own handlers; a client that
     // hangs up does not cancel it: `ResponseFuture` then moves it to a task of its own.

@@ -9,6 +9,10 @@
 //!   result stored, its key released, each tried again while the store is away;
 //! - [`sealing`]: responses sealed before they are stored and opened before they are
 //!   replayed, keys hashed;
+//! - [`completer`]: resumable keys left running by a process that died, finished by a
+//!   live one;
+//! - [`steps`]: a handler's recorded steps, each run once per key, replayed to a
+//!   later run of the key;
 //! - [`previous`]: a key new in its (scope, stored key) looked for where the layer's
 //!   earlier settings stored it: under the scope it used before a deploy changed it,
 //!   and in clear, from before encryption.
@@ -17,6 +21,7 @@ use std::{sync::Arc, time::Duration};
 
 use crate::store::Store;
 
+pub(crate) mod completer;
 pub(crate) mod decision;
 pub(crate) mod handler;
 pub(crate) mod job;
@@ -25,6 +30,7 @@ pub(crate) mod previous;
 pub(crate) mod release;
 pub(crate) mod renewal;
 pub(crate) mod sealing;
+pub(crate) mod steps;
 pub(crate) mod storing;
 #[cfg(feature = "postgres")]
 pub(crate) mod transactional;

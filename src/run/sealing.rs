@@ -6,6 +6,8 @@
 
 use std::borrow::Cow;
 
+use bytes::Bytes;
+
 use crate::{
     Scope, StoredResponse,
     encryption::{EncryptionKeys, Unreadable, open, seal},
@@ -87,5 +89,119 @@ impl Sealing {
                 Err(unreadable)
             }
         }
+    }
+
+    /// A step's result as the record of `key` (as stored) in `scope` keeps it: sealed
+    /// once the layer has keys, bound to the key and the step's place, so that a result
+    /// cannot be moved to another key or place unnoticed.
+    pub(crate) fn seal_step(&self, scope: &Scope, key: &str, n: u32, result: Vec<u8>) -> Bytes {
+        match &self.0 {
+            Some(keys) => {
+                seal(
+                    keys,
+                    scope,
+                    &step_bound(key, n),
+                    &step_response(result.into()),
+                )
+                .body
+            }
+            None => result.into(),
+        }
+    }
+
+    /// A step's recorded result, opened if the layer has keys (and so sealed it).
+    pub(crate) fn open_step(
+        &self,
+        scope: &Scope,
+        key: &str,
+        n: u32,
+        result: Bytes,
+    ) -> Result<Bytes, Unreadable> {
+        if self.0.is_none() {
+            return Ok(result);
+        }
+        let mut sealed = step_response(result);
+        sealed
+            .headers
+            .insert(crate::record::SEALED, http::HeaderValue::from_static("1"));
+        open(self.0.as_ref(), scope, &step_bound(key, n), sealed).map(|opened| opened.body)
+    }
+}
+
+impl Sealing {
+    /// The request of a resumable key, sealed for the key once the layer has keys.
+    pub(crate) fn seal_request(&self, scope: &Scope, key: &str, request: Vec<u8>) -> Bytes {
+        match &self.0 {
+            Some(keys) => {
+                seal(
+                    keys,
+                    scope,
+                    &request_bound(key),
+                    &step_response(request.into()),
+                )
+                .body
+            }
+            None => request.into(),
+        }
+    }
+
+    /// The stored request of a resumable key, opened if the layer has keys.
+    pub(crate) fn open_request(
+        &self,
+        scope: &Scope,
+        key: &str,
+        request: Bytes,
+    ) -> Result<Bytes, Unreadable> {
+        if self.0.is_none() {
+            return Ok(request);
+        }
+        let mut sealed = step_response(request);
+        sealed
+            .headers
+            .insert(crate::record::SEALED, http::HeaderValue::from_static("1"));
+        open(self.0.as_ref(), scope, &request_bound(key), sealed).map(|opened| opened.body)
+    }
+}
+
+/// What the request of a resumable key is sealed for.
+fn request_bound(key: &str) -> String {
+    format!("{key}\0request")
+}
+
+/// What a step's result is sealed for: the key, and the step's place (a NUL cannot be in
+/// a key).
+fn step_bound(key: &str, n: u32) -> String {
+    format!("{key}\0step {n}")
+}
+
+/// A step's result as a response to seal or open.
+fn step_response(body: Bytes) -> StoredResponse {
+    StoredResponse {
+        status: http::StatusCode::OK,
+        headers: http::HeaderMap::new(),
+        body,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_result_is_sealed_for_its_key_and_place() {
+        let sealing = Sealing::new(EncryptionKeys::new(1, [7; 32]));
+        let scope = Scope::new("acct");
+        let result = br#"{"Charge":"ch_1"}"#.to_vec();
+        let sealed = sealing.seal_step(&scope, "k", 0, result.clone());
+        assert!(!sealed.windows(4).any(|w| w == b"ch_1"), "in clear");
+        let opened = sealing.open_step(&scope, "k", 0, sealed.clone());
+        assert_eq!(opened.expect("opens"), Bytes::from(result.clone()));
+        assert!(sealing.open_step(&scope, "k", 1, sealed.clone()).is_err());
+        assert!(sealing.open_step(&scope, "other", 0, sealed).is_err());
+        let clear = Sealing::default();
+        assert_eq!(
+            clear.seal_step(&scope, "k", 0, result.clone()),
+            Bytes::from(result)
+        );
     }
 }

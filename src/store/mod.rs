@@ -50,6 +50,7 @@ mod memory;
 mod operator;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod steps;
 mod waiters;
 
 pub use lookup::{KeyRecord, KeyState};
@@ -62,6 +63,7 @@ pub use postgres::{
     ConfigError, GenerationRotation, Migration, PostgresStore, StoreMetrics, pool_for_url,
     pool_for_url_with_tls,
 };
+pub use steps::{Orphan, RecordedStep};
 
 /// A boxed future, as returned by [`Store`] methods (so stores can be trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -608,6 +610,80 @@ pub trait Store: Send + Sync + 'static {
         ))))
     }
 
+    /// The steps recorded under `lease`'s key, in their order (`n` from 0), for a run of
+    /// the key to replay ([`IdempotencyKey::step`](crate::IdempotencyKey::step)).
+    /// `None`: the lease no longer holds the key. The default answers an error of kind
+    /// [`Misconfigured`](StoreErrorKind::Misconfigured), for stores that cannot record
+    /// steps.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, failed, or cannot record steps.
+    fn steps<'a>(
+        &'a self,
+        lease: &'a Lease,
+    ) -> BoxFuture<'a, Result<Option<Vec<RecordedStep>>, StoreError>> {
+        let _ = lease;
+        Box::pin(std::future::ready(Err(no_steps())))
+    }
+
+    /// Records `step` under `lease`'s key, durably before it returns, if the lease
+    /// still holds the key: [`LeaseLost`](Fenced::LeaseLost) records nothing. A step of
+    /// the same place recorded before by the same lease (an answer lost) is written
+    /// over. The steps of a key are forgotten when it completes, is released or
+    /// deleted. The default answers an error of kind
+    /// [`Misconfigured`](StoreErrorKind::Misconfigured).
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, failed, or cannot record steps; the step may or
+    /// may not be recorded.
+    fn record_step<'a>(
+        &'a self,
+        lease: &'a Lease,
+        step: &'a RecordedStep,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        let _ = (lease, step);
+        Box::pin(std::future::ready(Err(no_steps())))
+    }
+
+    /// Records the request of a resumable key (`name`: what the layer was registered
+    /// as, [`IdempotencyLayer::resumable`](crate::IdempotencyLayer::resumable)) under
+    /// `lease`, if it still holds the key, for a completer to run it should the holder
+    /// die; forgotten with the key's steps. The default keeps nothing and answers
+    /// [`Kept`](Fenced::Kept): a store whose holders die with it (as
+    /// [`MemoryStore`]'s) has no key for another process to finish.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed.
+    fn record_request<'a>(
+        &'a self,
+        lease: &'a Lease,
+        name: &'a str,
+        request: &'a bytes::Bytes,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        let _ = (lease, name, request);
+        Box::pin(std::future::ready(Ok(Fenced::Kept)))
+    }
+
+    /// Up to `limit` running keys registered as `name` whose holder is known to be
+    /// gone (its process dead, by liveness: not a lease that lapsed), with their
+    /// stored requests: what a completer takes over and finishes. Changes nothing.
+    /// The default finds none.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached, or failed.
+    fn orphans<'a>(
+        &'a self,
+        name: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<Orphan>, StoreError>> {
+        let _ = (name, limit);
+        Box::pin(std::future::ready(Ok(Vec::new())))
+    }
+
     /// Deletes up to `batch` records past their TTL whose lease (if running) has lapsed;
     /// returns how many. Never touches a live claim.
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>>;
@@ -700,6 +776,14 @@ pub trait Store: Send + Sync + 'static {
         lease: &'a Lease,
         duration: Duration,
     ) -> BoxFuture<'a, Result<Fenced, StoreError>>;
+}
+
+/// What a store that cannot record steps answers.
+fn no_steps() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Misconfigured,
+        "this store cannot record steps (Store::steps, Store::record_step)",
+    )
 }
 
 /// Purges expired records from `store` in the background: every `every` (at least

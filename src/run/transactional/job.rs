@@ -92,6 +92,8 @@ where
         }
     };
     let (handle, slot) = TransactionHandle::holding(conn);
+    let mut key = key;
+    key.set_steps(crate::run::steps::Steps(Some(claimed.steps.clone())));
     let ctx = JobContext {
         key,
         transaction: Some(handle),

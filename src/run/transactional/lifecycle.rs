@@ -11,7 +11,7 @@ use crate::{
     StoredResponse,
     observe::{Mode, Timer, store_failed},
     rejection::Problems,
-    run::sealing::Sealing,
+    run::{sealing::Sealing, steps::StepLog},
     store::{
         Claim, ClaimRequest, Fenced, Lease, PostgresStore, StoreErrorKind,
         transaction::{
@@ -34,6 +34,9 @@ pub(crate) struct Claimed {
     pub(crate) problems: Arc<Problems>,
     /// Seals what the key is completed with, if the layer has keys.
     pub(crate) sealing: Sealing,
+    /// The steps of the run (recorded apart from the transaction), forgotten in it
+    /// when it commits.
+    pub(crate) steps: Arc<StepLog>,
 }
 
 /// The result of opening a transaction and claiming the key in it.
@@ -129,15 +132,20 @@ async fn claim_in(
     })
     .await;
     match claimed {
-        Ok(Ok((Claim::Acquired(lease), backend))) => Opened::Acquired(
-            conn,
-            Claimed {
-                lease,
-                backend,
-                problems: problems.clone(),
-                sealing: sealing.clone(),
-            },
-        ),
+        Ok(Ok((Claim::Acquired(lease), backend))) => {
+            let claim = (&lease, backend, request.fingerprint);
+            let steps = crate::run::steps::in_transaction(store, claim, sealing, store_timeout);
+            Opened::Acquired(
+                conn,
+                Claimed {
+                    lease,
+                    backend,
+                    problems: problems.clone(),
+                    sealing: sealing.clone(),
+                    steps,
+                },
+            )
+        }
         Ok(Ok((found, _))) => {
             // Nothing was written: the answer need not wait for the ROLLBACK; the
             // connection goes back to the pool when it is done, or is closed if the
@@ -249,6 +257,22 @@ pub(crate) async fn commit(
     store_timeout: Duration,
 ) -> Committed {
     let timer = Timer::start();
+    // The steps recorded on the way, of no use once the response is stored, go with
+    // the commit; a rollback keeps them for a retry. Failed, the transaction is aborted,
+    // which the completion finds.
+    if claimed.steps.has_steps() {
+        let forgetting = store.forget_steps_on(&conn, &claimed.lease);
+        match timeout(store_timeout, forgetting).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "the steps could not be forgotten"),
+            Err(_) => {
+                tracing::error!(
+                    "no answer in time to forgetting the steps; the transaction was not committed, and its connection is closed"
+                );
+                return Committed::No;
+            }
+        }
+    }
     // Sealed once: the check of a COMMIT in doubt compares what was sent.
     let sealed = (claimed.sealing).seal(&claimed.lease.scope, &claimed.lease.key, stored.clone());
     let committed = complete_and_commit(

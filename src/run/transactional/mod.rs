@@ -256,6 +256,8 @@ where
     let (handle, slot) = TransactionHandle::holding(conn);
     parts.extensions.insert(handle);
     crate::request::hand_over(&mut parts.extensions, &request, key, &config, true);
+    let steps = super::steps::Steps(Some(claimed.steps.clone()));
+    super::steps::attach_log(&mut parts.extensions, steps);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it
     // (`ResponseFuture` moves it to a task of its own), and a panic rolls back.

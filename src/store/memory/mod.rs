@@ -2,6 +2,7 @@
 //! their bound in [`records`].
 
 mod records;
+mod steps;
 
 use records::{Id, Inner, Record, STORED_BYTES, SWEPT_PER_CLAIM, State, Stored, later};
 
@@ -12,8 +13,8 @@ use std::{
 };
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Removal, RunningKey,
-    Store, StoreError, waiters::Waiters,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, RecordedStep, Removal,
+    RunningKey, Store, StoreError, waiters::Waiters,
 };
 use crate::{Fingerprint, Scope, StoredResponse};
 
@@ -604,6 +605,21 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<Removal, StoreError>> {
         let deleted = self.remove_if(scope, key, |r| !matches!(r.state, State::Running { .. }));
         Box::pin(std::future::ready(deleted))
+    }
+
+    fn steps<'a>(
+        &'a self,
+        lease: &'a Lease,
+    ) -> BoxFuture<'a, Result<Option<Vec<RecordedStep>>, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.steps_of(lease))))
+    }
+
+    fn record_step<'a>(
+        &'a self,
+        lease: &'a Lease,
+        step: &'a RecordedStep,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.record_step_held(lease, step))))
     }
 }
 

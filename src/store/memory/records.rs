@@ -59,6 +59,10 @@ pub(super) struct Inner {
     pub(super) epoch: Instant,
     /// The time of day at `epoch`: a record's times, for an operator, are read from it.
     pub(super) wall_epoch: SystemTime,
+    /// The steps recorded under running keys (`steps`), forgotten with the key's
+    /// record, its completion, or its taking by another request. Not counted in
+    /// `bytes`: they live only while their key runs.
+    pub(super) steps: HashMap<Id, Vec<crate::store::RecordedStep>>,
 }
 
 /// How many records a claim looks at, at most, to sweep them before it runs.
@@ -208,6 +212,7 @@ impl Inner {
             evicted: 0,
             epoch: Instant::now(),
             wall_epoch: SystemTime::now(),
+            steps: HashMap::new(),
         }
     }
 
@@ -260,6 +265,7 @@ impl Inner {
     /// Adds a running record for a key that has none, with the store's copy of its
     /// scope.
     pub(super) fn insert(&mut self, id: Id, record: Record) {
+        self.steps.remove(&id);
         let id = (self.scope(&id.0), id.1);
         self.bytes += record.cost(&id.1);
         self.running.insert((record.free_at(), id.clone()));
@@ -272,6 +278,7 @@ impl Inner {
         let Some((id, record)) = self.records.remove_entry(id) else {
             return false;
         };
+        self.steps.remove(&id);
         if let State::Running { .. } = record.state {
             self.running.remove(&(record.free_at(), id.clone()));
         }
@@ -291,7 +298,15 @@ impl Inner {
         }
         let key = (r.free_at(), id.clone());
         let was = self.running.take(&key);
+        let fingerprint = r.fingerprint;
         f(r);
+        // Completed, or taken by another request: its steps are no longer of use.
+        if !matches!(r.state, State::Running { .. }) || r.fingerprint != fingerprint {
+            self.steps.remove(id);
+        }
+        let Some(r) = self.records.get_mut(id) else {
+            return true;
+        };
         if let State::Running { .. } = r.state {
             // The entry's own key, moved to the record's new time.
             let (_, id) = was.unwrap_or(key);

@@ -252,12 +252,15 @@ impl PostgresStore {
             purge_every,
             pool.clone(),
             (!transaction_pooling).then(|| connector.clone()),
-            sql.purge_in_turn.clone(),
+            (sql.purge_in_turn.clone(), sql.steps.forget_stale.clone()),
             !transaction_pooling,
             purge::lock_id(&sql.qualified),
             generations
                 .zip(sql.generations.clone())
-                .map(|(period, names)| super::generations::Rotator::new(period, names, &sql)),
+                .map(|(period, names)| {
+                    let orphans = sql.steps.forget_orphans.clone();
+                    super::generations::Rotator::new(period, names, &sql, orphans)
+                }),
         ));
         let liveness_of = listen_config.as_ref().filter(|_| liveness).map(|config| {
             Arc::new(Liveness::new(

@@ -27,7 +27,7 @@ const BEHIND_A_POOLER: &str = "behind a transaction-pooling proxy (PgBouncer's p
 const NOT_MIGRATED: &str = "the store's table or one of its functions is missing or out of date: run migrate(), or apply migration_sql() with your migration tool; verify() names what differs";
 
 /// The hint of a right missing while serving.
-const APP_RIGHTS: &str = "the app's role needs CONNECT on the database, USAGE on the table's schema, SELECT, INSERT, UPDATE and DELETE on the table and on its _holders table, and EXECUTE on its functions (docs/postgres.md, \"Privileges\")";
+const APP_RIGHTS: &str = "the app's role needs CONNECT on the database, USAGE on the table's schema, SELECT, INSERT, UPDATE and DELETE on the table and on its _holders and _steps tables, and EXECUTE on its functions (docs/postgres.md, \"Privileges\")";
 
 /// A database error as the store shows it: the database's message, its SQLSTATE, and
 /// its detail and hint where it gave them; or, for an error that did not come from the

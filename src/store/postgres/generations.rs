@@ -144,15 +144,24 @@ pub(super) struct Rotator {
     /// expired to remembered ones, run before each rotation (`Sql::reduce_in_turn`),
     /// so that no response outlives its TTL here either.
     pub(super) reduce: Option<super::sql::Statement>,
+    /// Forgets the recorded steps of keys whose rows went with a generation emptied
+    /// (a `TRUNCATE` fires no trigger).
+    forget_orphan_steps: String,
 }
 
 impl Rotator {
-    pub(super) fn new(period: Duration, names: Names, sql: &super::sql::Sql) -> Self {
+    pub(super) fn new(
+        period: Duration,
+        names: Names,
+        sql: &super::sql::Sql,
+        forget_orphan_steps: String,
+    ) -> Self {
         Self {
             period,
             names,
             remember: sql.remember,
             reduce: (!sql.remember.is_zero()).then(|| sql.reduce_in_turn.clone()),
+            forget_orphan_steps,
         }
     }
 
@@ -175,6 +184,13 @@ impl Rotator {
                 Some(g) => rotation.emptied.push(g),
                 None => break,
             }
+        }
+        if !rotation.emptied.is_empty() {
+            let conn = checkout(pool, connector).await?;
+            conn.batch_execute(&self.forget_orphan_steps)
+                .await
+                .map_err(|e| describe(&e))?;
+            conn.done();
         }
         rotation.dropped = self.drop_emptied(pool, connector).await?;
         Ok(rotation)

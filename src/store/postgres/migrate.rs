@@ -18,6 +18,7 @@ pub(super) const MIGRATIONS: &[(i32, &str)] = &[
     (2, include_str!("../../../migrations/0002_waiters.sql")),
     (3, include_str!("../../../migrations/0003_claim_insert.sql")),
     (4, include_str!("../../../migrations/0004_holders.sql")),
+    (5, include_str!("../../../migrations/0005_steps.sql")),
 ];
 
 /// An advisory lock id shared by every process migrating this crate's tables.
@@ -91,7 +92,11 @@ pub(super) fn render(sql: &Sql, text: &str) -> String {
         .replace("{{expires_index}}", &sql.expires_index)
         .replace("{{claim_function}}", &sql.claim_function)
         .replace("{{holders}}", &sql.holders)
-        .replace("{{holder_gone_function}}", &sql.holder_gone_function);
+        .replace("{{holder_gone_function}}", &sql.holder_gone_function)
+        .replace("{{steps}}", &sql.steps.table)
+        .replace("{{steps_forget_function}}", &sql.steps.forget_function)
+        .replace("{{steps_forget_on_update}}", &sql.steps.forget_on_update)
+        .replace("{{steps_forget_on_delete}}", &sql.steps.forget_on_delete);
     match &sql.generations {
         Some(names) => names.render(&text),
         None => text,

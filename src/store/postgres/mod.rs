@@ -20,6 +20,7 @@ mod reserve;
 mod shared;
 mod slots;
 mod sql;
+mod steps;
 mod tls;
 mod tx;
 mod url;
@@ -54,8 +55,8 @@ use tls::Connector;
 pub use url::{pool_for_url, pool_for_url_with_tls};
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Removal, RunningKey,
-    Store, StoreError, StoreErrorKind,
+    BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Orphan, RecordedStep,
+    Removal, RunningKey, Store, StoreError, StoreErrorKind,
 };
 use crate::{Scope, StoredResponse};
 
@@ -569,6 +570,38 @@ impl Store for PostgresStore {
 
     fn records_location(&self) -> Option<Arc<str>> {
         Some(self.location.clone())
+    }
+
+    fn steps<'a>(
+        &'a self,
+        lease: &'a Lease,
+    ) -> BoxFuture<'a, Result<Option<Vec<RecordedStep>>, StoreError>> {
+        Box::pin(self.steps_of(lease))
+    }
+
+    fn record_step<'a>(
+        &'a self,
+        lease: &'a Lease,
+        step: &'a RecordedStep,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        Box::pin(self.record_step_held(lease, step))
+    }
+
+    fn record_request<'a>(
+        &'a self,
+        lease: &'a Lease,
+        name: &'a str,
+        request: &'a bytes::Bytes,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        Box::pin(self.record_request_held(lease, name, request))
+    }
+
+    fn orphans<'a>(
+        &'a self,
+        name: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<Orphan>, StoreError>> {
+        Box::pin(self.orphans_of(name, limit))
     }
 
     fn migrate(&self) -> BoxFuture<'_, Result<(), StoreError>> {

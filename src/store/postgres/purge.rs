@@ -62,22 +62,26 @@ pub(super) struct BackgroundPurge {
     lock: i64,
     /// Rounds rotate the generations instead of deleting rows, if the table has them.
     rotator: Option<Rotator>,
+    /// Forgets the steps transactional mode recorded for keys never completed (rolled
+    /// back, and never retried), a day after they were recorded (`steps`).
+    forget_stale_steps: String,
 }
 
 impl BackgroundPurge {
     /// A purge every `every` (`None`: never) with `statement`, which takes the batch
-    /// size and the lock id.
+    /// size and the lock id, and `forget_stale_steps`.
     pub(super) fn new(
         every: Option<Duration>,
         pool: Pool,
         connector: Option<Connector>,
-        statement: Statement,
+        (statement, forget_stale_steps): (Statement, String),
         prepared: bool,
         lock: i64,
         rotator: Option<Rotator>,
     ) -> Self {
         Self {
             rotator,
+            forget_stale_steps,
             every: every.map(|e| e.clamp(SHORTEST, crate::settings::TEN_YEARS)),
             started: AtomicBool::new(false),
             pool,
@@ -117,6 +121,7 @@ impl BackgroundPurge {
     /// of deletes; each batch gets a connection of its own from the pool, and is given
     /// up on past `BATCH_BOUND`.
     async fn round(&self) -> Result<u64, String> {
+        self.forget_stale_steps().await;
         if self.rotator.is_some() {
             return self
                 .rotate()
@@ -185,6 +190,23 @@ impl BackgroundPurge {
     /// The period of the generations, if the table has them.
     pub(super) fn generations(&self) -> Option<Duration> {
         self.rotator.as_ref().map(|r| r.period)
+    }
+
+    /// Forgets up to a batch of transactional mode's stale steps; a failure is tried
+    /// again next round.
+    async fn forget_stale_steps(&self) {
+        let forgotten = async {
+            let client = self.pool.get().await.map_err(|e| e.to_string())?;
+            let conn = Checkout(Some(client), self.connector.clone());
+            let done = conn.batch_execute(&self.forget_stale_steps).await;
+            conn.done();
+            done.map_err(|e| describe(&e))
+        };
+        match tokio::time::timeout(BATCH_BOUND, forgotten).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "stale steps could not be forgotten"),
+            Err(_) => tracing::debug!("forgetting stale steps took longer than 30 s; given up"),
+        }
     }
 
     /// One batch, on a pooled connection that goes back to the pool once answered (and

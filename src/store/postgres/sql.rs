@@ -259,6 +259,8 @@ pub(super) struct Sql {
     pub(super) holder_gone_function: String,
     /// The names of a table in generations, if it is one (`with_generations`).
     pub(super) generations: Option<super::generations::Names>,
+    /// Recorded steps' own (migration 0005, `steps`).
+    pub(super) steps: super::steps::Statements,
 }
 
 impl Sql {
@@ -619,6 +621,7 @@ impl Sql {
             holder_gone_function,
             generations: names,
             remember,
+            steps: super::steps::Statements::new(schema, table, &t),
             expires_index: format!("\"{table}_expires_at\""),
             qualified: t,
         }

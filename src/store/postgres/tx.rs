@@ -44,10 +44,10 @@ const CLAIM_MARK: &str = "tower_idempotency.claim";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Backend {
     /// `pg_backend_pid()` inside the transaction.
-    pid: i32,
+    pub(super) pid: i32,
     /// The transaction's start (`now()` in it): `xact_start` in `pg_stat_activity`
     /// while it runs, and `created_at` of the claim row it inserted or took over.
-    started: SystemTime,
+    pub(super) started: SystemTime,
 }
 
 /// Statements of transactional mode (see `Sql`).

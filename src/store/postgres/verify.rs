@@ -327,11 +327,13 @@ impl PostgresStore {
                     }
                 ));
             }
-            // The table the store serves from, and the one its holders register in
-            // (liveness), are read and written; the others (a table in generations'
+            // The table the store serves from, the one its holders register in
+            // (liveness) and the one its steps are recorded in, are read and written; the others (a table in generations'
             // list of them) are read.
             let holders = format!("{}_holders", self.table);
-            let rights: &[&str] = if table.object == self.table || table.object == holders {
+            let steps = format!("{}_steps", self.table);
+            let written = [&self.table, &holders, &steps];
+            let rights: &[&str] = if written.contains(&&table.object) {
                 &["SELECT", "INSERT", "UPDATE", "DELETE"]
             } else {
                 &["SELECT"]
