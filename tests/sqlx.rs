@@ -48,3 +48,242 @@ mod lease {
 
     crate::layer_suite!(make);
 }
+
+/// A request through a layer over each driver.
+mod drivers {
+    use std::{sync::Arc, time::Duration};
+
+    use bytes::Bytes;
+    use tower_idempotency::{
+        Fingerprint, IdempotencyLayer, Outcome, Scope, StoredResponse,
+        job::{JobOutcome, JobRunner},
+        store::{Claim, ClaimRequest, Fenced, SqlxStore, Store, StoreErrorKind},
+    };
+
+    use crate::common::{TestDatabase, TestSchema, app, post, send};
+
+    fn request<'a>(scope: &'a Scope, key: &'a str, fingerprint: u8) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint::new([fingerprint; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
+    /// The app's pool itself, handed to the layer and to the job runner (the store's
+    /// default table, in a database of the test's own): each migrates it, runs the
+    /// work once and replays it.
+    #[tokio::test]
+    async fn a_pool_handed_to_the_layer_and_the_runner_is_a_store() {
+        let db = TestDatabase::new().await;
+        let pool = super::pool(&db.url(), 4).await;
+        let layer = IdempotencyLayer::new(pool.clone());
+        layer.migrate().await.expect("migrate");
+        let (router, counter) = app(layer);
+        let first = send(&router, post("pay-1", r#"{"amount":1}"#)).await;
+        let again = send(&router, post("pay-1", r#"{"amount":1}"#)).await;
+        assert_eq!(first.status, 201);
+        assert_eq!(again.status, first.status);
+        assert_eq!(again.body, first.body);
+        assert_eq!(again.outcome, Some(Outcome::Replayed));
+        assert_eq!(counter.runs(), 1);
+
+        let runner = JobRunner::new(pool.clone());
+        runner.migrate().await.expect("migrate");
+        let scope = Scope::new("consumer");
+        let mut outcomes = Vec::new();
+        for _ in 0..2 {
+            let outcome = runner
+                .run(&scope, "msg-1", b"payload", |_| async {
+                    Ok::<_, std::io::Error>(Bytes::from_static(b"credited"))
+                })
+                .await
+                .expect("a run");
+            outcomes.push(outcome);
+        }
+        assert!(
+            matches!(&outcomes[..], [JobOutcome::Ran(r), JobOutcome::AlreadyDone(d)] if r == "credited" && d == "credited"),
+            "{outcomes:?}"
+        );
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM public.idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+        assert_eq!(rows, 2);
+        pool.close().await;
+    }
+
+    /// One table, two drivers: what one completes the other replays byte for byte, a
+    /// key one holds the other finds running, and a completion under a token the other
+    /// took over is fenced.
+    #[tokio::test]
+    async fn both_drivers_share_one_table() {
+        let schema = TestSchema::new();
+        let sqlx_store = super::store(&schema).await;
+        let pg_store = schema.store().await;
+        let scope = Scope::new("acct");
+
+        let Claim::Acquired(lease) = sqlx_store
+            .claim(&request(&scope, "k1", 1))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::from_iter([(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            )]),
+            body: Bytes::from_static(br#"{"id":"pay_1"}"#),
+        };
+        assert_eq!(
+            pg_store
+                .claim(&request(&scope, "k1", 1))
+                .await
+                .ok()
+                .map(|c| matches!(c, Claim::Running { .. })),
+            Some(true)
+        );
+        let kept = sqlx_store
+            .complete(&lease, &response, Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        assert_eq!(kept, Fenced::Kept);
+        match pg_store
+            .claim(&request(&scope, "k1", 1))
+            .await
+            .expect("claim")
+        {
+            Claim::Completed {
+                response: replayed,
+                fingerprint,
+            } => {
+                assert_eq!(fingerprint, Fingerprint::new([1; 32]));
+                assert_eq!(replayed.status, response.status);
+                assert_eq!(replayed.headers, response.headers);
+                assert_eq!(replayed.body, response.body);
+            }
+            other => panic!("completed expected, got {other:?}"),
+        }
+
+        // The other way round, with a lease that lapses at once: the sqlx store takes
+        // it over, and the first holder's completion is fenced.
+        let short = ClaimRequest {
+            lease: Duration::from_millis(1),
+            ..request(&scope, "k2", 2)
+        };
+        let Claim::Acquired(first) = pg_store.claim(&short).await.expect("claim") else {
+            panic!("a new key")
+        };
+        let mut taken = None;
+        for _ in 0..1000 {
+            if let Claim::Acquired(lease) = sqlx_store
+                .claim(&request(&scope, "k2", 2))
+                .await
+                .expect("claim")
+            {
+                taken = Some(lease);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let taken = taken.expect("the lapsed lease taken over");
+        assert!(taken.token > first.token);
+        let fenced = pg_store
+            .complete(&first, &response, Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        assert_eq!(fenced, Fenced::LeaseLost);
+        assert_eq!(
+            sqlx_store
+                .renew(&first, Duration::from_secs(5))
+                .await
+                .expect("renew"),
+            Fenced::LeaseLost
+        );
+        assert_eq!(
+            sqlx_store
+                .renew(&taken, Duration::from_secs(5))
+                .await
+                .expect("renew"),
+            Fenced::Kept
+        );
+        assert_eq!(
+            sqlx_store.release(&taken).await.expect("release"),
+            Fenced::Kept
+        );
+        assert!(
+            sqlx_store
+                .look_up(&scope, "k2")
+                .await
+                .expect("look up")
+                .is_none()
+        );
+        let record = sqlx_store
+            .look_up(&scope, "k1")
+            .await
+            .expect("look up")
+            .expect("k1");
+        assert_eq!(record.token, lease.token);
+    }
+
+    /// A store whose table was never migrated: the claim's error is classified by its
+    /// SQLSTATE as the tokio-postgres driver's is, misconfigured, and says to migrate.
+    #[tokio::test]
+    async fn an_unmigrated_table_is_misconfigured_and_says_to_migrate() {
+        let schema = TestSchema::new();
+        let store = SqlxStore::new(super::pool(&crate::common::database_url(), 2).await)
+            .with_schema_name(&schema.name)
+            .expect("schema name");
+        let scope = Scope::new("acct");
+        let e = store
+            .claim(&request(&scope, "k", 1))
+            .await
+            .expect_err("no table");
+        assert_eq!(e.kind(), StoreErrorKind::Misconfigured);
+        assert!(e.hint().is_some_and(|h| h.contains("migrate()")), "{e}");
+    }
+
+    /// A waiter on a store that listens is woken by the completion's notification
+    /// (sent by the other driver's completion), not by a timer: with the listener up,
+    /// `changed` resolves on a notification only.
+    #[tokio::test]
+    async fn a_waiter_is_woken_by_the_completion_s_notification() {
+        let schema = TestSchema::new();
+        let sqlx_store = Arc::new(super::store(&schema).await);
+        let pg_store = schema.store().await;
+        sqlx_store.listen().await.expect("listening");
+        assert!(sqlx_store.is_listening());
+        let scope = Scope::new("acct");
+        let Claim::Acquired(lease) = pg_store
+            .claim(&request(&scope, "k", 1))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let changed = sqlx_store.changed(&scope, "k");
+        assert!(
+            sqlx_store
+                .register_waiter(&scope, "k")
+                .await
+                .expect("register")
+        );
+        let response = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: Bytes::from_static(b"done"),
+        };
+        pg_store
+            .complete(&lease, &response, Duration::from_secs(60))
+            .await
+            .expect("complete");
+        tokio::time::timeout(Duration::from_secs(30), changed)
+            .await
+            .expect("woken by the notification");
+    }
+}
