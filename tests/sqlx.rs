@@ -278,10 +278,11 @@ mod drivers {
             headers: http::HeaderMap::new(),
             body: Bytes::from_static(b"done"),
         };
-        pg_store
+        let kept = pg_store
             .complete(&lease, &response, Duration::from_secs(60))
             .await
             .expect("complete");
+        assert_eq!(kept, Fenced::Kept);
         tokio::time::timeout(Duration::from_secs(30), changed)
             .await
             .expect("woken by the notification");

@@ -823,7 +823,7 @@ impl<T, F> Classified<T> for F
 where
     F: Future<Output = Result<T, ::sqlx::Error>> + Send,
 {
-    fn map_err_classified(self) -> impl Future<Output = Result<T, StoreError>> + Send {
-        async move { self.await.map_err(classify) }
+    async fn map_err_classified(self) -> Result<T, StoreError> {
+        self.await.map_err(classify)
     }
 }
