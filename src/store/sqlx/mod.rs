@@ -26,7 +26,7 @@ use super::{
     look_up::record,
     migrate::{MIGRATION_LOCK, scripts},
     purge::DEFAULT_EVERY,
-    row::Columns,
+    row::{Columns, need},
     sql::Sql,
 };
 use crate::{
@@ -265,13 +265,14 @@ impl SqlxStore {
         ))
         .await
         .map_err(applying)?;
-        ::sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        self.query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATION_LOCK)
             .execute(&mut *tx)
             .await
             .map_err(applying)?;
         let schema_exists: bool =
             ::sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)")
+                .persistent(self.persistent)
                 .bind(&self.schema)
                 .fetch_one(&mut *tx)
                 .await
@@ -293,6 +294,7 @@ impl SqlxStore {
             "SELECT version FROM {}",
             self.sql.migrations_table
         ))
+        .persistent(self.persistent)
         .fetch_all(&mut *tx)
         .await
         .map_err(applying)?;
@@ -301,7 +303,7 @@ impl SqlxStore {
                 continue;
             }
             tx.execute(::sqlx::raw_sql(&sql)).await.map_err(applying)?;
-            ::sqlx::query(&format!(
+            self.query(&format!(
                 "INSERT INTO {} (version) VALUES ($1)",
                 self.sql.migrations_table
             ))
@@ -319,6 +321,46 @@ impl SqlxStore {
         ::sqlx::query(sql).persistent(self.persistent)
     }
 
+    /// Runs `query` on a connection of the pool for its rows. Behind a transaction
+    /// pooler, in a transaction of its own: sqlx sends an unnamed statement's parse and
+    /// its execution in two exchanges, which the pooler may give to two server sessions
+    /// unless a transaction holds one.
+    async fn fetch_all(
+        &self,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<Vec<PgRow>, StoreError> {
+        if self.persistent {
+            return query.fetch_all(&self.pool).await.map_err(classify);
+        }
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let rows = query.fetch_all(&mut *tx).await.map_err(classify)?;
+        tx.commit().await.map_err(classify)?;
+        Ok(rows)
+    }
+
+    /// [`fetch_all`](Self::fetch_all), for a statement of one row at most.
+    async fn fetch_optional(
+        &self,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<Option<PgRow>, StoreError> {
+        Ok(self.fetch_all(query).await?.into_iter().next())
+    }
+
+    /// [`fetch_all`](Self::fetch_all), for the count of rows a statement changed.
+    async fn execute(&self, query: Query<'_, Postgres, PgArguments>) -> Result<u64, StoreError> {
+        if self.persistent {
+            return Ok(query
+                .execute(&self.pool)
+                .await
+                .map_err(classify)?
+                .rows_affected());
+        }
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let done = query.execute(&mut *tx).await.map_err(classify)?;
+        tx.commit().await.map_err(classify)?;
+        Ok(done.rows_affected())
+    }
+
     fn key_id(&self, scope: &Scope, key: &str) -> String {
         super::key_id(&self.sql.qualified, scope, key)
     }
@@ -330,36 +372,37 @@ impl SqlxStore {
         token: FencingToken,
     ) -> Result<Option<Claim>, StoreError> {
         let row = again_if_it_lost_a_race(|| {
-            self.query(&self.sql.claim)
-                .bind(req.scope.as_str())
-                .bind(req.key)
-                .bind(req.fingerprint.as_bytes())
-                .bind(ms(req.lease))
-                .bind(ms(req.ttl))
-                .bind(token.get())
-                .bind(None::<i64>)
-                .fetch_optional(&self.pool)
-                .map_err_classified()
+            self.fetch_optional(
+                self.query(&self.sql.claim)
+                    .bind(req.scope.as_str())
+                    .bind(req.key)
+                    .bind(req.fingerprint.as_bytes())
+                    .bind(ms(req.lease))
+                    .bind(ms(req.ttl))
+                    .bind(token.get())
+                    .bind(None::<i64>),
+            )
         })
         .await?
         .ok_or_else(|| corrupt("the claim returned no row"))?;
         match super::claim::found(&SqlxRow(row), req, self.sql.remember)?.0 {
             Found::Claim(claim) => Ok(claim),
             Found::TakeOver(seen) => {
-                let taken: Option<i64> = again_if_it_lost_a_race(|| {
-                    ::sqlx::query_scalar(&self.sql.takeover)
-                        .persistent(self.persistent)
-                        .bind(req.scope.as_str())
-                        .bind(req.key)
-                        .bind(seen.token)
-                        .bind(req.fingerprint.as_bytes())
-                        .bind(ms(req.lease))
-                        .bind(ms(req.ttl))
-                        .bind(None::<i64>)
-                        .fetch_optional(&self.pool)
-                        .map_err_classified()
+                let taken = again_if_it_lost_a_race(|| {
+                    self.fetch_optional(
+                        self.query(&self.sql.takeover)
+                            .bind(req.scope.as_str())
+                            .bind(req.key)
+                            .bind(seen.token)
+                            .bind(req.fingerprint.as_bytes())
+                            .bind(ms(req.lease))
+                            .bind(ms(req.ttl))
+                            .bind(None::<i64>),
+                    )
                 })
-                .await?;
+                .await?
+                .map(|row| need(SqlxRow(row).int8(0), 0))
+                .transpose()?;
                 Ok(taken.map(|token| {
                     Claim::Acquired(Lease {
                         scope: req.scope.clone(),
@@ -380,16 +423,16 @@ impl SqlxStore {
         headers: &[u8],
     ) -> Result<bool, StoreError> {
         let rows = self
-            .query(&self.sql.completed_by)
-            .bind(lease.scope.as_str())
-            .bind(&*lease.key)
-            .bind(lease.token.get())
-            .bind(response.status.as_u16() as i16)
-            .bind(headers)
-            .bind(&response.body[..])
-            .fetch_all(&self.pool)
-            .await
-            .map_err(classify)?;
+            .fetch_all(
+                self.query(&self.sql.completed_by)
+                    .bind(lease.scope.as_str())
+                    .bind(&*lease.key)
+                    .bind(lease.token.get())
+                    .bind(response.status.as_u16() as i16)
+                    .bind(headers)
+                    .bind(&response.body[..]),
+            )
+            .await?;
         Ok(!rows.is_empty())
     }
 
@@ -400,14 +443,7 @@ impl SqlxStore {
     /// The database could not be reached, or failed.
     pub async fn purge_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let batch = batch.max(1);
-        again_if_it_lost_a_race(|| {
-            self.query(&self.sql.purge)
-                .bind(batch)
-                .execute(&self.pool)
-                .map_err_classified()
-        })
-        .await
-        .map(|done| done.rows_affected())
+        again_if_it_lost_a_race(|| self.execute(self.query(&self.sql.purge).bind(batch))).await
     }
 
     /// Starts the background purge at the first claim.
@@ -494,19 +530,19 @@ impl Store for SqlxStore {
             let headers = StoredResponse::encode_headers(&response.headers);
             let id = self.key_id(&lease.scope, &lease.key);
             let rows = self
-                .query(&self.sql.complete)
-                .bind(lease.scope.as_str())
-                .bind(&*lease.key)
-                .bind(lease.token.get())
-                .bind(response.status.as_u16() as i16)
-                .bind(&headers[..])
-                .bind(&response.body[..])
-                .bind(ms(ttl))
-                .bind(&self.listener.channel)
-                .bind(&id)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(classify)?;
+                .fetch_all(
+                    self.query(&self.sql.complete)
+                        .bind(lease.scope.as_str())
+                        .bind(&*lease.key)
+                        .bind(lease.token.get())
+                        .bind(response.status.as_u16() as i16)
+                        .bind(&headers[..])
+                        .bind(&response.body[..])
+                        .bind(ms(ttl))
+                        .bind(&self.listener.channel)
+                        .bind(&id),
+                )
+                .await?;
             if rows.len() == 1 {
                 return Ok(Fenced::Kept);
             }
@@ -519,14 +555,14 @@ impl Store for SqlxStore {
         Box::pin(async move {
             let id = self.key_id(&lease.scope, &lease.key);
             let rows = again_if_it_lost_a_race(|| {
-                self.query(&self.sql.release)
-                    .bind(lease.scope.as_str())
-                    .bind(&*lease.key)
-                    .bind(lease.token.get())
-                    .bind(&self.listener.channel)
-                    .bind(&id)
-                    .fetch_all(&self.pool)
-                    .map_err_classified()
+                self.fetch_all(
+                    self.query(&self.sql.release)
+                        .bind(lease.scope.as_str())
+                        .bind(&*lease.key)
+                        .bind(lease.token.get())
+                        .bind(&self.listener.channel)
+                        .bind(&id),
+                )
             })
             .await?;
             Ok(Fenced::kept_if(rows.len() == 1))
@@ -540,16 +576,16 @@ impl Store for SqlxStore {
     ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
         Box::pin(async move {
             let done = again_if_it_lost_a_race(|| {
-                self.query(&self.sql.renew)
-                    .bind(lease.scope.as_str())
-                    .bind(&*lease.key)
-                    .bind(lease.token.get())
-                    .bind(ms(duration))
-                    .execute(&self.pool)
-                    .map_err_classified()
+                self.execute(
+                    self.query(&self.sql.renew)
+                        .bind(lease.scope.as_str())
+                        .bind(&*lease.key)
+                        .bind(lease.token.get())
+                        .bind(ms(duration)),
+                )
             })
             .await?;
-            Ok(Fenced::kept_if(done.rows_affected() == 1))
+            Ok(Fenced::kept_if(done == 1))
         })
     }
 
@@ -560,12 +596,8 @@ impl Store for SqlxStore {
     ) -> BoxFuture<'a, Result<Option<KeyRecord>, StoreError>> {
         Box::pin(async move {
             let row = self
-                .query(&self.sql.look_up)
-                .bind(scope.as_str())
-                .bind(key)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(classify)?;
+                .fetch_optional(self.query(&self.sql.look_up).bind(scope.as_str()).bind(key))
+                .await?;
             row.map(|row| record(&SqlxRow(row), self.sql.remember))
                 .transpose()
         })
@@ -582,12 +614,8 @@ impl Store for SqlxStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let row = self
-                .query(&self.sql.wait)
-                .bind(scope.as_str())
-                .bind(key)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(classify)?;
+                .fetch_optional(self.query(&self.sql.wait).bind(scope.as_str()).bind(key))
+                .await?;
             let running = row.and_then(|row| SqlxRow(row).boolean(0));
             Ok(running == Some(true))
         })
@@ -811,19 +839,5 @@ fn classify_with(
             let code = sqlstate(&e);
             classified(code.as_ref(), hint, e)
         }
-    }
-}
-
-/// A sqlx future's error, classified.
-trait Classified<T> {
-    fn map_err_classified(self) -> impl Future<Output = Result<T, StoreError>> + Send;
-}
-
-impl<T, F> Classified<T> for F
-where
-    F: Future<Output = Result<T, ::sqlx::Error>> + Send,
-{
-    async fn map_err_classified(self) -> Result<T, StoreError> {
-        self.await.map_err(classify)
     }
 }
