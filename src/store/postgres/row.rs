@@ -12,6 +12,7 @@ use crate::store::StoreError;
 pub(crate) trait Columns {
     fn int8(&self, i: usize) -> Option<i64>;
     fn int2(&self, i: usize) -> Option<i16>;
+    fn int4(&self, i: usize) -> Option<i32>;
     fn boolean(&self, i: usize) -> Option<bool>;
     fn text(&self, i: usize) -> Option<&str>;
     fn bytes(&self, i: usize) -> Option<&[u8]>;
@@ -28,6 +29,9 @@ impl Columns for tokio_postgres::Row {
         self.try_get(i).ok().flatten()
     }
     fn int2(&self, i: usize) -> Option<i16> {
+        self.try_get(i).ok().flatten()
+    }
+    fn int4(&self, i: usize) -> Option<i32> {
         self.try_get(i).ok().flatten()
     }
     fn boolean(&self, i: usize) -> Option<bool> {

@@ -28,12 +28,13 @@ use super::{
     purge::DEFAULT_EVERY,
     row::{Columns, need},
     sql::Sql,
+    steps::{place, step},
 };
 use crate::{
     Scope, StoredResponse,
     store::{
-        BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, Store, StoreError,
-        StoreErrorKind, waiters::Waiters,
+        BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, RecordedStep,
+        Store, StoreError, StoreErrorKind, waiters::Waiters,
     },
 };
 
@@ -603,6 +604,56 @@ impl Store for SqlxStore {
         })
     }
 
+    fn steps<'a>(
+        &'a self,
+        lease: &'a Lease,
+    ) -> BoxFuture<'a, Result<Option<Vec<RecordedStep>>, StoreError>> {
+        Box::pin(async move {
+            let rows = again_if_it_lost_a_race(|| {
+                self.fetch_all(
+                    self.query(&self.sql.steps.read)
+                        .bind(lease.scope.as_str())
+                        .bind(&*lease.key)
+                        .bind(lease.token.get()),
+                )
+            })
+            .await?;
+            if rows.is_empty() {
+                return Ok(None);
+            }
+            // A claim without steps: one row, of NULLs.
+            rows.into_iter()
+                .map(SqlxRow)
+                .filter(|row| row.int4(0).is_some())
+                .map(|row| step(&row))
+                .collect::<Result<_, _>>()
+                .map(Some)
+        })
+    }
+
+    fn record_step<'a>(
+        &'a self,
+        lease: &'a Lease,
+        recorded: &'a RecordedStep,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        Box::pin(async move {
+            let n = place(recorded)?;
+            let rows = again_if_it_lost_a_race(|| {
+                self.fetch_all(
+                    self.query(&self.sql.steps.record)
+                        .bind(lease.scope.as_str())
+                        .bind(&*lease.key)
+                        .bind(lease.token.get())
+                        .bind(n)
+                        .bind(recorded.name.as_str())
+                        .bind(&recorded.result[..]),
+                )
+            })
+            .await?;
+            Ok(Fenced::kept_if(rows.len() == 1))
+        })
+    }
+
     fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(self.purge_expired(i64::try_from(batch).unwrap_or(i64::MAX)))
     }
@@ -787,6 +838,9 @@ impl Columns for SqlxRow {
         self.0.try_get(i).ok().flatten()
     }
     fn int2(&self, i: usize) -> Option<i16> {
+        self.0.try_get(i).ok().flatten()
+    }
+    fn int4(&self, i: usize) -> Option<i32> {
         self.0.try_get(i).ok().flatten()
     }
     fn boolean(&self, i: usize) -> Option<bool> {
