@@ -503,7 +503,10 @@ async fn one_key_over_a_tokio_postgres_and_a_sqlx_process_charges_once() {
     for addr in [a.addr, b.addr] {
         let retried = retry_until_created(&client, addr, KEY, SLOW_PAYMENT).await;
         assert_eq!(retried.body, first);
-        assert!(retried.replayed(), "the retry was not a replay: {retried:?}");
+        assert!(
+            retried.replayed(),
+            "the retry was not a replay: {retried:?}"
+        );
     }
     let once = json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1});
     assert_eq!(stats(&client, a.addr).await, once);
