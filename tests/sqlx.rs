@@ -288,3 +288,149 @@ mod drivers {
             .expect("woken by the notification");
     }
 }
+
+/// Lease mode's failures on this driver, each proven by really failing something
+/// through the fault proxy: connections cut under the pool, a stalled database, a
+/// completion that cannot reach the database.
+mod faults {
+    use std::time::Duration;
+
+    use tower_idempotency::{IdempotencyLayer, Outcome, store::SqlxStore};
+
+    use crate::common::{
+        TestSchema, app, eventually, in_flight, post, post_with_headers, proxy::PgProxy, row, send,
+        send_bounded, wait_for_state,
+    };
+
+    /// A migrated store on `size` connections through `proxy`, listening there too.
+    async fn store_through(schema: &TestSchema, proxy: &PgProxy, size: u32) -> SqlxStore {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect(&proxy.url())
+            .await
+            .expect("pool");
+        let store = SqlxStore::new(pool)
+            .with_schema_name(&schema.name)
+            .expect("schema name");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn cut_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 4).await;
+        let (router, counter) = app(IdempotencyLayer::new(store));
+        for i in 0..4 {
+            let r = send(&router, post(&format!("k{i}"), "{}")).await;
+            assert_eq!(r.status, 201);
+        }
+        proxy.cut();
+        for i in 0..8 {
+            let key = format!("k{i}");
+            let mut answers = Vec::new();
+            loop {
+                let r = send(&router, post(&key, "{}")).await;
+                answers.push(r.status.as_u16());
+                if r.status == 201 {
+                    break;
+                }
+                assert_eq!(r.status, 503, "{key}: {answers:?}");
+                assert_eq!(r.problem(), "store-unavailable");
+                assert!(answers.len() < 20, "{key} never recovered: {answers:?}");
+            }
+            assert_eq!(counter.runs_of(&key), 1, "{key}: {answers:?}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stalled_database_is_a_bounded_503_then_recovers() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 2).await;
+        let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
+        let (router, counter) = app(layer);
+        proxy.stall(true);
+        let r = send_bounded(&router, post("k", "{}")).await;
+        assert_eq!(r.status, 503);
+        assert!(r.header("retry-after").is_some());
+        assert_eq!(counter.runs(), 0);
+        proxy.stall(false);
+        // The stalled claim may land once the proxy lets it through (it then holds the
+        // key until its lease lapses); either way the key is run exactly once.
+        let mut statuses = Vec::new();
+        loop {
+            let r = send(&router, post("k", "{}")).await;
+            statuses.push(r.status.as_u16());
+            if r.status == 201 {
+                break;
+            }
+            assert!(statuses.len() < 1000, "{statuses:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(counter.runs(), 1, "{statuses:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_cut_while_the_handler_runs_still_stores_its_response() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 4).await;
+        let (router, counter) = app(IdempotencyLayer::new(store));
+        let first = in_flight(
+            &router,
+            post_with_headers("k", &[("x-held", "1")]),
+            &counter,
+        )
+        .await;
+        proxy.cut();
+        counter.let_go(1);
+        let first = first.await.expect("the first request");
+        assert_eq!(first.status, 201);
+        wait_for_state(&schema, "k", "completed").await;
+        let replay = send(&router, post("k", "{}")).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.body, first.body);
+        assert_eq!(counter.runs(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 4).await;
+        let layer = IdempotencyLayer::new(store)
+            .store_timeout(Duration::from_millis(200))
+            .lease_duration(Duration::from_secs(10));
+        let shutdown = layer.shutdown_handle();
+        let (router, counter) = app(layer);
+        let first = in_flight(
+            &router,
+            post_with_headers("k", &[("x-held", "1")]),
+            &counter,
+        )
+        .await;
+        proxy.stall(true);
+        counter.let_go(1);
+        let first = first.await.expect("the first request");
+        assert_eq!(first.status, 201);
+        assert_eq!(
+            row(&schema, "k").await.map(|r| r.0).as_deref(),
+            Some("running")
+        );
+        assert_eq!(
+            shutdown.in_flight(),
+            1,
+            "the completion is still being retried"
+        );
+        proxy.stall(false);
+        wait_for_state(&schema, "k", "completed").await;
+        eventually(|| shutdown.in_flight() == 0).await;
+        let replay = send(&router, post("k", "{}")).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.body, first.body);
+        assert_eq!(counter.runs(), 1);
+    }
+}
