@@ -57,7 +57,7 @@ mod drivers {
     use tower_idempotency::{
         Fingerprint, IdempotencyLayer, Outcome, Scope, StoredResponse,
         job::{JobOutcome, JobRunner},
-        store::{Claim, ClaimRequest, Fenced, SqlxStore, Store, StoreErrorKind},
+        store::{Claim, ClaimRequest, Fenced, Removal, SqlxStore, Store, StoreErrorKind},
     };
 
     use crate::common::{TestDatabase, TestSchema, app, post, send};
@@ -229,6 +229,96 @@ mod drivers {
             .expect("look up")
             .expect("k1");
         assert_eq!(record.token, lease.token);
+    }
+
+    /// An operator's actions on this driver: the running keys listed, a running key
+    /// released only under the holder named, a completed one deleted, a running one
+    /// refused, a missing one absent.
+    #[tokio::test]
+    async fn an_operator_lists_releases_and_deletes_keys() {
+        let schema = TestSchema::new();
+        let store = super::store(&schema).await;
+        let scope = Scope::new("acct");
+        let Claim::Acquired(running) = store
+            .claim(&request(&scope, "run", 1))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let Claim::Acquired(done) = store
+            .claim(&request(&scope, "done", 2))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: Bytes::from_static(b"ok"),
+        };
+        let kept = store
+            .complete(&done, &response, Duration::from_secs(60))
+            .await
+            .expect("complete");
+        assert_eq!(kept, Fenced::Kept);
+
+        let listed = store
+            .running_keys(Duration::ZERO, 10)
+            .await
+            .expect("running keys");
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(listed[0].key, "run");
+        assert_eq!(listed[0].record.token, running.token);
+
+        let other = Some(running.token.next());
+        assert!(matches!(
+            store
+                .release_running(&scope, "run", other)
+                .await
+                .expect("release"),
+            Removal::Refused(_)
+        ));
+        assert!(matches!(
+            store.delete_completed(&scope, "run").await.expect("delete"),
+            Removal::Refused(_)
+        ));
+        assert!(matches!(
+            store
+                .release_running(&scope, "run", Some(running.token))
+                .await
+                .expect("release"),
+            Removal::Removed { token } if token == running.token
+        ));
+        assert!(matches!(
+            store
+                .delete_completed(&scope, "done")
+                .await
+                .expect("delete"),
+            Removal::Removed { token } if token == done.token
+        ));
+        assert!(matches!(
+            store
+                .delete_completed(&scope, "done")
+                .await
+                .expect("delete"),
+            Removal::Absent
+        ));
+        assert!(
+            store
+                .look_up(&scope, "run")
+                .await
+                .expect("look up")
+                .is_none()
+        );
+        assert_eq!(
+            store
+                .renew(&running, Duration::from_secs(5))
+                .await
+                .expect("renew"),
+            Fenced::LeaseLost
+        );
     }
 
     /// A store whose table was never migrated: the claim's error is classified by its

@@ -25,6 +25,7 @@ use super::{
     errors::{again_if_it_lost_a_race, classified, corrupt, serving_hint},
     look_up::record,
     migrate::{MIGRATION_LOCK, scripts},
+    operator::{refused, removed, running_key},
     purge::DEFAULT_EVERY,
     row::{Columns, need},
     sql::Sql,
@@ -34,7 +35,7 @@ use crate::{
     Scope, StoredResponse,
     store::{
         BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, KeyRecord, Lease, RecordedStep,
-        Store, StoreError, StoreErrorKind, waiters::Waiters,
+        Removal, RunningKey, Store, StoreError, StoreErrorKind, waiters::Waiters,
     },
 };
 
@@ -362,6 +363,20 @@ impl SqlxStore {
         Ok(done.rows_affected())
     }
 
+    /// What an operator's removal did: the token of the row its statement returned, or
+    /// why it removed nothing, from the key read again.
+    async fn removal(
+        &self,
+        row: Option<PgRow>,
+        scope: &Scope,
+        key: &str,
+    ) -> Result<Removal, StoreError> {
+        if let Some(token) = row.and_then(|row| SqlxRow(row).int8(0)) {
+            return Ok(removed(token));
+        }
+        Ok(refused(Store::look_up(self, scope, key).await?))
+    }
+
     fn key_id(&self, scope: &Scope, key: &str) -> String {
         super::key_id(&self.sql.qualified, scope, key)
     }
@@ -601,6 +616,65 @@ impl Store for SqlxStore {
                 .await?;
             row.map(|row| record(&SqlxRow(row), self.sql.remember))
                 .transpose()
+        })
+    }
+
+    fn running_keys(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<RunningKey>, StoreError>> {
+        Box::pin(async move {
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let rows = self
+                .fetch_all(
+                    self.query(&self.sql.running_keys)
+                        .bind(ms(older_than))
+                        .bind(limit),
+                )
+                .await?;
+            rows.into_iter()
+                .map(|row| running_key(&SqlxRow(row), self.sql.remember))
+                .collect()
+        })
+    }
+
+    fn release_running<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+        holder: Option<FencingToken>,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        Box::pin(async move {
+            let id = self.key_id(scope, key);
+            let row = self
+                .fetch_optional(
+                    self.query(&self.sql.release_running)
+                        .bind(scope.as_str())
+                        .bind(key)
+                        .bind(holder.map(FencingToken::get))
+                        .bind(&self.listener.channel)
+                        .bind(&id),
+                )
+                .await?;
+            self.removal(row, scope, key).await
+        })
+    }
+
+    fn delete_completed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Removal, StoreError>> {
+        Box::pin(async move {
+            let row = self
+                .fetch_optional(
+                    self.query(&self.sql.delete_done)
+                        .bind(scope.as_str())
+                        .bind(key),
+                )
+                .await?;
+            self.removal(row, scope, key).await
         })
     }
 
