@@ -388,14 +388,17 @@ mod faults {
     use tower_idempotency::{IdempotencyLayer, Outcome, store::SqlxStore};
 
     use crate::common::{
-        TestSchema, app, eventually, in_flight, post, post_with_headers, proxy::PgProxy, row, send,
-        send_bounded, wait_for_state,
+        TestSchema, app, eventually, in_flight, post, post_with_headers, proxy::PgProxy,
+        retry_until_created, row, send, send_bounded, wait_for_state,
     };
 
     /// A migrated store on `size` connections through `proxy`, listening there too.
+    /// The pool does not ping a connection before lending it (sqlx's
+    /// `test_before_acquire`), so that what the proxy cuts is the store's own statement.
     async fn store_through(schema: &TestSchema, proxy: &PgProxy, size: u32) -> SqlxStore {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(size)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(2))
             .connect(&proxy.url())
             .await
@@ -461,6 +464,41 @@ mod faults {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(counter.runs(), 1, "{statuses:?}");
+    }
+
+    /// A claim's answer lost with its connection (the database refusing connections for
+    /// a while after, if `away`) may have committed: it is released by its token, and a
+    /// retry runs within seconds, not after the 60 s lease.
+    async fn a_claim_lost_with_its_connection_is_released(away: bool) {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 1).await;
+        let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
+        let (router, counter) = app(layer);
+        // Prepares the statements: the claim is what the server answers next.
+        assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+        wait_for_state(&schema, "warm-up", "completed").await;
+        proxy.cut_at_next_reply();
+        proxy.refuse(away);
+        let lost = send(&router, post("k", "{}")).await;
+        assert_eq!(lost.status, 503);
+        assert_eq!(counter.runs_of("k"), 0);
+        if away {
+            eventually(|| proxy.refused() > 0).await;
+            proxy.refuse(false);
+        }
+        retry_until_created(&router, "k", &[409, 503]).await;
+        assert_eq!(counter.runs_of("k"), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_whose_answer_was_lost_with_its_connection_is_released() {
+        a_claim_lost_with_its_connection_is_released(false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_in_doubt_is_released_once_the_database_is_back() {
+        a_claim_lost_with_its_connection_is_released(true).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -23,6 +23,7 @@ use super::{
     claim::{CLAIM_ATTEMPTS, Found, ms},
     config::validate_identifier,
     errors::{again_if_it_lost_a_race, classified, corrupt, serving_hint},
+    in_doubt::{ABANDONED_CLAIM_WAIT, release_in_doubt},
     look_up::record,
     migrate::{MIGRATION_LOCK, scripts},
     operator::{refused, removed, running_key},
@@ -523,16 +524,29 @@ impl Store for SqlxStore {
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             self.start_purge();
-            let token = FencingToken::fresh();
-            for _ in 0..CLAIM_ATTEMPTS {
-                if let Some(claim) = self.claim_once(request, token).await? {
-                    return Ok(claim);
+            // One token for every attempt: only one of them can insert the row. A claim
+            // dropped before its answer (its caller gave up), or whose connection was
+            // lost, may have committed: it is released by that token.
+            let mut doubt = InDoubt {
+                store: self,
+                request,
+                token: FencingToken::fresh(),
+                settled: false,
+            };
+            let claimed = async {
+                for _ in 0..CLAIM_ATTEMPTS {
+                    if let Some(claim) = self.claim_once(request, doubt.token).await? {
+                        return Ok(claim);
+                    }
                 }
+                Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "the key kept changing while it was being claimed",
+                ))
             }
-            Err(StoreError::new(
-                StoreErrorKind::Timeout,
-                "the key kept changing while it was being claimed",
-            ))
+            .await;
+            doubt.settled = !matches!(&claimed, Err(e) if lost_its_connection(e));
+            claimed
         })
     }
 
@@ -750,6 +764,11 @@ impl Store for SqlxStore {
         self.listener.changed(self.key_id(scope, key))
     }
 
+    fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
+        // A claim dropped unanswered is released in doubt (`InDoubt`).
+        lease.min(ABANDONED_CLAIM_WAIT)
+    }
+
     fn records_location(&self) -> Option<Arc<str>> {
         let options = self.pool.connect_options();
         Some(Arc::from(format!(
@@ -764,6 +783,34 @@ impl Store for SqlxStore {
     fn migrate(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(SqlxStore::migrate(self))
     }
+}
+
+/// A claim under way: dropped before it settled (its caller gave up on it), or settled
+/// with its connection lost, it may have committed unanswered, and is released by its
+/// token in the background (`in_doubt`), as the tokio-postgres driver's are.
+struct InDoubt<'a> {
+    store: &'a SqlxStore,
+    request: &'a ClaimRequest<'a>,
+    token: FencingToken,
+    settled: bool,
+}
+
+impl Drop for InDoubt<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            release_in_doubt(self.store.clone(), self.request, self.token);
+        }
+    }
+}
+
+/// Whether `e` is a sqlx error of a connection lost, or unusable, once a statement
+/// may have been sent on it.
+fn lost_its_connection(e: &StoreError) -> bool {
+    use std::error::Error as _;
+    matches!(
+        e.source().and_then(|e| e.downcast_ref::<::sqlx::Error>()),
+        Some(::sqlx::Error::Io(_) | ::sqlx::Error::Protocol(_) | ::sqlx::Error::WorkerCrashed)
+    )
 }
 
 /// The background purge's task, stopped with the last clone of the store.
