@@ -484,6 +484,50 @@ async fn one_key_over_two_processes_charges_once() {
     assert_eq!(stats(&client, b.addr).await, once);
 }
 
+/// The acceptance check over both drivers: one process keeps its keys through
+/// tokio-postgres, the other through sqlx (`--driver sqlx`), on one table; 100
+/// concurrent requests with one key charge once, and a retry on either is a replay.
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_key_over_a_tokio_postgres_and_a_sqlx_process_charges_once() {
+    let schema = Schema::new();
+    let mut a = Demo::start(Some(&schema));
+    let mut b = Demo::start_with(Some(&schema), &["--driver", "sqlx"]);
+    let client = client();
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+
+    const KEY: &str = "two-drivers-payment-1";
+    let created = one_key_split_over(&client, [a.addr, b.addr], KEY, 100).await;
+    let first = created[0].body.clone();
+    for addr in [a.addr, b.addr] {
+        let retried = retry_until_created(&client, addr, KEY, SLOW_PAYMENT).await;
+        assert_eq!(retried.body, first);
+        assert!(
+            retried.replayed(),
+            "the retry was not a replay: {retried:?}"
+        );
+    }
+    let once = json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1});
+    assert_eq!(stats(&client, a.addr).await, once);
+    assert_eq!(stats(&client, b.addr).await, once);
+}
+
+/// `--driver sqlx` is lease mode's: with transactional mode the demo says so and exits.
+#[test]
+fn the_sqlx_driver_with_transactional_mode_is_refused() {
+    let (status, stderr) = demo_exits(&[
+        "--database-url",
+        "postgres://postgres@127.0.0.1:1/none",
+        "--driver",
+        "sqlx",
+        "--mode",
+        "transactional",
+    ]);
+    assert!(!status.success());
+    assert!(stderr.contains("--driver sqlx needs"), "{stderr}");
+}
+
 /// Requests the layer or the handler refuse.
 #[tokio::test]
 async fn invalid_requests_are_refused() {

@@ -302,6 +302,39 @@ async fn a_fenced_out_holder_cannot_record_a_step_in_postgres() {
     assert_eq!(steps_rows(&schema).await, 0);
 }
 
+/// A migrated store of the sqlx driver in `schema`.
+#[cfg(feature = "sqlx")]
+async fn sqlx_store(schema: &TestSchema) -> tower_idempotency::store::SqlxStore {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&database_url())
+        .await
+        .expect("pool");
+    let store = tower_idempotency::store::SqlxStore::new(pool)
+        .with_schema_name(&schema.name)
+        .expect("schema name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+#[cfg(feature = "sqlx")]
+#[tokio::test]
+async fn a_fenced_out_holder_cannot_record_a_step_on_sqlx() {
+    let schema = TestSchema::new();
+    fenced_out_holder_records_nothing(&sqlx_store(&schema).await).await;
+    assert_eq!(steps_rows(&schema).await, 0);
+}
+
+#[cfg(feature = "sqlx")]
+#[tokio::test]
+async fn jobs_take_their_steps_in_order_on_sqlx() {
+    let schema = TestSchema::new();
+    let store: Arc<dyn Store> = Arc::new(sqlx_store(&schema).await);
+    jobs_resume_after_a_takeover(store.clone()).await;
+    jobs_resume_in_order(store).await;
+    assert_eq!(steps_rows(&schema).await, 0);
+}
+
 /// A job's run after a takeover gets the recorded step, runs the next, and a run that
 /// asks for its steps in another order is refused, and runs nothing.
 async fn jobs_resume_in_order(store: Arc<dyn Store>) {

@@ -5,7 +5,7 @@
 //!     [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N]
 //!     [--memory-max-keys N] [--transaction-pooler] [--listen-url URL]
 //!     [--encryption-key HEX] [--retention-secs N] [--remember-secs N]
-//!     [--print-migration-sql] [--resumable]
+//!     [--print-migration-sql] [--resumable] [--driver tokio-postgres|sqlx]
 //! ```
 //!
 //! With `DATABASE_URL` or `--database-url` it keeps keys, payments and counters in
@@ -51,6 +51,12 @@
 //! stored responses under that key (id 1) and stores keys hashed: nothing of a
 //! payment's response, nor its key, can be read in the idempotency table. Give every
 //! process that shares the database the same key.
+//!
+//! `--driver sqlx` (lease mode, built with the `sqlx` feature) keeps the idempotency
+//! keys through a `sqlx::PgPool` of its own (`SqlxStore`) instead of tokio-postgres (the
+//! default, `--driver tokio-postgres`): the same table, so processes of either driver
+//! share one database. The demo's own ledger stays on tokio-postgres, and
+//! `GET /stats/store` counts the tokio-postgres store's statements only.
 //!
 //! `--retention-secs N` keeps a payment's response N seconds (the layer's TTL; 24 h by
 //! default); `--remember-secs N` remembers its key N seconds more once the response is
@@ -103,9 +109,11 @@ struct Args {
     print_migration_sql: bool,
     /// Register the payments route as resumable, and run its completer.
     resumable: bool,
+    /// The idempotency store's driver is sqlx (`SqlxStore`), not tokio-postgres.
+    sqlx: bool,
 }
 
-const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--retention-secs N] [--remember-secs N] [--print-migration-sql] [--resumable]";
+const USAGE: &str = "usage: payments [--addr 127.0.0.1:3000] [--database-url URL] [--lease-ms N] [--schema NAME] [--mode lease|transactional] [--wait-ms N] [--memory-max-keys N] [--transaction-pooler] [--listen-url URL] [--encryption-key HEX] [--retention-secs N] [--remember-secs N] [--print-migration-sql] [--resumable] [--driver tokio-postgres|sqlx]";
 
 /// 64 hex digits as 32 bytes.
 fn parse_key(hex: &str) -> Result<[u8; 32], String> {
@@ -142,6 +150,7 @@ fn parse_args() -> Result<Args, String> {
         remember: tower_idempotency::store::DEFAULT_REMEMBER,
         print_migration_sql: false,
         resumable: false,
+        sqlx: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -204,11 +213,74 @@ fn parse_args() -> Result<Args, String> {
             }
             "--print-migration-sql" => args.print_migration_sql = true,
             "--resumable" => args.resumable = true,
+            "--driver" => {
+                args.sqlx = match value("--driver")?.as_str() {
+                    "tokio-postgres" => false,
+                    "sqlx" => true,
+                    other => {
+                        return Err(format!(
+                            "--driver {other:?}: expected tokio-postgres or sqlx"
+                        ));
+                    }
+                }
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
     Ok(args)
+}
+
+/// The idempotency store through sqlx (`--driver sqlx`): a pool of its own to `url`,
+/// its statements unnamed behind a transaction pooler, listening on `--listen-url`
+/// there, migrated.
+#[cfg(feature = "sqlx")]
+async fn sqlx_store(
+    url: &str,
+    args: &Args,
+    direct: bool,
+) -> Result<tower_idempotency::store::SqlxStore, backend::Error> {
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use tower_idempotency::store::SqlxStore;
+
+    let pool = |url: &str, size: u32| {
+        let options = url.parse::<PgConnectOptions>();
+        let pooled = args.transaction_pooler;
+        async move {
+            let mut options = options?;
+            if pooled {
+                // Behind a transaction pooler no statement is cached on a connection.
+                options = options.statement_cache_capacity(0);
+            }
+            PgPoolOptions::new()
+                .max_connections(size)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(options)
+                .await
+        }
+    };
+    let mut store = SqlxStore::new(pool(url, 32).await?)
+        .with_schema_name(&args.schema)?
+        .with_transaction_pooling(args.transaction_pooler)
+        .with_background_purge(Some(backend::PURGE_EVERY))
+        .remember_keys_for(args.remember);
+    if let Some(listen) = &args.listen_url {
+        store = store.with_notification_pool(pool(listen, 1).await?);
+    }
+    store.migrate().await?;
+    if args.wait_ms > 0 && direct {
+        store.listen().await?;
+    }
+    Ok(store)
+}
+
+#[cfg(not(feature = "sqlx"))]
+async fn sqlx_store(
+    _: &str,
+    _: &Args,
+    _: bool,
+) -> Result<tower_idempotency::store::MemoryStore, backend::Error> {
+    Err("--driver sqlx: this demo was built without the sqlx feature (cargo run --features sqlx --example payments)".into())
 }
 
 #[tokio::main]
@@ -253,6 +325,12 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             "--resumable needs PostgreSQL (DATABASE_URL or --database-url) and lease mode".into(),
         );
     }
+    if args.sqlx && (args.transactional || args.resumable || args.database_url.is_none()) {
+        return Err(
+            "--driver sqlx needs PostgreSQL (DATABASE_URL or --database-url) and lease mode, without --resumable"
+                .into(),
+        );
+    }
     let lease = Duration::from_millis(args.lease_ms);
     let (backend, layer, store_name) = match &args.database_url {
         Some(url) => {
@@ -271,7 +349,7 @@ async fn run(args: Args) -> Result<(), backend::Error> {
                 // whichever process runs it.
                 store.listen().await?;
             }
-            if !args.transactional && direct {
+            if !args.transactional && direct && !args.sqlx {
                 // From the first payment on, a payment running here when this process
                 // dies is taken over by a retry within a second, not after its lease.
                 store.start_liveness().await?;
@@ -287,10 +365,16 @@ async fn run(args: Args) -> Result<(), backend::Error> {
                     ""
                 }
             );
-            let layer = if args.transactional {
-                IdempotencyLayer::transactional(store)
+            let (layer, name) = if args.sqlx {
+                let store = sqlx_store(url, &args, direct).await?;
+                (
+                    IdempotencyLayer::new(store),
+                    format!("{name}; through sqlx"),
+                )
+            } else if args.transactional {
+                (IdempotencyLayer::transactional(store), name)
             } else {
-                IdempotencyLayer::new(store)
+                (IdempotencyLayer::new(store), name)
             };
             (backend, layer, name)
         }

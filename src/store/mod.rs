@@ -56,6 +56,8 @@ mod waiters;
 pub use lookup::{KeyRecord, KeyState};
 pub use memory::MemoryStore;
 pub use operator::{Operator, Removal, RunningKey};
+#[cfg(feature = "sqlx")]
+pub use postgres::sqlx_store::SqlxStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
@@ -851,6 +853,14 @@ impl<S: Store> IntoStore for S {
 impl IntoStore for Arc<dyn Store> {
     fn into_store(self) -> Arc<dyn Store> {
         self
+    }
+}
+
+/// The app's own sqlx pool, as a [`SqlxStore`] with its defaults.
+#[cfg(feature = "sqlx")]
+impl IntoStore for ::sqlx::PgPool {
+    fn into_store(self) -> Arc<dyn Store> {
+        Arc::new(SqlxStore::new(self))
     }
 }
 

@@ -16,6 +16,7 @@ use super::{
     Checkout, PostgresStore,
     errors::{again_if_it_lost_a_race, corrupt, lost_its_connection, waited_for_a_lock},
     in_doubt::InDoubt,
+    row::{Columns, need},
     shared,
     sql::{Statement, col},
 };
@@ -317,7 +318,7 @@ impl PostgresStore {
         let Some(row) = rows.first() else {
             return Ok(None);
         };
-        let token = FencingToken::new(row.get("token"));
+        let token = FencingToken::new(need(row.int8(0), 0)?);
         if seen.holder_gone {
             if let Some(liveness) = &self.liveness {
                 liveness.takeovers.fetch_add(1, Ordering::Relaxed);
@@ -356,8 +357,8 @@ pub(super) enum Found {
 /// Reads a claim statement's `row` (the columns of `col`) for `req`, with the
 /// database's `now()` as the statement read it; a completed key is remembered for
 /// `remember` once its response expired.
-pub(super) fn found(
-    row: &tokio_postgres::Row,
+pub(crate) fn found(
+    row: &impl Columns,
     req: &ClaimRequest<'_>,
     remember: Duration,
 ) -> Result<(Found, SystemTime), StoreError> {
@@ -366,24 +367,24 @@ pub(super) fn found(
         key: Arc::from(req.key),
         token,
     };
-    let now: SystemTime = row.get(col::NOW);
-    let Some(token) = row.get::<_, Option<i64>>(col::TOKEN) else {
+    let now: SystemTime = need(row.time(col::NOW), col::NOW)?;
+    let Some(token) = row.int8(col::TOKEN) else {
         // No row for the key. A token: ours, inserted. None: a concurrent request
         // inserted it after this statement's snapshot (or it was released in
         // between); either way, look again.
-        let claimed = row.get::<_, Option<i64>>(col::CLAIMED);
+        let claimed = row.int8(col::CLAIMED);
         return Ok((
             Found::Claim(claimed.map(|token| Claim::Acquired(lease(FencingToken::new(token))))),
             now,
         ));
     };
-    let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
+    let fingerprint = Fingerprint::from_slice(need(row.bytes(col::FINGERPRINT), col::FINGERPRINT)?)
         .ok_or_else(|| corrupt("fingerprint is not 32 bytes, nor 33 with a known scheme"))?;
-    let locked_until: Option<SystemTime> = row.get(col::LOCKED_UNTIL);
-    let expires_at: SystemTime = row.get(col::EXPIRES_AT);
-    let state: &str = row.get(col::STATE);
+    let locked_until: Option<SystemTime> = row.time(col::LOCKED_UNTIL);
+    let expires_at: SystemTime = need(row.time(col::EXPIRES_AT), col::EXPIRES_AT)?;
+    let state: &str = need(row.text(col::STATE), col::STATE)?;
     // Asked of a running row with a holder, a live lease and this fingerprint only.
-    let gone: Option<bool> = row.get(col::GONE);
+    let gone: Option<bool> = row.boolean(col::GONE);
     let lapsed = locked_until.is_some_and(|until| until <= now);
     let remembered_until = remembered_until(row, state, expires_at, remember);
     let expired = match remembered_until {
@@ -406,9 +407,7 @@ pub(super) fn found(
             Some(remembered_until) if expires_at <= now || reduced(row) => Claim::Remembered {
                 fingerprint,
                 status: stored_status(row)?,
-                completed_at: row
-                    .get::<_, Option<SystemTime>>(col::CLAIM_COMPLETED_AT)
-                    .unwrap_or(now),
+                completed_at: row.time(col::CLAIM_COMPLETED_AT).unwrap_or(now),
                 remembered_until,
             },
             _ => Claim::Completed {
@@ -423,15 +422,15 @@ pub(super) fn found(
 
 /// Whether a completed row was reduced to a remembered one (by the purge): its
 /// headers dropped, which a stored response always has, if empty.
-pub(super) fn reduced(row: &tokio_postgres::Row) -> bool {
-    row.get::<_, Option<&[u8]>>(col::HEADERS).is_none()
+pub(super) fn reduced(row: &impl Columns) -> bool {
+    row.bytes(col::HEADERS).is_none()
 }
 
 /// Until when a completed row's key is remembered: a reduced row's `expires_at` (the
 /// purge moved it there); another's, its response's expiry plus `remember`. `None`
 /// for a running row, and for a completed one when keys are not remembered.
 pub(super) fn remembered_until(
-    row: &tokio_postgres::Row,
+    row: &impl Columns,
     state: &str,
     expires_at: SystemTime,
     remember: Duration,
@@ -446,10 +445,10 @@ pub(super) fn remembered_until(
 }
 
 /// A completed row's stored status.
-pub(super) fn stored_status(row: &tokio_postgres::Row) -> Result<StatusCode, StoreError> {
+pub(super) fn stored_status(row: &impl Columns) -> Result<StatusCode, StoreError> {
     let status: i16 = row
-        .try_get(col::STATUS)
-        .map_err(|_| corrupt("completed record without status"))?;
+        .int2(col::STATUS)
+        .ok_or_else(|| corrupt("completed record without status"))?;
     u16::try_from(status)
         .ok()
         .and_then(|s| StatusCode::from_u16(s).ok())
@@ -458,16 +457,15 @@ pub(super) fn stored_status(row: &tokio_postgres::Row) -> Result<StatusCode, Sto
 
 /// The stored response of a completed record, from a row with the claim's columns
 /// (`col`): the claim's, or a look-up's.
-pub(super) fn stored_response(row: &tokio_postgres::Row) -> Result<StoredResponse, StoreError> {
+pub(super) fn stored_response(row: &impl Columns) -> Result<StoredResponse, StoreError> {
     let status = stored_status(row)?;
     let headers = row
-        .try_get::<_, &[u8]>(col::HEADERS)
-        .ok()
+        .bytes(col::HEADERS)
         .and_then(StoredResponse::decode_headers)
         .ok_or_else(|| corrupt("stored headers undecodable"))?;
     let body: &[u8] = row
-        .try_get(col::BODY)
-        .map_err(|_| corrupt("completed record without body"))?;
+        .bytes(col::BODY)
+        .ok_or_else(|| corrupt("completed record without body"))?;
     Ok(StoredResponse {
         status,
         headers,

@@ -87,14 +87,19 @@ pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
 /// migrated, a missing right a role not granted it, a missing prepared statement a
 /// transaction pooler, and the error says so.
 pub(super) fn classify(e: tokio_postgres::Error) -> StoreError {
-    classify_with(e, |code| match *code {
+    classify_with(e, serving_hint)
+}
+
+/// The hint of an error of a statement that serves requests, by its SQLSTATE.
+pub(crate) fn serving_hint(code: &SqlState) -> Option<Cow<'static, str>> {
+    match *code {
         SqlState::UNDEFINED_TABLE
         | SqlState::UNDEFINED_COLUMN
         | SqlState::UNDEFINED_FUNCTION
         | SqlState::INVALID_SCHEMA_NAME => Some(NOT_MIGRATED.into()),
         SqlState::INSUFFICIENT_PRIVILEGE => Some(APP_RIGHTS.into()),
         _ => None,
-    })
+    }
 }
 
 /// Classifies a database error by its SQLSTATE, with the hint `hint` gives for its
@@ -105,7 +110,19 @@ pub(super) fn classify_with(
     e: tokio_postgres::Error,
     hint: impl FnOnce(&SqlState) -> Option<Cow<'static, str>>,
 ) -> StoreError {
-    let kind = match e.code() {
+    let code = e.code().cloned();
+    classified(code.as_ref(), hint, DatabaseError(e))
+}
+
+/// An error of either driver as the store reports it: its kind by its SQLSTATE (`None`:
+/// it did not come from the database, which could not be reached), with the hint of a
+/// transaction pooler's errors, or the one `hint` gives for its SQLSTATE.
+pub(crate) fn classified(
+    code: Option<&SqlState>,
+    hint: impl FnOnce(&SqlState) -> Option<Cow<'static, str>>,
+    error: impl std::error::Error + Send + Sync + 'static,
+) -> StoreError {
+    let kind = match code {
         None => StoreErrorKind::Unavailable,
         Some(code) if code.code().starts_with("08") => StoreErrorKind::Unavailable,
         Some(code) => match *code {
@@ -129,7 +146,7 @@ pub(super) fn classify_with(
             _ => StoreErrorKind::Other,
         },
     };
-    let hint = match e.code() {
+    let hint = match code {
         // The store never prepares a statement with SQL (`PREPARE`): a prepared
         // statement missing, or already there, is the driver's, prepared on one server
         // session and executed on another.
@@ -139,7 +156,7 @@ pub(super) fn classify_with(
         Some(code) => hint(code),
         None => None,
     };
-    let error = StoreError::new(kind, DatabaseError(e));
+    let error = StoreError::new(kind, error);
     match hint {
         Some(hint) => error.with_hint(hint),
         None => error,
@@ -161,28 +178,34 @@ pub(super) fn classify_pool(e: PoolError) -> StoreError {
     }
 }
 
-/// The SQLSTATE of the database error behind `e`, if there is one.
-pub(super) fn sqlstate(e: &StoreError) -> Option<&SqlState> {
-    e.source
-        .downcast_ref::<DatabaseError>()
-        .and_then(|e| e.0.code())
+/// The SQLSTATE of the database error behind `e`, if there is one, whichever driver
+/// sent its statement.
+pub(super) fn sqlstate(e: &StoreError) -> Option<SqlState> {
+    if let Some(e) = e.source.downcast_ref::<DatabaseError>() {
+        return e.0.code().cloned();
+    }
+    #[cfg(feature = "sqlx")]
+    if let Some(e) = e.source.downcast_ref::<::sqlx::Error>() {
+        return super::sqlx_store::sqlstate(e);
+    }
+    None
 }
 
 /// Whether `e` is a statement refused because an earlier one failed in its transaction
 /// (which PostgreSQL has then aborted: its `COMMIT` rolls back).
 pub(crate) fn in_an_aborted_transaction(e: &StoreError) -> bool {
-    sqlstate(e) == Some(&SqlState::IN_FAILED_SQL_TRANSACTION)
+    sqlstate(e) == Some(SqlState::IN_FAILED_SQL_TRANSACTION)
 }
 
 /// Whether `e` is PostgreSQL cancelling the statement (`statement_timeout`, or a
 /// cancel request): a slow database, not a row held by another request.
 pub(crate) fn statement_cancelled(e: &StoreError) -> bool {
-    sqlstate(e) == Some(&SqlState::QUERY_CANCELED)
+    sqlstate(e) == Some(SqlState::QUERY_CANCELED)
 }
 
 /// Whether `e` is PostgreSQL giving up on a row lock (`lock_timeout`).
 pub(super) fn waited_for_a_lock(e: &StoreError) -> bool {
-    sqlstate(e) == Some(&SqlState::LOCK_NOT_AVAILABLE)
+    sqlstate(e) == Some(SqlState::LOCK_NOT_AVAILABLE)
 }
 
 /// Whether `e` is a serialization failure: where transactions default to repeatable read
@@ -190,7 +213,7 @@ pub(super) fn waited_for_a_lock(e: &StoreError) -> bool {
 /// inserted by a concurrent claim, the row changed by a concurrent takeover) fails so
 /// rather than seeing it. A statement with a snapshot of its own can look again.
 pub(super) fn lost_a_race(e: &StoreError) -> bool {
-    sqlstate(e) == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+    sqlstate(e) == Some(SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
 /// Runs `statement` again while it loses a race under repeatable read or serializable,

@@ -103,19 +103,28 @@ impl PostgresStore {
     /// moment later, and later again. (A takeover in doubt took the old row's token plus
     /// one, unknown here: it lapses with its lease.)
     pub(super) fn release_in_doubt(&self, request: &ClaimRequest<'_>, token: FencingToken) {
-        use tracing::Instrument;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let store = self.clone();
-        let lease = Lease {
-            scope: request.scope.clone(),
-            key: Arc::from(request.key),
-            token,
-        };
-        // Past the lease, the row frees itself: no release is worth trying then.
-        let lapses = tokio::time::Instant::now() + request.lease.min(crate::settings::TEN_YEARS);
-        runtime.spawn(
+        release_in_doubt(self.clone(), request, token);
+    }
+}
+
+/// [`PostgresStore::release_in_doubt`] for `store`, of either driver.
+pub(super) fn release_in_doubt<S: Store + Clone>(
+    store: S,
+    request: &ClaimRequest<'_>,
+    token: FencingToken,
+) {
+    use tracing::Instrument;
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let lease = Lease {
+        scope: request.scope.clone(),
+        key: Arc::from(request.key),
+        token,
+    };
+    // Past the lease, the row frees itself: no release is worth trying then.
+    let lapses = tokio::time::Instant::now() + request.lease.min(crate::settings::TEN_YEARS);
+    runtime.spawn(
             async move {
                 let mut schedule = IN_DOUBT_RELEASES.into_iter().chain(std::iter::successors(
                     Some(IN_DOUBT_LATER),
@@ -165,5 +174,4 @@ impl PostgresStore {
             }
             .in_current_span(),
         );
-    }
 }

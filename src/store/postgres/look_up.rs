@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::ClientWrapper;
-use tokio_postgres::{Row, types::ToSql};
+use tokio_postgres::types::ToSql;
 
 use super::{
     PostgresStore,
@@ -13,6 +13,7 @@ use super::{
         stored_status as stored_response_status,
     },
     errors::corrupt,
+    row::{Columns, need},
     sql::col,
 };
 use crate::{
@@ -52,18 +53,18 @@ impl PostgresStore {
 
 /// A look-up's row (the claim's columns, up to `now`, then the record's times), as a
 /// record; a completed key remembered for `remember` once its response expired.
-pub(super) fn record(row: &Row, remember: Duration) -> Result<KeyRecord, StoreError> {
-    let token = FencingToken::new(row.get(col::TOKEN));
-    let fingerprint = Fingerprint::from_slice(row.get(col::FINGERPRINT))
+pub(crate) fn record(row: &impl Columns, remember: Duration) -> Result<KeyRecord, StoreError> {
+    let token = FencingToken::new(need(row.int8(col::TOKEN), col::TOKEN)?);
+    let fingerprint = Fingerprint::from_slice(need(row.bytes(col::FINGERPRINT), col::FINGERPRINT)?)
         .ok_or_else(|| corrupt("fingerprint is not 32 bytes, nor 33 with a known scheme"))?;
-    let now: SystemTime = row.get(col::NOW);
-    let expires_at: SystemTime = row.get(col::EXPIRES_AT);
+    let now: SystemTime = need(row.time(col::NOW), col::NOW)?;
+    let expires_at: SystemTime = need(row.time(col::EXPIRES_AT), col::EXPIRES_AT)?;
     let expires_in = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
-    let record = match row.get::<_, &str>(col::STATE) {
+    let record = match need(row.text(col::STATE), col::STATE)? {
         "running" => KeyRecord::running(
             token,
             fingerprint,
-            lease_left(row.get(col::LOCKED_UNTIL), now),
+            lease_left(row.time(col::LOCKED_UNTIL), now),
             expires_in,
         ),
         "completed" => match remembered_until(row, "completed", expires_at, remember) {
@@ -77,8 +78,8 @@ pub(super) fn record(row: &Row, remember: Duration) -> Result<KeyRecord, StoreEr
         },
         other => return Err(corrupt(&format!("unknown state {other:?}"))),
     };
-    let record = record.with_claimed_at(row.get(col::CREATED_AT));
-    Ok(match row.get::<_, Option<SystemTime>>(col::COMPLETED_AT) {
+    let record = record.with_claimed_at(need(row.time(col::CREATED_AT), col::CREATED_AT)?);
+    Ok(match row.time(col::COMPLETED_AT) {
         Some(at) => record.with_completed_at(at),
         None => record,
     })

@@ -112,6 +112,16 @@ pub(super) fn without_notes(text: &str) -> String {
         .collect()
 }
 
+/// The statement that creates `sql`'s `<table>_migrations` where it does not exist.
+pub(super) fn create_migrations_table(sql: &Sql) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} (
+    version integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now());",
+        sql.migrations_table
+    )
+}
+
 impl PostgresStore {
     /// Creates the schema (if it is missing), the table and its functions, and applies
     /// pending migrations.
@@ -291,12 +301,7 @@ $$;
 
     /// The statement that creates `<table>_migrations` where it does not exist.
     fn create_migrations_table(&self) -> String {
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} (
-    version integer PRIMARY KEY,
-    applied_at timestamptz NOT NULL DEFAULT now());",
-            self.sql.migrations_table
-        )
+        create_migrations_table(&self.sql)
     }
 
     /// The hint of an error of `migrate` at `step` with SQLSTATE `code`: for a

@@ -17,9 +17,15 @@ mod migrate;
 mod operator;
 mod purge;
 mod reserve;
+mod row;
 mod shared;
 mod slots;
 mod sql;
+/// The sqlx driver, in a directory of its own beside this one: a child of this module,
+/// so that it shares the statements and the reading of rows, not copies of them.
+#[cfg(feature = "sqlx")]
+#[path = "../sqlx/mod.rs"]
+pub(crate) mod sqlx_store;
 mod steps;
 mod tls;
 mod tx;
@@ -64,6 +70,17 @@ use crate::{Scope, StoredResponse};
 /// writes in, that transaction committed or rolled back, and what a failure of it
 /// means. The statements themselves stay here; the engine (`run::transactional`)
 /// holds a [`Checkout`] in a transaction and calls these.
+/// The id of `key` in `scope` of table `qualified` that a completion's notification
+/// carries, whichever driver sent it.
+fn key_id(qualified: &str, scope: &Scope, key: &str) -> String {
+    let mut h = Sha256::new();
+    for part in [qualified, scope.as_str(), key] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    crate::hex::encode(&h.finalize()[..16])
+}
+
 pub(crate) mod transaction {
     pub(crate) use super::{
         checkout::Checkout,
@@ -338,12 +355,7 @@ impl PostgresStore {
     /// The id a key's notifications carry: unique per table, scope and key, and free of
     /// anything the client sent.
     fn key_id(&self, scope: &Scope, key: &str) -> String {
-        let mut h = Sha256::new();
-        for part in [self.sql.qualified.as_str(), scope.as_str(), key] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part.as_bytes());
-        }
-        crate::hex::encode(&h.finalize()[..16])
+        key_id(&self.sql.qualified, scope, key)
     }
 
     /// The pool this store uses.

@@ -7,10 +7,16 @@ use std::time::Duration;
 
 use tokio_postgres::types::ToSql;
 
-use super::{PostgresStore, claim::ms, look_up::record, sql::col};
+use super::{
+    PostgresStore,
+    claim::ms,
+    look_up::record,
+    row::{Columns, need},
+    sql::col,
+};
 use crate::{
     Scope,
-    store::{FencingToken, Removal, RunningKey, StoreError},
+    store::{FencingToken, KeyRecord, Removal, RunningKey, StoreError},
 };
 
 impl PostgresStore {
@@ -25,14 +31,7 @@ impl PostgresStore {
         let params: [&(dyn ToSql + Sync); 2] = [&ms(older_than), &limit];
         let rows = self.query_pooled(&self.sql.running_keys, &params).await?;
         rows.iter()
-            .map(|row| {
-                let scope = Scope::new(row.get::<_, String>(col::SCOPE));
-                Ok(RunningKey::new(
-                    scope,
-                    row.get(col::KEY),
-                    record(row, self.sql.remember)?,
-                ))
-            })
+            .map(|row| running_key(row, self.sql.remember))
             .collect()
     }
 
@@ -75,13 +74,37 @@ impl PostgresStore {
         key: &str,
     ) -> Result<Removal, StoreError> {
         if let Some(token) = token {
-            return Ok(Removal::Removed {
-                token: FencingToken::new(token),
-            });
+            return Ok(removed(token));
         }
-        Ok(match self.look_up_pooled(scope, key).await? {
-            Some(record) => Removal::Refused(Box::new(record)),
-            None => Removal::Absent,
-        })
+        Ok(refused(self.look_up_pooled(scope, key).await?))
+    }
+}
+
+/// A row of the list of running keys (`col`), as a running key.
+pub(super) fn running_key(
+    row: &impl Columns,
+    remember: Duration,
+) -> Result<RunningKey, StoreError> {
+    let scope = Scope::new(need(row.text(col::SCOPE), col::SCOPE)?);
+    let key = need(row.text(col::KEY), col::KEY)?;
+    Ok(RunningKey::new(
+        scope,
+        key.to_owned(),
+        record(row, remember)?,
+    ))
+}
+
+/// The removal of the row whose token a removing statement returned.
+pub(super) fn removed(token: i64) -> Removal {
+    Removal::Removed {
+        token: FencingToken::new(token),
+    }
+}
+
+/// Why a removing statement removed nothing, from the key's record read after it.
+pub(super) fn refused(record: Option<KeyRecord>) -> Removal {
+    match record {
+        Some(record) => Removal::Refused(Box::new(record)),
+        None => Removal::Absent,
     }
 }

@@ -3,14 +3,12 @@
 //! (`running_client`: a reserve connection is set up as the app says).
 
 use deadpool_postgres::ClientWrapper;
-use tokio_postgres::{
-    Row,
-    types::{ToSql, Type},
-};
+use tokio_postgres::types::{ToSql, Type};
 
 use super::{
     PostgresStore,
     errors::{again_if_it_lost_a_race, corrupt},
+    row::{Columns, need},
     sql::Statement,
     tx::Backend,
 };
@@ -189,9 +187,7 @@ impl PostgresStore {
             return Ok(None);
         }
         // A claim without steps: one row, of NULLs.
-        let recorded = rows
-            .iter()
-            .filter(|row| row.get::<_, Option<i32>>(0).is_some());
+        let recorded = rows.iter().filter(|row| row.int4(0).is_some());
         recorded.map(step).collect::<Result<_, _>>().map(Some)
     }
 
@@ -330,18 +326,17 @@ impl PostgresStore {
 }
 
 /// A step's place, as the table keeps it.
-fn place(step: &RecordedStep) -> Result<i32, StoreError> {
+pub(super) fn place(step: &RecordedStep) -> Result<i32, StoreError> {
     i32::try_from(step.n).map_err(|_| StoreError::new(StoreErrorKind::Other, "too many steps"))
 }
 
 /// A row of `n, name, result` as a step.
-fn step(row: &Row) -> Result<RecordedStep, StoreError> {
+pub(super) fn step(row: &impl Columns) -> Result<RecordedStep, StoreError> {
     let n =
-        u32::try_from(row.get::<_, i32>(0)).map_err(|_| corrupt("a step's place is negative"))?;
-    let result: Vec<u8> = row.get(2);
+        u32::try_from(need(row.int4(0), 0)?).map_err(|_| corrupt("a step's place is negative"))?;
     Ok(RecordedStep {
         n,
-        name: row.get(1),
-        result: result.into(),
+        name: need(row.text(1), 1)?.to_owned(),
+        result: bytes::Bytes::copy_from_slice(need(row.bytes(2), 2)?),
     })
 }

@@ -1,0 +1,564 @@
+//! The sqlx driver (`SqlxStore`) over the app's own `sqlx::PgPool`: the layer suite in
+//! lease mode, and what this driver shares with the tokio-postgres one (the table, its
+//! rows, the classification of errors).
+#![cfg(feature = "sqlx")]
+
+mod common;
+
+use sqlx::{PgPool, postgres::PgPoolOptions};
+use tower_idempotency::store::SqlxStore;
+
+use common::{TestSchema, database_url, pooler_url};
+
+/// A pool of `size` connections to `url`.
+async fn pool(url: &str, size: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(size)
+        .connect(url)
+        .await
+        .expect("pool")
+}
+
+/// A migrated store on a pool of its own in `schema`. With `TI_POOLER_URL` set, its
+/// statements go through the transaction pooler, unnamed, and it listens on the
+/// database directly, as a deployment behind PgBouncer would.
+async fn store(schema: &TestSchema) -> SqlxStore {
+    let store = match pooler_url() {
+        Some(pooler) => SqlxStore::new(pool(&pooler, 8).await)
+            .with_transaction_pooling(true)
+            .with_notification_pool(pool(&database_url(), 1).await),
+        None => SqlxStore::new(pool(&database_url(), 8).await),
+    };
+    let store = store.with_schema_name(&schema.name).expect("schema name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+mod lease {
+    use std::sync::Arc;
+
+    use tower_idempotency::store::Store;
+
+    use crate::common::TestSchema;
+
+    async fn make() -> (Arc<dyn Store>, TestSchema) {
+        let schema = TestSchema::new();
+        (Arc::new(super::store(&schema).await), schema)
+    }
+
+    crate::layer_suite!(make);
+}
+
+/// A request through a layer over each driver.
+mod drivers {
+    use std::{sync::Arc, time::Duration};
+
+    use bytes::Bytes;
+    use tower_idempotency::{
+        Fingerprint, IdempotencyLayer, Outcome, Scope, StoredResponse,
+        job::{JobOutcome, JobRunner},
+        store::{Claim, ClaimRequest, Fenced, Removal, SqlxStore, Store, StoreErrorKind},
+    };
+
+    use crate::common::{TestDatabase, TestSchema, app, post, send};
+
+    fn request<'a>(scope: &'a Scope, key: &'a str, fingerprint: u8) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint::new([fingerprint; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
+    /// The app's pool itself, handed to the layer and to the job runner (the store's
+    /// default table, in a database of the test's own): each migrates it, runs the
+    /// work once and replays it.
+    #[tokio::test]
+    async fn a_pool_handed_to_the_layer_and_the_runner_is_a_store() {
+        let db = TestDatabase::new().await;
+        let pool = super::pool(&db.url(), 4).await;
+        let layer = IdempotencyLayer::new(pool.clone());
+        layer.migrate().await.expect("migrate");
+        let (router, counter) = app(layer);
+        let first = send(&router, post("pay-1", r#"{"amount":1}"#)).await;
+        let again = send(&router, post("pay-1", r#"{"amount":1}"#)).await;
+        assert_eq!(first.status, 201);
+        assert_eq!(again.status, first.status);
+        assert_eq!(again.body, first.body);
+        assert_eq!(again.outcome, Some(Outcome::Replayed));
+        assert_eq!(counter.runs(), 1);
+
+        let runner = JobRunner::new(pool.clone());
+        runner.migrate().await.expect("migrate");
+        let scope = Scope::new("consumer");
+        let mut outcomes = Vec::new();
+        for _ in 0..2 {
+            let outcome = runner
+                .run(&scope, "msg-1", b"payload", |_| async {
+                    Ok::<_, std::io::Error>(Bytes::from_static(b"credited"))
+                })
+                .await
+                .expect("a run");
+            outcomes.push(outcome);
+        }
+        assert!(
+            matches!(&outcomes[..], [JobOutcome::Ran(r), JobOutcome::AlreadyDone(d)] if r == "credited" && d == "credited"),
+            "{outcomes:?}"
+        );
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM public.idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+        assert_eq!(rows, 2);
+        pool.close().await;
+    }
+
+    /// One table, two drivers: what one completes the other replays byte for byte, a
+    /// key one holds the other finds running, and a completion under a token the other
+    /// took over is fenced.
+    #[tokio::test]
+    async fn both_drivers_share_one_table() {
+        let schema = TestSchema::new();
+        let sqlx_store = super::store(&schema).await;
+        let pg_store = schema.store().await;
+        let scope = Scope::new("acct");
+
+        let Claim::Acquired(lease) = sqlx_store
+            .claim(&request(&scope, "k1", 1))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::from_iter([(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            )]),
+            body: Bytes::from_static(br#"{"id":"pay_1"}"#),
+        };
+        assert_eq!(
+            pg_store
+                .claim(&request(&scope, "k1", 1))
+                .await
+                .ok()
+                .map(|c| matches!(c, Claim::Running { .. })),
+            Some(true)
+        );
+        let kept = sqlx_store
+            .complete(&lease, &response, Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        assert_eq!(kept, Fenced::Kept);
+        match pg_store
+            .claim(&request(&scope, "k1", 1))
+            .await
+            .expect("claim")
+        {
+            Claim::Completed {
+                response: replayed,
+                fingerprint,
+            } => {
+                assert_eq!(fingerprint, Fingerprint::new([1; 32]));
+                assert_eq!(replayed.status, response.status);
+                assert_eq!(replayed.headers, response.headers);
+                assert_eq!(replayed.body, response.body);
+            }
+            other => panic!("completed expected, got {other:?}"),
+        }
+
+        // The other way round, with a lease that lapses at once: the sqlx store takes
+        // it over, and the first holder's completion is fenced.
+        let short = ClaimRequest {
+            lease: Duration::from_millis(1),
+            ..request(&scope, "k2", 2)
+        };
+        let Claim::Acquired(first) = pg_store.claim(&short).await.expect("claim") else {
+            panic!("a new key")
+        };
+        let mut taken = None;
+        for _ in 0..1000 {
+            if let Claim::Acquired(lease) = sqlx_store
+                .claim(&request(&scope, "k2", 2))
+                .await
+                .expect("claim")
+            {
+                taken = Some(lease);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let taken = taken.expect("the lapsed lease taken over");
+        assert!(taken.token > first.token);
+        let fenced = pg_store
+            .complete(&first, &response, Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        assert_eq!(fenced, Fenced::LeaseLost);
+        assert_eq!(
+            sqlx_store
+                .renew(&first, Duration::from_secs(5))
+                .await
+                .expect("renew"),
+            Fenced::LeaseLost
+        );
+        assert_eq!(
+            sqlx_store
+                .renew(&taken, Duration::from_secs(5))
+                .await
+                .expect("renew"),
+            Fenced::Kept
+        );
+        assert_eq!(
+            sqlx_store.release(&taken).await.expect("release"),
+            Fenced::Kept
+        );
+        assert!(
+            sqlx_store
+                .look_up(&scope, "k2")
+                .await
+                .expect("look up")
+                .is_none()
+        );
+        let record = sqlx_store
+            .look_up(&scope, "k1")
+            .await
+            .expect("look up")
+            .expect("k1");
+        assert_eq!(record.token, lease.token);
+    }
+
+    /// An operator's actions on this driver: the running keys listed, a running key
+    /// released only under the holder named, a completed one deleted, a running one
+    /// refused, a missing one absent.
+    #[tokio::test]
+    async fn an_operator_lists_releases_and_deletes_keys() {
+        let schema = TestSchema::new();
+        let store = super::store(&schema).await;
+        let scope = Scope::new("acct");
+        let Claim::Acquired(running) = store
+            .claim(&request(&scope, "run", 1))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let Claim::Acquired(done) = store
+            .claim(&request(&scope, "done", 2))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: Bytes::from_static(b"ok"),
+        };
+        let kept = store
+            .complete(&done, &response, Duration::from_secs(60))
+            .await
+            .expect("complete");
+        assert_eq!(kept, Fenced::Kept);
+
+        let listed = store
+            .running_keys(Duration::ZERO, 10)
+            .await
+            .expect("running keys");
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(listed[0].key, "run");
+        assert_eq!(listed[0].record.token, running.token);
+
+        let other = Some(running.token.next());
+        assert!(matches!(
+            store
+                .release_running(&scope, "run", other)
+                .await
+                .expect("release"),
+            Removal::Refused(_)
+        ));
+        assert!(matches!(
+            store.delete_completed(&scope, "run").await.expect("delete"),
+            Removal::Refused(_)
+        ));
+        assert!(matches!(
+            store
+                .release_running(&scope, "run", Some(running.token))
+                .await
+                .expect("release"),
+            Removal::Removed { token } if token == running.token
+        ));
+        assert!(matches!(
+            store
+                .delete_completed(&scope, "done")
+                .await
+                .expect("delete"),
+            Removal::Removed { token } if token == done.token
+        ));
+        assert!(matches!(
+            store
+                .delete_completed(&scope, "done")
+                .await
+                .expect("delete"),
+            Removal::Absent
+        ));
+        assert!(
+            store
+                .look_up(&scope, "run")
+                .await
+                .expect("look up")
+                .is_none()
+        );
+        assert_eq!(
+            store
+                .renew(&running, Duration::from_secs(5))
+                .await
+                .expect("renew"),
+            Fenced::LeaseLost
+        );
+    }
+
+    /// A store whose table was never migrated: the claim's error is classified by its
+    /// SQLSTATE as the tokio-postgres driver's is, misconfigured, and says to migrate.
+    #[tokio::test]
+    async fn an_unmigrated_table_is_misconfigured_and_says_to_migrate() {
+        let schema = TestSchema::new();
+        let store = SqlxStore::new(super::pool(&crate::common::database_url(), 2).await)
+            .with_schema_name(&schema.name)
+            .expect("schema name");
+        let scope = Scope::new("acct");
+        let e = store
+            .claim(&request(&scope, "k", 1))
+            .await
+            .expect_err("no table");
+        assert_eq!(e.kind(), StoreErrorKind::Misconfigured);
+        assert!(e.hint().is_some_and(|h| h.contains("migrate()")), "{e}");
+    }
+
+    /// A waiter on a store that listens is woken by the completion's notification
+    /// (sent by the other driver's completion), not by a timer: with the listener up,
+    /// `changed` resolves on a notification only.
+    #[tokio::test]
+    async fn a_waiter_is_woken_by_the_completion_s_notification() {
+        let schema = TestSchema::new();
+        let sqlx_store = Arc::new(super::store(&schema).await);
+        let pg_store = schema.store().await;
+        sqlx_store.listen().await.expect("listening");
+        assert!(sqlx_store.is_listening());
+        let scope = Scope::new("acct");
+        let Claim::Acquired(lease) = pg_store
+            .claim(&request(&scope, "k", 1))
+            .await
+            .expect("claim")
+        else {
+            panic!("a new key")
+        };
+        let changed = sqlx_store.changed(&scope, "k");
+        assert!(
+            sqlx_store
+                .register_waiter(&scope, "k")
+                .await
+                .expect("register")
+        );
+        let response = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: Bytes::from_static(b"done"),
+        };
+        let kept = pg_store
+            .complete(&lease, &response, Duration::from_secs(60))
+            .await
+            .expect("complete");
+        assert_eq!(kept, Fenced::Kept);
+        tokio::time::timeout(Duration::from_secs(30), changed)
+            .await
+            .expect("woken by the notification");
+    }
+}
+
+/// Lease mode's failures on this driver, each proven by really failing something
+/// through the fault proxy: connections cut under the pool, a stalled database, a
+/// completion that cannot reach the database.
+mod faults {
+    use std::time::Duration;
+
+    use tower_idempotency::{IdempotencyLayer, Outcome, store::SqlxStore};
+
+    use crate::common::{
+        TestSchema, app, eventually, in_flight, post, post_with_headers, proxy::PgProxy,
+        retry_until_created, row, send, send_bounded, wait_for_state,
+    };
+
+    /// A migrated store on `size` connections through `proxy`, listening there too.
+    /// The pool does not ping a connection before lending it (sqlx's
+    /// `test_before_acquire`), so that what the proxy cuts is the store's own statement.
+    async fn store_through(schema: &TestSchema, proxy: &PgProxy, size: u32) -> SqlxStore {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(size)
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect(&proxy.url())
+            .await
+            .expect("pool");
+        let store = SqlxStore::new(pool)
+            .with_schema_name(&schema.name)
+            .expect("schema name");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn cut_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 4).await;
+        let (router, counter) = app(IdempotencyLayer::new(store));
+        for i in 0..4 {
+            let r = send(&router, post(&format!("k{i}"), "{}")).await;
+            assert_eq!(r.status, 201);
+        }
+        proxy.cut();
+        for i in 0..8 {
+            let key = format!("k{i}");
+            let mut answers = Vec::new();
+            loop {
+                let r = send(&router, post(&key, "{}")).await;
+                answers.push(r.status.as_u16());
+                if r.status == 201 {
+                    break;
+                }
+                assert_eq!(r.status, 503, "{key}: {answers:?}");
+                assert_eq!(r.problem(), "store-unavailable");
+                assert!(answers.len() < 20, "{key} never recovered: {answers:?}");
+            }
+            assert_eq!(counter.runs_of(&key), 1, "{key}: {answers:?}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stalled_database_is_a_bounded_503_then_recovers() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 2).await;
+        let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
+        let (router, counter) = app(layer);
+        proxy.stall(true);
+        let r = send_bounded(&router, post("k", "{}")).await;
+        assert_eq!(r.status, 503);
+        assert!(r.header("retry-after").is_some());
+        assert_eq!(counter.runs(), 0);
+        proxy.stall(false);
+        // The stalled claim may land once the proxy lets it through (it then holds the
+        // key until its lease lapses); either way the key is run exactly once.
+        let mut statuses = Vec::new();
+        loop {
+            let r = send(&router, post("k", "{}")).await;
+            statuses.push(r.status.as_u16());
+            if r.status == 201 {
+                break;
+            }
+            assert!(statuses.len() < 1000, "{statuses:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(counter.runs(), 1, "{statuses:?}");
+    }
+
+    /// A claim's answer lost with its connection (the database refusing connections for
+    /// a while after, if `away`) may have committed: it is released by its token, and a
+    /// retry runs within seconds, not after the 60 s lease.
+    async fn a_claim_lost_with_its_connection_is_released(away: bool) {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 1).await;
+        let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
+        let (router, counter) = app(layer);
+        // Prepares the statements: the claim is what the server answers next.
+        assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+        wait_for_state(&schema, "warm-up", "completed").await;
+        proxy.cut_at_next_reply();
+        proxy.refuse(away);
+        let lost = send(&router, post("k", "{}")).await;
+        assert_eq!(lost.status, 503);
+        assert_eq!(counter.runs_of("k"), 0);
+        if away {
+            eventually(|| proxy.refused() > 0).await;
+            proxy.refuse(false);
+        }
+        retry_until_created(&router, "k", &[409, 503]).await;
+        assert_eq!(counter.runs_of("k"), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_whose_answer_was_lost_with_its_connection_is_released() {
+        a_claim_lost_with_its_connection_is_released(false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_in_doubt_is_released_once_the_database_is_back() {
+        a_claim_lost_with_its_connection_is_released(true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_cut_while_the_handler_runs_still_stores_its_response() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 4).await;
+        let (router, counter) = app(IdempotencyLayer::new(store));
+        let first = in_flight(
+            &router,
+            post_with_headers("k", &[("x-held", "1")]),
+            &counter,
+        )
+        .await;
+        proxy.cut();
+        counter.let_go(1);
+        let first = first.await.expect("the first request");
+        assert_eq!(first.status, 201);
+        wait_for_state(&schema, "k", "completed").await;
+        let replay = send(&router, post("k", "{}")).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.body, first.body);
+        assert_eq!(counter.runs(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_failed_completion_is_retried_and_the_client_still_gets_its_response() {
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_through(&schema, &proxy, 4).await;
+        let layer = IdempotencyLayer::new(store)
+            .store_timeout(Duration::from_millis(200))
+            .lease_duration(Duration::from_secs(10));
+        let shutdown = layer.shutdown_handle();
+        let (router, counter) = app(layer);
+        let first = in_flight(
+            &router,
+            post_with_headers("k", &[("x-held", "1")]),
+            &counter,
+        )
+        .await;
+        proxy.stall(true);
+        counter.let_go(1);
+        let first = first.await.expect("the first request");
+        assert_eq!(first.status, 201);
+        assert_eq!(
+            row(&schema, "k").await.map(|r| r.0).as_deref(),
+            Some("running")
+        );
+        assert_eq!(
+            shutdown.in_flight(),
+            1,
+            "the completion is still being retried"
+        );
+        proxy.stall(false);
+        wait_for_state(&schema, "k", "completed").await;
+        eventually(|| shutdown.in_flight() == 0).await;
+        let replay = send(&router, post("k", "{}")).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.body, first.body);
+        assert_eq!(counter.runs(), 1);
+    }
+}
