@@ -868,7 +868,11 @@ async fn fail_over_under_load(replication: Replication) {
         .as_i64()
         .unwrap_or(0);
     let slow = format!("{run}-waited");
-    let body = r#"{"amount":700,"currency":"EUR","delay_ms":1000}"#;
+    // The payment ends half-way between the waiter's looks of its own (every second
+    // with liveness, from when it starts waiting, a few ms after the payment starts),
+    // so that what wakes it is the notification, not a look that happens to come just
+    // after the completion.
+    let body = r#"{"amount":700,"currency":"EUR","delay_ms":1500}"#;
     let first = {
         let (client, slow, addr) = (client.clone(), slow.clone(), addrs[0]);
         tokio::spawn(async move {
