@@ -468,11 +468,7 @@ impl SqlxStore {
         let Some(every) = self.purge_every else {
             return;
         };
-        let mut started = self
-            .purge
-            .started
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut started = self.purge.started.lock();
         if started.is_some() {
             return;
         }
@@ -813,16 +809,20 @@ fn lost_its_connection(e: &StoreError) -> bool {
     )
 }
 
-/// The background purge's task, stopped with the last clone of the store.
+/// A background task of the store's, once started; aborted when its owner is dropped.
 #[derive(Default)]
-struct Purge {
-    started: Mutex<Option<tokio::task::AbortHandle>>,
+struct Task(Mutex<Option<tokio::task::AbortHandle>>);
+
+impl Task {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<tokio::task::AbortHandle>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
-impl Drop for Purge {
+impl Drop for Task {
     fn drop(&mut self) {
         if let Some(task) = self
-            .started
+            .0
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
@@ -830,6 +830,12 @@ impl Drop for Purge {
             task.abort();
         }
     }
+}
+
+/// The background purge's task, stopped with the last clone of the store.
+#[derive(Default)]
+struct Purge {
+    started: Task,
 }
 
 /// Completions heard on a `LISTEN` connection of a pool ([`PgListener`]), each waking
@@ -839,20 +845,7 @@ struct Listener {
     channel: String,
     waiters: Arc<Waiters<String>>,
     connected: tokio::sync::watch::Sender<bool>,
-    started: Mutex<Option<tokio::task::AbortHandle>>,
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Some(task) = self
-            .started
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
-            task.abort();
-        }
-    }
+    started: Task,
 }
 
 impl Listener {
@@ -862,7 +855,7 @@ impl Listener {
             channel,
             waiters: Arc::default(),
             connected: tokio::sync::watch::channel(false).0,
-            started: Mutex::new(None),
+            started: Task::default(),
         }
     }
 
@@ -870,7 +863,7 @@ impl Listener {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let mut started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut started = self.started.lock();
         if started
             .as_ref()
             .is_none_or(tokio::task::AbortHandle::is_finished)
