@@ -7,6 +7,7 @@ mod claim;
 mod config;
 mod errors;
 mod generations;
+mod holder;
 mod hosts;
 mod in_doubt;
 mod lead;
@@ -231,11 +232,11 @@ impl PostgresStore {
             gone_holder_takeovers: self
                 .liveness
                 .as_ref()
-                .map_or(0, |l| l.takeovers.load(Ordering::Relaxed)),
+                .map_or(0, |l| l.activity.takeovers.load(Ordering::Relaxed)),
             liveness_heartbeats: self
                 .liveness
                 .as_ref()
-                .map_or(0, |l| l.heartbeats.load(Ordering::Relaxed)),
+                .map_or(0, |l| l.activity.heartbeats.load(Ordering::Relaxed)),
         }
     }
 
