@@ -179,3 +179,26 @@ async fn heartbeat<B: Beat>(holder: Arc<B>) {
 pub(crate) fn backoff_after(backoff: Duration) -> Duration {
     (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF)
 }
+
+/// What `start_liveness` says when the lock was not held within 5 s: why its
+/// connection last failed, as the database said it, and what to do where the cause is
+/// likely (the table not migrated, a right missing); `None`: it never said.
+pub(crate) fn not_held(last: Option<StoreError>) -> StoreError {
+    let Some(e) = last else {
+        return StoreError::new(
+            StoreErrorKind::Unavailable,
+            "the liveness connection did not hold its lock within 5 s (has migrate() run?)",
+        );
+    };
+    let said = StoreError::new(
+        e.kind(),
+        format!(
+            "the liveness connection did not hold its lock within 5 s: {}",
+            e.source
+        ),
+    );
+    match e.hint() {
+        Some(hint) => said.with_hint(hint.to_owned()),
+        None => said,
+    }
+}
