@@ -54,7 +54,15 @@ const PURGE_BATCH: i64 = 1000;
 /// [`PostgresStore`](crate::store::PostgresStore)'s (claims fenced by token, lapsed
 /// leases taken over, leases renewed by the layer, waiters woken by `LISTEN`, expired
 /// records purged in the background), for an app that talks to PostgreSQL through sqlx.
-/// Both stores may serve the same table at once.
+/// Both stores may serve the same table at once. With
+/// [`with_liveness`](Self::with_liveness), a dead holder's keys are taken over within
+/// about a second, and a completer ([`IdempotencyLayer::spawn_completer`](crate::IdempotencyLayer::spawn_completer))
+/// finishes the keys of resumable routes whose holder died.
+///
+/// Not on sqlx: transactional mode, tables in generations, and batched or shared
+/// claims, which rest on tokio-postgres's pipelining (docs/postgres.md, "The sqlx
+/// driver", says why). TLS is the pool's own (one of sqlx's TLS features and its
+/// `sslmode`); the connections the store makes itself take the pools' options.
 ///
 /// A pool handed to [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) or
 /// [`JobRunner::new`](crate::job::JobRunner::new) becomes a `SqlxStore` with its
