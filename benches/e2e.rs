@@ -61,7 +61,7 @@ use tokio_postgres::NoTls;
 use tower_cookies::CookieManagerLayer;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, StoredResponse,
-    store::{MemoryStore, PostgresStore, pool_for_url},
+    store::{MemoryStore, PostgresStore, SqlxStore, pool_for_url},
     transactional::TransactionHandle,
 };
 
@@ -211,9 +211,11 @@ enum Kind {
     PeerReplay,
     LeaseBatched,
     ReplayBatched,
+    SqlxLease,
+    SqlxReplay,
 }
 
-const KINDS: [Kind; 24] = [
+const KINDS: [Kind; 26] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -238,11 +240,13 @@ const KINDS: [Kind; 24] = [
     Kind::PeerReplay,
     Kind::LeaseBatched,
     Kind::ReplayBatched,
+    Kind::SqlxLease,
+    Kind::SqlxReplay,
 ];
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 24] = [
+const RUN_ORDER: [Kind; 26] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
@@ -250,6 +254,7 @@ const RUN_ORDER: [Kind; 24] = [
     Kind::LeaseShared,
     Kind::LeaseUnnamed,
     Kind::LeaseBatched,
+    Kind::SqlxLease,
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
@@ -261,6 +266,7 @@ const RUN_ORDER: [Kind; 24] = [
     Kind::ReplayShared,
     Kind::ReplayUnnamed,
     Kind::ReplayBatched,
+    Kind::SqlxReplay,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::PeerReplay,
@@ -296,6 +302,8 @@ impl Kind {
             Kind::PeerReplay => "peer_replay",
             Kind::LeaseBatched => "lease_batched",
             Kind::ReplayBatched => "replay_batched",
+            Kind::SqlxLease => "sqlx_lease",
+            Kind::SqlxReplay => "sqlx_replay",
         }
     }
 
@@ -327,6 +335,8 @@ impl Kind {
             Kind::PeerReplay => "(l) peer: axum-idempotent on ruts' PostgresStore, replays",
             Kind::LeaseBatched => "(c-b) lease mode, new keys, batched claims",
             Kind::ReplayBatched => "(e-b) replays, batched claims",
+            Kind::SqlxLease => "(c-s) lease mode, new keys, SqlxStore on a sqlx PgPool",
+            Kind::SqlxReplay => "(e-s) replays, SqlxStore on a sqlx PgPool",
         }
     }
 
@@ -338,6 +348,7 @@ impl Kind {
             | Kind::LeaseShared
             | Kind::LeaseUnnamed
             | Kind::LeaseBatched
+            | Kind::SqlxLease
             | Kind::HttpFloorLease
             | Kind::Peer => Some(Kind::FloorLease),
             Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
@@ -346,6 +357,7 @@ impl Kind {
             | Kind::ReplayShared
             | Kind::ReplayUnnamed
             | Kind::ReplayBatched
+            | Kind::SqlxReplay
             | Kind::PeerReplay => Some(Kind::FloorSelect),
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
@@ -369,6 +381,8 @@ impl Kind {
                 | Kind::ReplayUnnamed
                 | Kind::LeaseBatched
                 | Kind::ReplayBatched
+                | Kind::SqlxLease
+                | Kind::SqlxReplay
                 | Kind::Dup
         )
     }
@@ -434,6 +448,9 @@ impl Kind {
             // sqlx prepares each statement on first use: the read alone outside a
             // transaction (its own commit); the write inside the one it runs in.
             Kind::Peer | Kind::PeerReplay => 1.0,
+            // The statements of (c) and (e), prepared by sqlx on first use.
+            Kind::SqlxLease => 2.0,
+            Kind::SqlxReplay => 1.0,
         }
     }
 }
@@ -1371,6 +1388,21 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     .layer(IdempotencyLayer::new(st)),
             )
         }
+        Kind::SqlxLease | Kind::SqlxReplay => {
+            // A pool of the size of (c)'s, and a connection of its own to LISTEN on,
+            // as (c)'s notification connection.
+            let pool = peer_pool(&db.row_url, ctx.settings.pool_size);
+            peer_db = Some(pool.clone());
+            let st = SqlxStore::new(pool)
+                .with_notification_pool(peer_pool(&db.row_url, 1))
+                .with_schema_name(&ctx.schema)
+                .expect("schema name");
+            Some(
+                Router::new()
+                    .route("/payments", post(create))
+                    .layer(IdempotencyLayer::new(st)),
+            )
+        }
         Kind::Tx => {
             let st = ctx.store();
             store = Some(st.clone());
@@ -1450,6 +1482,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     | Kind::ReplayShared
                     | Kind::ReplayUnnamed
                     | Kind::ReplayBatched
+                    | Kind::SqlxReplay
                     | Kind::HttpFloorReplay
                     | Kind::PeerReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),

@@ -562,3 +562,233 @@ mod faults {
         assert_eq!(counter.runs(), 1);
     }
 }
+
+/// Liveness on sqlx (`SqlxStore::with_liveness`): a killed holder's key is taken over
+/// long before its lease lapses, by a claim or by the completer of a resumable route;
+/// a live holder's never. Holders are this test binary started again with
+/// `TI_SQLX_CHILD` naming what it runs, and killed with SIGKILL.
+mod liveness {
+    use std::{
+        io::{BufRead, BufReader},
+        process::{Child, Command, Stdio},
+        sync::mpsc,
+        time::Duration,
+    };
+
+    use axum::{Router, routing::post};
+    use http::{StatusCode, header::CONTENT_TYPE};
+    use tower_idempotency::{
+        Fingerprint, IdempotencyLayer, Outcome, Scope,
+        store::{Claim, ClaimRequest, SqlxStore, Store},
+    };
+
+    use crate::common::{
+        Counter, TestSchema, app, create, database_url, eventually, post_with_headers, send,
+    };
+
+    /// A lease far longer than the tests run: only liveness could take the key over.
+    const LONG_LEASE: Duration = Duration::from_secs(600);
+
+    fn request<'a>(scope: &'a Scope, key: &'a str) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint::new([7; 32]),
+            lease: LONG_LEASE,
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
+    /// A store with liveness on `schema`, holding its lock.
+    async fn live_store(schema: &str) -> SqlxStore {
+        let store = SqlxStore::new(super::pool(&database_url(), 4).await)
+            .with_schema_name(schema)
+            .expect("schema")
+            .with_liveness(true);
+        store.start_liveness().await.expect("liveness");
+        store
+    }
+
+    /// This test binary, started again to run `role` on `schema` and `key`; killed
+    /// when dropped.
+    struct Holder {
+        child: Child,
+        lines: mpsc::Receiver<String>,
+    }
+
+    impl Holder {
+        fn start(role: &str, schema: &TestSchema, key: &str) -> Self {
+            let mut child = Command::new(std::env::current_exe().expect("the test binary"))
+                .args([
+                    "--exact",
+                    "liveness::child",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("TI_SQLX_CHILD", role)
+                .env("TI_SQLX_SCHEMA", &schema.name)
+                .env("TI_SQLX_KEY", key)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start the holder");
+            let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+            let (tx, lines) = mpsc::channel();
+            std::thread::spawn(move || {
+                for line in stdout.lines().map_while(Result::ok) {
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            });
+            Self { child, lines }
+        }
+
+        /// Waits (at most 60 s: a bound, not a timing claim) for the child to print
+        /// `word`.
+        fn wait_for(&self, word: &str) {
+            loop {
+                match self.lines.recv_timeout(Duration::from_secs(60)) {
+                    Ok(line) if line.contains(word) => return,
+                    Ok(_) => {}
+                    Err(e) => panic!("the holder never printed {word:?}: {e}"),
+                }
+            }
+        }
+
+        fn kill9(&mut self) {
+            self.child.kill().expect("SIGKILL the holder");
+            self.child.wait().expect("the holder ends");
+        }
+    }
+
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// What a holder process runs, by `TI_SQLX_CHILD`: `claim` claims the key for
+    /// `LONG_LEASE`; `resumable` sends a request with it through a resumable layer,
+    /// whose handler never returns. Either prints `holding the key` and waits to be killed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn child() {
+        let Ok(role) = std::env::var("TI_SQLX_CHILD") else {
+            return;
+        };
+        let schema = std::env::var("TI_SQLX_SCHEMA").expect("schema");
+        let key = std::env::var("TI_SQLX_KEY").expect("key");
+        let store = live_store(&schema).await;
+        match role.as_str() {
+            "claim" => {
+                let scope = Scope::anonymous();
+                let claim = store.claim(&request(&scope, &key)).await.expect("claim");
+                assert!(matches!(claim, Claim::Acquired(_)), "{claim:?}");
+            }
+            "resumable" => {
+                let layer = IdempotencyLayer::new(store).resumable("payments", [CONTENT_TYPE]);
+                let (router, counter) = app(layer);
+                tokio::spawn(async move {
+                    send(&router, post_with_headers(&key, &[("x-held", "1")])).await
+                });
+                eventually(|| counter.runs() == 1).await;
+            }
+            other => panic!("no such role {other:?}"),
+        }
+        println!("\nholding the key");
+        std::future::pending::<()>().await;
+    }
+
+    /// `(state, token, holder)` of `key`'s row.
+    async fn row(schema: &TestSchema, key: &str) -> (String, i64, Option<i64>) {
+        let rows = schema
+            .query(&format!(
+                "SELECT state, token, holder FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+                schema.name
+            ))
+            .await;
+        let r = rows.first().expect("the key's row");
+        (r.get(0), r.get(1), r.get(2))
+    }
+
+    /// Claims of a live holder's key find it running for several times the grace (1 s)
+    /// after which a silent holder whose lock is free counts as gone; once the holder
+    /// is killed, a claim takes the key over (the next token, this store as its holder)
+    /// while its 10-minute lease has nearly all its time to run.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_holder_s_key_is_taken_over_and_a_live_one_s_never() {
+        let schema = TestSchema::new();
+        super::store(&schema).await;
+        let store = live_store(&schema.name).await;
+        let mut holder = Holder::start("claim", &schema, "held");
+        holder.wait_for("holding the key");
+        let (state, token, dead) = row(&schema, "held").await;
+        assert_eq!(state, "running");
+        assert!(dead.is_some() && dead != store.holder_id(), "{dead:?}");
+        let scope = Scope::anonymous();
+        for _ in 0..12 {
+            let claim = store.claim(&request(&scope, "held")).await.expect("claim");
+            assert!(matches!(claim, Claim::Running { .. }), "{claim:?}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        holder.kill9();
+        let mut claims = 0;
+        let lease = loop {
+            match store.claim(&request(&scope, "held")).await.expect("claim") {
+                Claim::Acquired(lease) => break lease,
+                Claim::Running { .. } => claims += 1,
+                other => panic!("unexpected claim: {other:?}"),
+            }
+            assert!(claims < 1500, "never taken over");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(lease.token.get(), token + 1);
+        assert_eq!(row(&schema, "held").await.2, store.holder_id());
+        assert_eq!(store.gone_holder_takeovers(), 1);
+    }
+
+    /// The completer of a resumable route over sqlx leaves a live holder's key alone,
+    /// and once that holder's process is killed, takes it over and runs it to its
+    /// end with no client retrying: a later request with the key replays it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_completer_finishes_a_killed_holder_s_key() {
+        let schema = TestSchema::new();
+        super::store(&schema).await;
+        let layer = IdempotencyLayer::new(live_store(&schema.name).await)
+            .resumable("payments", [CONTENT_TYPE]);
+        let counter = Counter::default();
+        let completer = layer.spawn_completer(
+            Router::new()
+                .route("/payments", post(create))
+                .with_state(counter.clone()),
+        );
+        let mut holder = Holder::start("resumable", &schema, "resumed");
+        holder.wait_for("holding the key");
+        let (state, token, _) = row(&schema, "resumed").await;
+        assert_eq!(state, "running");
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            assert_eq!(row(&schema, "resumed").await.1, token);
+        }
+        assert_eq!(counter.runs(), 0, "a live holder's key was run");
+        holder.kill9();
+        let mut finished = false;
+        for _ in 0..600 {
+            if row(&schema, "resumed").await.0 == "completed" {
+                finished = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(finished, "the dead holder's key was never finished");
+        assert_eq!(row(&schema, "resumed").await.1, token + 1);
+        assert_eq!(counter.runs(), 1);
+        let (router, again) = app(layer);
+        let replay = send(&router, post_with_headers("resumed", &[])).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.status, StatusCode::CREATED);
+        assert_eq!(again.runs(), 0);
+        completer.abort();
+    }
+}

@@ -528,7 +528,7 @@ impl Counter {
     }
 }
 
-async fn create(
+pub async fn create(
     State(counter): State<Counter>,
     key: Option<IdempotencyKey>,
     headers: HeaderMap,

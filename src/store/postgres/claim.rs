@@ -321,7 +321,7 @@ impl PostgresStore {
         let token = FencingToken::new(need(row.int8(0), 0)?);
         if seen.holder_gone {
             if let Some(liveness) = &self.liveness {
-                liveness.takeovers.fetch_add(1, Ordering::Relaxed);
+                liveness.activity.takeovers.fetch_add(1, Ordering::Relaxed);
             }
             tracing::info!(
                 %token,

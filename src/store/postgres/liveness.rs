@@ -40,48 +40,25 @@
 use std::{
     sync::{
         Arc, Mutex, PoisonError, Weak,
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     task::Poll,
     time::Duration,
 };
 
 use deadpool_postgres::{ClientWrapper, Pool};
-use tokio::time::Instant;
 
+pub(super) use super::holder::GRACE;
 use super::{
     checkout::POOL_WAIT,
     errors::{Shown, classify},
+    holder::{Activity, Beat, CONNECT_TIMEOUT, SETTINGS, backoff_after, new_holder_id},
     hosts::Hosts,
     reserve::SessionSetup,
     sql::Statement,
     tls::Connector,
 };
-use crate::store::{StoreError, StoreErrorKind};
-
-/// How long a holder must have been silent, its lock free, before its claims are
-/// taken over; and how long after its claim a claim is never taken over so.
-pub(super) const GRACE: Duration = Duration::from_secs(1);
-
-/// How often a holder running claims renews its `seen_at`: four times within `GRACE`,
-/// so that one renewal late or lost does not make it look silent.
-const HEARTBEAT: Duration = Duration::from_millis(250);
-
-/// How long the liveness connection may take to connect.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The longest wait between two attempts to connect.
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
-
-/// The liveness connection's session settings: nothing of the server's or the role's
-/// ends it while it idles (its statement waits for its own lock as long as it takes),
-/// and the server's TCP keepalive and user timeout are the kernel's own (hours), not a
-/// shorter one of the server's configuration, which would end it, and free its lock,
-/// in a partition shorter than the lease. Only the settings this server has are set.
-const SETTINGS: &str = "SELECT set_config(name, '0', false) FROM pg_settings
-     WHERE name IN ('statement_timeout', 'lock_timeout', 'idle_in_transaction_session_timeout',
-                    'idle_session_timeout', 'transaction_timeout', 'tcp_keepalives_idle',
-                    'tcp_keepalives_interval', 'tcp_keepalives_count', 'tcp_user_timeout')";
+use crate::store::{BoxFuture, StoreError, StoreErrorKind};
 
 /// One store's liveness: its holder id, its liveness connection, and its heartbeat.
 pub(super) struct Liveness {
@@ -100,9 +77,6 @@ pub(super) struct Liveness {
     /// Why the liveness connection last failed to hold its lock and register, until
     /// it does: what `start_liveness` says when it gives up.
     failed: Mutex<Option<StoreError>>,
-    /// Whether a heartbeat's failure that a retry will not mend (a right missing, say)
-    /// was logged as a warning since the last heartbeat that went through.
-    warned: AtomicBool,
     /// The heartbeat's connection, made by the pool's manager outside the pool (its
     /// configuration, its TLS, through the same pooler if any), kept between bursts
     /// of claims: the heartbeat neither waits for the pool, which the handlers may
@@ -115,16 +89,8 @@ pub(super) struct Liveness {
     holding: AtomicBool,
     /// Whether the lock is held and the holder registered.
     held: tokio::sync::watch::Sender<bool>,
-    /// Claims acquired and not yet completed or released.
-    running: AtomicUsize,
-    /// Until when the heartbeat goes on (ms from `epoch`): a lease after the last
-    /// claim or renewal, so that a claim its owner forgot ends it all the same.
-    active_until: AtomicU64,
-    epoch: Instant,
-    /// Whether a heartbeat task runs.
-    beating: AtomicBool,
-    pub(super) heartbeats: AtomicU64,
-    pub(super) takeovers: AtomicU64,
+    /// Whether it runs claims (its heartbeat's schedule), and what it counts.
+    pub(super) activity: Activity,
 }
 
 impl Drop for Liveness {
@@ -148,8 +114,7 @@ impl Liveness {
         session_setup: Option<SessionSetup>,
         sql: &super::sql::Sql,
     ) -> Self {
-        // Positive and never 0, like a fencing token: any 63-bit number would do.
-        let holder = ((crate::random::u64() >> 1) as i64).max(1);
+        let holder = new_holder_id();
         Self {
             holder,
             hosts: Arc::new(Hosts::new(config)),
@@ -163,17 +128,11 @@ impl Liveness {
             pool,
             session_setup,
             failed: Mutex::new(None),
-            warned: AtomicBool::new(false),
             beat_on: Mutex::new(None),
             started: Mutex::new(None),
             holding: AtomicBool::new(false),
             held: tokio::sync::watch::channel(false).0,
-            running: AtomicUsize::new(0),
-            active_until: AtomicU64::new(0),
-            epoch: Instant::now(),
-            beating: AtomicBool::new(false),
-            heartbeats: AtomicU64::new(0),
-            takeovers: AtomicU64::new(0),
+            activity: Activity::default(),
         }
     }
 
@@ -230,54 +189,19 @@ impl Liveness {
         *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = e;
     }
 
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// The heartbeat goes on until `lease` from now at least.
-    fn extend(&self, lease: Duration) {
-        let until = self
-            .now_ms()
-            .saturating_add(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX));
-        self.active_until.fetch_max(until, Ordering::AcqRel);
-    }
-
-    /// Whether the holder runs claims, as far as it knows.
-    fn active(&self) -> bool {
-        self.running.load(Ordering::Acquire) > 0
-            && self.now_ms() < self.active_until.load(Ordering::Acquire)
-    }
-
     /// A claim of `lease` was acquired: the heartbeat runs while it does.
     pub(super) fn acquired(self: &Arc<Self>, lease: Duration) {
-        self.running.fetch_add(1, Ordering::AcqRel);
-        self.extend(lease);
-        self.beat();
+        super::holder::acquired(self, lease);
     }
 
     /// A claim was renewed for `lease`.
     pub(super) fn renewed(self: &Arc<Self>, lease: Duration) {
-        self.extend(lease);
-        self.beat();
+        super::holder::renewed(self, lease);
     }
 
     /// A claim was completed or released (or found lost).
     pub(super) fn ended(&self) {
-        let _ = self
-            .running
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-    }
-
-    /// Starts the heartbeat task unless one runs.
-    fn beat(self: &Arc<Self>) {
-        if self.beating.load(Ordering::Acquire) || self.beating.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.beating.store(false, Ordering::Release);
-            return;
-        };
-        runtime.spawn(heartbeat(self.clone()));
+        self.activity.ended();
     }
 
     /// Renews `seen_at` once, on the heartbeat's connection (made first if need be,
@@ -319,38 +243,13 @@ impl Liveness {
     }
 }
 
-/// Renews the holder's `seen_at` every `HEARTBEAT` while the store runs claims. The
-/// first renewal comes a `HEARTBEAT` after the claim that started it (the claim's own
-/// time stands for it until `GRACE`): a store whose handlers take less never renews.
-/// Each renewal is bounded by `GRACE`; one that takes longer is dropped with its
-/// connection.
-async fn heartbeat(liveness: Arc<Liveness>) {
-    loop {
-        tokio::time::sleep(HEARTBEAT).await;
-        if !liveness.active() {
-            liveness.beating.store(false, Ordering::Release);
-            // A claim that came in between, and found the task still beating, did not
-            // start another: this one goes on for it.
-            if !liveness.active() || liveness.beating.swap(true, Ordering::AcqRel) {
-                return;
-            }
-        }
-        match tokio::time::timeout(GRACE, liveness.renew_seen_at()).await {
-            Ok(Ok(())) => {
-                liveness.heartbeats.fetch_add(1, Ordering::Relaxed);
-                liveness.warned.store(false, Ordering::Relaxed);
-            }
-            // One that a retry will not mend (a right missing, the table not migrated,
-            // the app's session setup refused) is said once, loudly.
-            Ok(Err(e))
-                if e.kind() == StoreErrorKind::Misconfigured
-                    && !liveness.warned.swap(true, Ordering::Relaxed) =>
-            {
-                tracing::warn!(error = %e, "a liveness heartbeat failed");
-            }
-            Ok(Err(e)) => tracing::debug!(error = %e, "a liveness heartbeat failed"),
-            Err(_) => tracing::debug!("a liveness heartbeat went unanswered"),
-        }
+impl Beat for Liveness {
+    fn activity(&self) -> &Activity {
+        &self.activity
+    }
+
+    fn renew_seen_at(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(Liveness::renew_seen_at(self))
     }
 }
 
@@ -396,7 +295,7 @@ async fn hold(me: Weak<Liveness>) {
                 if let Some(me) = me.upgrade() {
                     me.failed(Some(classify(e)));
                 }
-                backoff = (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
+                backoff = backoff_after(backoff);
                 continue;
             }
             Err(_) => {
@@ -408,7 +307,7 @@ async fn hold(me: Weak<Liveness>) {
                 if let Some(me) = me.upgrade() {
                     me.failed(Some(StoreError::new(StoreErrorKind::Timeout, why)));
                 }
-                backoff = (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
+                backoff = backoff_after(backoff);
                 continue;
             }
         };
@@ -469,7 +368,7 @@ async fn hold(me: Weak<Liveness>) {
             )));
             drop(liveness);
             tracing::warn!(%error, "the idempotency liveness connection could not hold its lock");
-            backoff = (backoff * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
+            backoff = backoff_after(backoff);
         }
     }
 }

@@ -7,6 +7,7 @@ mod claim;
 mod config;
 mod errors;
 mod generations;
+mod holder;
 mod hosts;
 mod in_doubt;
 mod lead;
@@ -231,11 +232,11 @@ impl PostgresStore {
             gone_holder_takeovers: self
                 .liveness
                 .as_ref()
-                .map_or(0, |l| l.takeovers.load(Ordering::Relaxed)),
+                .map_or(0, |l| l.activity.takeovers.load(Ordering::Relaxed)),
             liveness_heartbeats: self
                 .liveness
                 .as_ref()
-                .map_or(0, |l| l.heartbeats.load(Ordering::Relaxed)),
+                .map_or(0, |l| l.activity.heartbeats.load(Ordering::Relaxed)),
         }
     }
 
@@ -305,28 +306,10 @@ impl PostgresStore {
                 "no liveness: build the store with connect() or with_notifications(), and leave with_liveness on",
             ));
         };
-        match liveness.held_within(Duration::from_secs(5)).await {
-            Ok(()) => Ok(()),
-            // Why it last failed, as the database said it, and what to do where the
-            // cause is likely (the table not migrated, a right missing).
-            Err(Some(e)) => {
-                let said = StoreError::new(
-                    e.kind(),
-                    format!(
-                        "the liveness connection did not hold its lock within 5 s: {}",
-                        e.source
-                    ),
-                );
-                Err(match e.hint() {
-                    Some(hint) => said.with_hint(hint.to_owned()),
-                    None => said,
-                })
-            }
-            Err(None) => Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "the liveness connection did not hold its lock within 5 s (has migrate() run?)",
-            )),
-        }
+        liveness
+            .held_within(Duration::from_secs(5))
+            .await
+            .map_err(holder::not_held)
     }
 
     /// Whether the liveness connection holds the store's lock and has registered it:

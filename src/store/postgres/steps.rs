@@ -309,20 +309,21 @@ impl PostgresStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let params: [&(dyn ToSql + Sync); 2] = [&name, &limit];
         let rows = self.query_pooled(&self.sql.steps.orphans, &params).await?;
-        rows.iter()
-            .map(|row| {
-                let fingerprint = Fingerprint::from_slice(row.get(2))
-                    .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-                let request: Vec<u8> = row.get(3);
-                Ok(Orphan {
-                    scope: Scope::new(row.get::<_, String>(0)),
-                    key: row.get(1),
-                    fingerprint,
-                    request: request.into(),
-                })
-            })
-            .collect()
+        rows.iter().map(orphan).collect()
     }
+}
+
+/// A row of `scope, key, fingerprint, request` (`orphans`) as a resumable key whose
+/// holder is gone.
+pub(super) fn orphan(row: &impl Columns) -> Result<Orphan, StoreError> {
+    let fingerprint = Fingerprint::from_slice(need(row.bytes(2), 2)?)
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    Ok(Orphan {
+        scope: Scope::new(need(row.text(0), 0)?),
+        key: need(row.text(1), 1)?.to_owned(),
+        fingerprint,
+        request: bytes::Bytes::copy_from_slice(need(row.bytes(3), 3)?),
+    })
 }
 
 /// A step's place, as the table keeps it.

@@ -18,6 +18,9 @@ use ::sqlx::{
 };
 use tokio_postgres::error::SqlState;
 
+mod liveness;
+mod orphans;
+
 use super::{
     ConfigError,
     claim::{CLAIM_ATTEMPTS, Found, ms},
@@ -51,7 +54,15 @@ const PURGE_BATCH: i64 = 1000;
 /// [`PostgresStore`](crate::store::PostgresStore)'s (claims fenced by token, lapsed
 /// leases taken over, leases renewed by the layer, waiters woken by `LISTEN`, expired
 /// records purged in the background), for an app that talks to PostgreSQL through sqlx.
-/// Both stores may serve the same table at once.
+/// Both stores may serve the same table at once. With
+/// [`with_liveness`](Self::with_liveness), a dead holder's keys are taken over within
+/// about a second, and a completer ([`IdempotencyLayer::spawn_completer`](crate::IdempotencyLayer::spawn_completer))
+/// finishes the keys of resumable routes whose holder died.
+///
+/// Not on sqlx: transactional mode, tables in generations, and batched or shared
+/// claims, which rest on tokio-postgres's pipelining (docs/postgres.md, "The sqlx
+/// driver", says why). TLS is the pool's own (one of sqlx's TLS features and its
+/// `sslmode`); the connections the store makes itself take the pools' options.
 ///
 /// A pool handed to [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) or
 /// [`JobRunner::new`](crate::job::JobRunner::new) becomes a `SqlxStore` with its
@@ -85,6 +96,8 @@ pub struct SqlxStore {
     sql: Arc<Sql>,
     listener: Arc<Listener>,
     purge: Arc<Purge>,
+    /// This store as the holder of its claims, if it has liveness (`with_liveness`).
+    liveness: Option<Arc<liveness::Liveness>>,
 }
 
 impl fmt::Debug for SqlxStore {
@@ -130,6 +143,7 @@ impl SqlxStore {
         Self {
             listener: Arc::new(Listener::new(listen_pool, format!("{table}_done"))),
             purge: Arc::new(Purge::default()),
+            liveness: None,
             pool,
             schema,
             table,
@@ -142,6 +156,7 @@ impl SqlxStore {
 
     fn rebuilt(self, change: impl FnOnce(&mut Self)) -> Self {
         let listen_pool = self.listener.pool.clone();
+        let live = self.liveness.is_some();
         let mut s = self;
         change(&mut s);
         Self::build(
@@ -153,6 +168,7 @@ impl SqlxStore {
             s.purge_every,
             listen_pool,
         )
+        .with_liveness(live)
     }
 
     /// Uses the schema `name` (created by [`migrate`](Self::migrate) if absent).
@@ -191,6 +207,7 @@ impl SqlxStore {
     /// transaction pooler, where `LISTEN` does not hold.
     #[must_use]
     pub fn with_notification_pool(self, pool: PgPool) -> Self {
+        let live = self.liveness.is_some();
         Self::build(
             self.pool,
             self.schema,
@@ -200,6 +217,7 @@ impl SqlxStore {
             self.purge_every,
             pool,
         )
+        .with_liveness(live)
     }
 
     /// Purges expired records every `every` in a task of the store's own, started at
@@ -397,7 +415,7 @@ impl SqlxStore {
                     .bind(ms(req.lease))
                     .bind(ms(req.ttl))
                     .bind(token.get())
-                    .bind(None::<i64>),
+                    .bind(self.holder()),
             )
         })
         .await?
@@ -414,12 +432,15 @@ impl SqlxStore {
                             .bind(req.fingerprint.as_bytes())
                             .bind(ms(req.lease))
                             .bind(ms(req.ttl))
-                            .bind(None::<i64>),
+                            .bind(self.holder()),
                     )
                 })
                 .await?
                 .map(|row| need(SqlxRow(row).int8(0), 0))
                 .transpose()?;
+                if seen.holder_gone && taken.is_some() {
+                    self.took_over_from_a_gone_holder(req);
+                }
                 Ok(taken.map(|token| {
                     Claim::Acquired(Lease {
                         scope: req.scope.clone(),
@@ -542,6 +563,9 @@ impl Store for SqlxStore {
             }
             .await;
             doubt.settled = !matches!(&claimed, Err(e) if lost_its_connection(e));
+            if let (Ok(Claim::Acquired(_)), Some(liveness)) = (&claimed, &self.liveness) {
+                liveness.acquired(request.lease);
+            }
             claimed
         })
     }
@@ -570,10 +594,10 @@ impl Store for SqlxStore {
                 )
                 .await?;
             if rows.len() == 1 {
-                return Ok(Fenced::Kept);
+                return Ok(self.ended(Fenced::Kept));
             }
             let kept = self.completed_by(lease, response, &headers).await?;
-            Ok(Fenced::kept_if(kept))
+            Ok(self.ended(Fenced::kept_if(kept)))
         })
     }
 
@@ -591,7 +615,7 @@ impl Store for SqlxStore {
                 )
             })
             .await?;
-            Ok(Fenced::kept_if(rows.len() == 1))
+            Ok(self.ended(Fenced::kept_if(rows.len() == 1)))
         })
     }
 
@@ -611,6 +635,9 @@ impl Store for SqlxStore {
                 )
             })
             .await?;
+            if let (1, Some(liveness)) = (done, &self.liveness) {
+                liveness.renewed(duration);
+            }
             Ok(Fenced::kept_if(done == 1))
         })
     }
@@ -758,6 +785,28 @@ impl Store for SqlxStore {
 
     fn changed(&self, scope: &Scope, key: &str) -> BoxFuture<'static, ()> {
         self.listener.changed(self.key_id(scope, key))
+    }
+
+    fn running_recheck(&self) -> Option<Duration> {
+        // A holder gone is found so a grace after its last sign of life.
+        self.liveness.as_ref().map(|_| super::holder::GRACE)
+    }
+
+    fn record_request<'a>(
+        &'a self,
+        lease: &'a Lease,
+        name: &'a str,
+        request: &'a bytes::Bytes,
+    ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+        Box::pin(self.record_request_held(lease, name, request))
+    }
+
+    fn orphans<'a>(
+        &'a self,
+        name: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<crate::store::Orphan>, StoreError>> {
+        Box::pin(self.orphans_of(name, limit))
     }
 
     fn abandoned_claim_wait(&self, lease: Duration) -> Duration {
