@@ -11,6 +11,10 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+mod tx;
+
+pub(crate) use tx::{SqlxConn, roll_back};
+
 use ::sqlx::{
     Executor as _, PgPool, Postgres, Row as _, ValueRef as _,
     postgres::{PgArguments, PgListener, PgRow, PgValueFormat},
@@ -85,6 +89,9 @@ pub struct SqlxStore {
     sql: Arc<Sql>,
     listener: Arc<Listener>,
     purge: Arc<Purge>,
+    /// Transactional mode: the claims that may wait on another request's row at once
+    /// (half of the pool's connections; see `tx_claim_permit`).
+    tx_claims: Arc<tokio::sync::Semaphore>,
 }
 
 impl fmt::Debug for SqlxStore {
@@ -127,7 +134,9 @@ impl SqlxStore {
         listen_pool: PgPool,
     ) -> Self {
         let sql = Arc::new(Sql::new(&schema, &table, false, remember));
+        let waiting = (pool.options().get_max_connections() / 2).max(1) as usize;
         Self {
+            tx_claims: Arc::new(tokio::sync::Semaphore::new(waiting)),
             listener: Arc::new(Listener::new(listen_pool, format!("{table}_done"))),
             purge: Arc::new(Purge::default()),
             pool,
@@ -801,7 +810,7 @@ impl Drop for InDoubt<'_> {
 
 /// Whether `e` is a sqlx error of a connection lost, or unusable, once a statement
 /// may have been sent on it.
-fn lost_its_connection(e: &StoreError) -> bool {
+pub(crate) fn lost_its_connection(e: &StoreError) -> bool {
     use std::error::Error as _;
     matches!(
         e.source().and_then(|e| e.downcast_ref::<::sqlx::Error>()),
