@@ -74,11 +74,14 @@ async fn rows_in(schema: &TestSchema, table: &str) -> i64 {
     count(schema, &format!("SELECT count(*) FROM {table}")).await
 }
 
-/// The app's repository, written for any sqlx connection or transaction.
+/// The app's repository, written for any sqlx connection or transaction. Its
+/// statements unnamed (`persistent(false)`), as behind a transaction pooler they must
+/// be: one server session serves many clients' transactions.
 async fn insert_row(db: &mut PgConnection, table: &str, key: &str, run: usize, body: &str) {
     sqlx::query(&format!(
         "INSERT INTO {table} (key, run, body) VALUES ($1, $2, $3)"
     ))
+    .persistent(false)
     .bind(key)
     .bind(run as i32)
     .bind(body)
@@ -127,6 +130,7 @@ async fn create(
                 "INSERT INTO {} (key, run, body) VALUES ($1, $2, '')",
                 app.table
             ))
+            .persistent(false)
             .bind(key.as_str())
             .bind(run as i32)
             .execute(&mut *conn)

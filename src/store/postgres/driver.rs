@@ -31,6 +31,9 @@ use crate::{
 };
 
 /// The store of a layer or job runner in transactional mode.
+// Not boxed: a request clones its store as it did before there were two, and
+// boxing would add an allocation to that clone.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub(crate) enum TxStore {
     /// tokio-postgres, over deadpool.
@@ -42,6 +45,9 @@ pub(crate) enum TxStore {
 
 /// A connection holding a transaction of the layer's: given back to its pool once
 /// [`done`](Self::done); dropped before, closed, which rolls the transaction back.
+// Not boxed: moved a few times per request, where boxing would allocate once per
+// request on the tokio-postgres path.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum TxConn {
     /// A deadpool connection (its statements given up on are cancelled too).
     Deadpool(Checkout),

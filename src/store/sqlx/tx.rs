@@ -412,8 +412,10 @@ impl SqlxStore {
         lock_timeout: Duration,
     ) -> Result<Resolution, StoreError> {
         let mut conn = self.tx_connection().await?;
-        ::sqlx::raw_sql(&begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout))
-            .execute_via(&mut *conn)
+        // Read committed whatever the database's default: the read must see what
+        // committed while the insert waited. Begun as sqlx's own, as the layer's are.
+        let begin = begin(" ISOLATION LEVEL READ COMMITTED", lock_timeout);
+        PgTransactionManager::begin(&mut conn, Some(begin.into()))
             .await
             .map_err(classify)?;
         let (scope, key) = (lease.scope.as_str(), &*lease.key);
@@ -421,14 +423,14 @@ impl SqlxStore {
             .bind(scope)
             .bind(key)
             .bind(fingerprint.as_bytes())
-            .fetch_all_via(&mut *conn)
+            .fetch_all_via(&mut conn)
             .await
             .map_err(classify)?;
         let row = self
             .query(&self.sql.in_doubt_read)
             .bind(scope)
             .bind(key)
-            .fetch_optional_via(&mut *conn)
+            .fetch_optional_via(&mut conn)
             .await
             .map_err(classify)?;
         let resolved = resolution(row.map(SqlxRow).as_ref(), lease, backend, fingerprint, sent);
