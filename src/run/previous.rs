@@ -208,6 +208,7 @@ impl<'a> Reader<'a> {
         use crate::store::transaction::{TxConn, TxStore};
         match (store, conn) {
             (TxStore::Postgres(store), TxConn::Deadpool(conn)) => Self::Transaction(store, conn),
+            #[cfg(feature = "sqlx")]
             _ => Self::Store(store.as_store()),
         }
     }

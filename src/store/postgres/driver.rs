@@ -140,6 +140,15 @@ impl TxConn {
         }
     }
 
+    /// The deadpool connection itself.
+    fn into_deadpool(self) -> Checkout {
+        match self {
+            Self::Deadpool(conn) => conn,
+            #[cfg(feature = "sqlx")]
+            Self::Sqlx(_) => unreachable!("a sqlx connection given to the tokio-postgres driver"),
+        }
+    }
+
     /// The `PgConnection` of a sqlx connection.
     #[cfg(feature = "sqlx")]
     fn sqlx(&mut self) -> &mut ::sqlx::PgConnection {
@@ -176,6 +185,7 @@ impl TxConn {
 
 impl TxStore {
     /// The store's lease-mode face, for the look-ups of earlier forms of a key.
+    #[cfg(feature = "sqlx")]
     pub(crate) fn as_store(&self) -> &dyn crate::store::Store {
         match self {
             Self::Postgres(store) => store,
@@ -288,9 +298,7 @@ impl TxStore {
     ) -> CommitEnd {
         match self {
             Self::Postgres(store) => {
-                let TxConn::Deadpool(conn) = conn else {
-                    unreachable!("a sqlx connection given to the tokio-postgres driver")
-                };
+                let conn = conn.into_deadpool();
                 postgres_commit(store, conn, lease, stored, ttl, store_timeout).await
             }
             #[cfg(feature = "sqlx")]
