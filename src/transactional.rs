@@ -4,7 +4,7 @@
 //! With [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional), a
 //! guarded request opens a transaction, inserts its claim row in it, and hands the
 //! transaction to the handler as a [`TransactionHandle`] (request extension and Axum
-//! extractor). The handler does its writes there; the layer then writes the response
+//! extractor; on sqlx, a [`SqlxTransaction`]). The handler does its writes there; the layer then writes the response
 //! into the claim row and commits, pipelined, in one round trip. The effect is
 //! exactly-once for the service's own database writes:
 //!
@@ -49,6 +49,12 @@
 //!   not wait behind the pool), so that nothing of it commits and its key is free, and
 //!   answers `500 handler-failed`; if the work had committed or rolled back the
 //!   transaction itself, `500 transaction-ended`, as above.
+//!
+//! The same holds on sqlx (the `sqlx` feature): a layer over the app's `sqlx::PgPool`
+//! (or a [`SqlxStore`](crate::store::SqlxStore)) hands the handler a
+//! [`SqlxTransaction`], whose [`connection`](SqlxTransaction::connection) derefs to
+//! the `sqlx::PgConnection` running the transaction. sqlx does not pipeline: there the
+//! claim takes three round trips and the commit two.
 //!
 //! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
 //! and an app role that may signal its own sessions (any role may, unless its
@@ -380,11 +386,14 @@ pub struct SqlxTransaction {
 /// The connection of a [`SqlxTransaction`], locked for one user at a time: derefs
 /// (mutably) to the [`sqlx::PgConnection`] that runs the request's transaction.
 ///
-/// Do not run `COMMIT`, `ROLLBACK` or `BEGIN` on it, nor `sqlx`'s own
-/// `Connection::begin` (which sends `SAVEPOINT` inside a transaction, and is fine, but
-/// its `commit` only releases the savepoint): the layer ends the transaction, and one
-/// the handler ends itself answers `500 transaction-ended`, as
-/// [`TransactionClient`] says.
+/// The transaction is sqlx's own: code that calls `begin()` on the connection (`Acquire`,
+/// `Connection::begin`) gets a `SAVEPOINT` inside the request's transaction, and its
+/// `commit()` releases it, so helpers that open a transaction of their own write in
+/// the request's. Do not send `COMMIT`, `ROLLBACK` or `BEGIN` as statements: the layer
+/// ends the transaction, and one the handler ends itself answers `500
+/// transaction-ended`, as [`TransactionClient`] says. Call sqlx through the
+/// connection's own `Executor` (`conn.execute("…")`, `query.execute(&mut *conn)`):
+/// `sqlx::raw_sql(..).execute(..)`'s future is not proven `Send` inside a handler.
 #[cfg(feature = "sqlx")]
 pub struct SqlxTransactionConnection {
     guard: OwnedMutexGuard<Option<crate::store::transaction::SqlxConn>>,

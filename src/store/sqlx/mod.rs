@@ -1,4 +1,5 @@
-//! The sqlx driver: lease mode over the app's own [`sqlx::PgPool`]. The table, its
+//! The sqlx driver: lease mode and transactional mode (`tx`) over the app's own
+//! [`sqlx::PgPool`]. The table, its
 //! migrations, the statements, the claim's decision, the reading of rows and the
 //! classification of errors by SQLSTATE are the PostgreSQL store's (`store/postgres`);
 //! this driver owns its connections (the app's pool), the binding of parameters and the
