@@ -102,6 +102,17 @@ async fn create(
     headers: HeaderMap,
 ) -> Response {
     let run = app.counter.count_run();
+    // A charge recorded as a step, apart from the transaction: a retry after a
+    // rollback gets the first run's charge, not a new one.
+    let charged = if headers.contains_key("x-step") {
+        let charging = || async { Ok::<_, std::convert::Infallible>(run) };
+        match key.try_step("charge", charging).await {
+            Ok(charge) => Some(charge),
+            Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+        }
+    } else {
+        None
+    };
     if headers.contains_key("x-keep") {
         let (holding, held) = tokio::sync::oneshot::channel();
         let table = app.table.clone();
@@ -160,7 +171,11 @@ async fn create(
         .and_then(|v| v.to_str().ok()?.parse().ok())
         .and_then(|s| StatusCode::from_u16(s).ok())
         .unwrap_or(StatusCode::CREATED);
-    (status, format!("{{\"run\":{run}}}")).into_response()
+    match charged {
+        Some(charge) => (status, format!("{{\"run\":{run},\"charge\":{charge}}}")),
+        None => (status, format!("{{\"run\":{run}}}")),
+    }
+    .into_response()
 }
 
 fn app(layer: IdempotencyLayer, table: &str) -> (Router, Counter) {
@@ -207,6 +222,29 @@ async fn sqlx_s_own_begin_in_the_handler_is_a_savepoint_of_the_request_s_transac
     assert_eq!(failed.status, 500);
     assert_eq!(rows_in(&schema, &table).await, 1);
     assert_eq!(counter.runs(), 2);
+}
+
+/// A step recorded apart from the request's transaction: the rollback keeps it, the
+/// retry gets it without running it again, and the commit forgets it.
+#[tokio::test]
+async fn a_rolled_back_transaction_keeps_its_recorded_step_and_the_commit_forgets_it() {
+    let schema = TestSchema::new();
+    let (store, table) = store_at(&schema, &database_url(), 4).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let steps = format!(
+        "SELECT count(*) FROM \"{}\".idempotency_keys_steps",
+        schema.name
+    );
+    let failed = send(&router, post_with("k", &[("x-step", "1"), ("x-status", "500")])).await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(count(&schema, &steps).await, 1, "the rollback kept the step");
+    let retry = send(&router, post_with("k", &[("x-step", "1")])).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.json()["run"], 2);
+    assert_eq!(retry.json()["charge"], 1, "the first run's charge, recorded");
+    assert_eq!(count(&schema, &steps).await, 0, "the commit forgets the steps");
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
 /// 40 requests with one key at once: one runs and commits, the others wait on its

@@ -91,7 +91,7 @@ where
     };
     let slot = Slot::holding(conn);
     let mut key = key;
-    key.set_steps(crate::run::steps::Steps(claimed.steps.clone()));
+    key.set_steps(crate::run::steps::Steps(Some(claimed.steps.clone())));
     let ctx = JobContext {
         key,
         transaction: slot.deadpool_handle(),

@@ -31,8 +31,8 @@ pub(crate) struct Claimed {
     /// Seals what the key is completed with, if the layer has keys.
     pub(crate) sealing: Sealing,
     /// The steps of the run (recorded apart from the transaction), forgotten in it
-    /// when it commits; `None` where the driver records none (sqlx).
-    pub(crate) steps: Option<Arc<StepLog>>,
+    /// when it commits.
+    pub(crate) steps: Arc<StepLog>,
 }
 
 /// The result of opening a transaction and claiming the key in it.
@@ -231,12 +231,9 @@ pub(crate) async fn commit(
     // The steps recorded on the way, of no use once the response is stored, go with
     // the commit; a rollback keeps them for a retry. Failed, the transaction is aborted,
     // which the completion finds.
-    if claimed
-        .steps
-        .as_ref()
-        .is_some_and(|steps| steps.has_steps())
-    {
-        let forgetting = store.forget_steps(&conn, &claimed.lease);
+    let mut conn = conn;
+    if claimed.steps.has_steps() {
+        let forgetting = store.forget_steps(&mut conn, &claimed.lease);
         match timeout(store_timeout, forgetting).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "the steps could not be forgotten"),

@@ -251,7 +251,7 @@ where
     let slot = Slot::holding(conn);
     slot.hand_to(&mut parts.extensions);
     crate::request::hand_over(&mut parts.extensions, &request, key, &config, true);
-    let steps = super::steps::Steps(claimed.steps.clone());
+    let steps = super::steps::Steps(Some(claimed.steps.clone()));
     super::steps::attach_log(&mut parts.extensions, steps);
     let req = Request::from_parts(parts, ReqBody::from(body));
     // Runs here, in the connection's task; a client that hangs up does not cancel it

@@ -27,7 +27,7 @@ use super::{
 use crate::{
     Fingerprint, StoredResponse,
     run::{sealing::Sealing, steps::StepLog},
-    store::{Claim, ClaimRequest, Fenced, FencingToken, Lease, StoreError},
+    store::{Claim, ClaimRequest, Fenced, FencingToken, Lease, RecordedStep, StoreError},
 };
 
 /// The store of a layer or job runner in transactional mode.
@@ -251,37 +251,63 @@ impl TxStore {
         }
     }
 
-    /// The log of a run's steps, recorded apart from the claim's transaction; `None`
-    /// where the driver records none in transactional mode (sqlx).
+    /// The log of a run's steps, recorded apart from the claim's transaction.
     pub(crate) fn steps(
         &self,
         claim: (&Lease, Backend, Fingerprint),
         sealing: &Sealing,
         store_timeout: Duration,
-    ) -> Option<Arc<StepLog>> {
+    ) -> Arc<StepLog> {
+        crate::run::steps::in_transaction(self, claim, sealing, store_timeout)
+    }
+
+    /// The steps recorded for the request of `fingerprint` under the key of a claim in
+    /// a transaction, read apart from it.
+    pub(crate) async fn steps_apart(
+        &self,
+        lease: &Lease,
+        fingerprint: &Fingerprint,
+    ) -> Result<Vec<RecordedStep>, StoreError> {
         match self {
-            Self::Postgres(store) => Some(crate::run::steps::in_transaction(
-                store,
-                claim,
-                sealing,
-                store_timeout,
-            )),
+            Self::Postgres(store) => store.steps_apart(lease, fingerprint).await,
             #[cfg(feature = "sqlx")]
-            Self::Sqlx(_) => None,
+            Self::Sqlx(store) => store.steps_apart(lease, fingerprint).await,
+        }
+    }
+
+    /// Records `step` apart from the claim's transaction of `backend`, while it runs.
+    pub(crate) async fn record_step_apart(
+        &self,
+        lease: &Lease,
+        backend: &Backend,
+        fingerprint: &Fingerprint,
+        step: &RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        match self {
+            Self::Postgres(store) => {
+                store
+                    .record_step_apart(lease, backend, fingerprint, step)
+                    .await
+            }
+            #[cfg(feature = "sqlx")]
+            Self::Sqlx(store) => {
+                store
+                    .record_step_apart(lease, backend, fingerprint, step)
+                    .await
+            }
         }
     }
 
     /// Forgets the steps of `lease` in the transaction on `conn`.
     pub(crate) async fn forget_steps(
         &self,
-        conn: &TxConn,
+        conn: &mut TxConn,
         lease: &Lease,
     ) -> Result<(), StoreError> {
         match self {
             Self::Postgres(store) => store.forget_steps_on(conn.deadpool(), lease).await,
-            // No steps are recorded on sqlx in transactional mode.
             #[cfg(feature = "sqlx")]
-            Self::Sqlx(_) => Ok(()),
+            Self::Sqlx(store) => store.forget_steps_on(conn.sqlx(), lease).await,
         }
     }
 

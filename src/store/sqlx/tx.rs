@@ -35,8 +35,9 @@ use ::sqlx::{
 use super::{
     super::{
         claim::{CLAIM_ATTEMPTS, Found, found, ms},
-        errors::lost_a_race,
+        errors::{again_if_it_lost_a_race, lost_a_race},
         row::{Columns, need},
+        steps::{place, step},
         tx::{
             Backend, Ending, Resolution, begin, begin_claiming, ending, resolution,
             set_lock_timeout,
@@ -47,7 +48,8 @@ use super::{
 use crate::{
     Fingerprint, StoredResponse,
     store::{
-        BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, StoreError, StoreErrorKind,
+        BoxFuture, Claim, ClaimRequest, Fenced, FencingToken, Lease, RecordedStep, StoreError,
+        StoreErrorKind,
     },
 };
 
@@ -541,5 +543,75 @@ impl SqlxStore {
             .await;
         apart.done().await;
         Ok(ending(row.map_err(classify)?.map(SqlxRow).as_ref()))
+    }
+
+    /// Forgets the steps of `lease`'s key on `conn`, in the claim's transaction.
+    pub(crate) async fn forget_steps_on(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+    ) -> Result<(), StoreError> {
+        self.query(&self.sql.steps.forget)
+            .bind(lease.scope.as_str())
+            .bind(&*lease.key)
+            .execute_via(conn)
+            .await
+            .map(drop)
+            .map_err(classify)
+    }
+
+    /// The steps recorded for the request of `fingerprint` under the key of a claim in
+    /// a transaction, read apart from it (see `PostgresStore::steps_apart`).
+    pub(crate) async fn steps_apart(
+        &self,
+        lease: &Lease,
+        fingerprint: &Fingerprint,
+    ) -> Result<Vec<RecordedStep>, StoreError> {
+        let rows = again_if_it_lost_a_race(|| async {
+            let mut apart = self.apart().await?;
+            let rows = self
+                .query(&self.sql.steps.read_apart)
+                .bind(lease.scope.as_str())
+                .bind(&*lease.key)
+                .bind(fingerprint.as_bytes())
+                .fetch_all_via(apart.conn())
+                .await;
+            apart.done().await;
+            rows.map_err(classify)
+        })
+        .await?;
+        rows.into_iter().map(|row| step(&SqlxRow(row))).collect()
+    }
+
+    /// Records `recorded` apart from the claim's transaction of `backend`, while that
+    /// transaction runs (see `PostgresStore::record_step_apart`).
+    pub(crate) async fn record_step_apart(
+        &self,
+        lease: &Lease,
+        backend: &Backend,
+        fingerprint: &Fingerprint,
+        recorded: &RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let n = place(recorded)?;
+        let rows = again_if_it_lost_a_race(|| async {
+            let mut apart = self.apart().await?;
+            let rows = self
+                .query(&self.sql.steps.record_apart)
+                .bind(lease.scope.as_str())
+                .bind(&*lease.key)
+                .bind(lease.token.get())
+                .bind(n)
+                .bind(recorded.name.as_str())
+                .bind(&recorded.result[..])
+                .bind(fingerprint.as_bytes())
+                .bind(backend.pid)
+                .bind(Timestamp(backend.started))
+                .fetch_all_via(apart.conn())
+                .await;
+            apart.done().await;
+            rows.map_err(classify)
+        })
+        .await?;
+        Ok(Fenced::kept_if(rows.len() == 1))
     }
 }
