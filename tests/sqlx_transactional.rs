@@ -386,11 +386,13 @@ async fn a_commit_whose_answer_was_lost_is_checked_before_the_client_is_told() {
     let proxy = PgProxy::start().await;
     let (store, table) = store_at(&schema, &proxy.url(), 2).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let commits = proxy.commits();
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
     proxy.lose_next_commit_reply();
     let first = first.await.unwrap();
     assert_eq!(first.status, 201, "{:?}", first.body);
     assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(proxy.commits() - commits, 1, "one COMMIT, the request's");
     assert_eq!(rows_in(&schema, &table).await, 1);
     let retry = send(&router, post_with("k", &[])).await;
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
