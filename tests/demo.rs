@@ -1022,14 +1022,36 @@ async fn key_row(schema: &Schema, key: &str) -> Option<(String, i64)> {
 /// the same derived key, and the payment commits once with its response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_crash_rolls_back_and_the_retry_commits_once() {
+    transactional_crash(&["--mode", "transactional", "--lease-ms", "500"]).await;
+}
+
+/// [`transactional_crash_rolls_back_and_the_retry_commits_once`] on sqlx (`--driver
+/// sqlx`): the process killed mid-handler takes its connection of the app's `PgPool`,
+/// and the transaction with it.
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlx_transactional_crash_rolls_back_and_the_retry_commits_once() {
+    transactional_crash(&[
+        "--driver",
+        "sqlx",
+        "--mode",
+        "transactional",
+        "--lease-ms",
+        "500",
+    ])
+    .await;
+}
+
+/// A transactional demo process started with `args`, killed (`SIGKILL`) after the
+/// charge and before the commit, then a process started with them again.
+async fn transactional_crash(args: &[&str]) {
     const KEY: &str = "tx-crash-payment-1";
     // The window between charge and record is long enough that the kill lands in it on
     // a loaded machine too.
     const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":4000}"#;
-    const ARGS: &[&str] = &["--mode", "transactional", "--lease-ms", "500"];
     let schema = Schema::new();
     let client = client();
-    let mut first = Demo::start_with(Some(&schema), ARGS);
+    let mut first = Demo::start_with(Some(&schema), args);
     assert_eq!(first.line_starting_with("mode:"), "mode: transactional");
     first.wait_ready(&client).await;
 
@@ -1068,7 +1090,7 @@ async fn transactional_crash_rolls_back_and_the_retry_commits_once() {
     assert_eq!(charges.len(), 1);
     let charge_id: String = charges[0].get(0);
 
-    let mut second = Demo::start_with(Some(&schema), ARGS);
+    let mut second = Demo::start_with(Some(&schema), args);
     second.wait_ready(&client).await;
     let created = retry_until_created(&client, second.addr, KEY, PAYMENT).await;
     assert!(

@@ -235,14 +235,30 @@ async fn a_rolled_back_transaction_keeps_its_recorded_step_and_the_commit_forget
         "SELECT count(*) FROM \"{}\".idempotency_keys_steps",
         schema.name
     );
-    let failed = send(&router, post_with("k", &[("x-step", "1"), ("x-status", "500")])).await;
+    let failed = send(
+        &router,
+        post_with("k", &[("x-step", "1"), ("x-status", "500")]),
+    )
+    .await;
     assert_eq!(failed.status, 500);
-    assert_eq!(count(&schema, &steps).await, 1, "the rollback kept the step");
+    assert_eq!(
+        count(&schema, &steps).await,
+        1,
+        "the rollback kept the step"
+    );
     let retry = send(&router, post_with("k", &[("x-step", "1")])).await;
     assert_eq!(retry.status, 201, "{:?}", retry.body);
     assert_eq!(retry.json()["run"], 2);
-    assert_eq!(retry.json()["charge"], 1, "the first run's charge, recorded");
-    assert_eq!(count(&schema, &steps).await, 0, "the commit forgets the steps");
+    assert_eq!(
+        retry.json()["charge"],
+        1,
+        "the first run's charge, recorded"
+    );
+    assert_eq!(
+        count(&schema, &steps).await,
+        0,
+        "the commit forgets the steps"
+    );
     assert_eq!(counter.runs(), 2);
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
