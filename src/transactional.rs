@@ -4,9 +4,10 @@
 //! With [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional), a
 //! guarded request opens a transaction, inserts its claim row in it, and hands the
 //! transaction to the handler as a [`TransactionHandle`] (request extension and Axum
-//! extractor; on sqlx, a [`SqlxTransaction`]). The handler does its writes there; the layer then writes the response
-//! into the claim row and commits, pipelined, in one round trip. The effect is
-//! exactly-once for the service's own database writes:
+//! extractor; on sqlx, a [`SqlxTransaction`]). The handler does its writes there; the
+//! layer then writes the response into the claim row and commits, pipelined, in one
+//! round trip (two on sqlx). The effect is exactly-once for the service's own database
+//! writes:
 //!
 //! - a crash, a dropped connection, a handler error or panic, or a response the storage
 //!   policy does not keep rolls everything back, so a retry starts clean;

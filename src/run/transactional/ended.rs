@@ -11,7 +11,7 @@
 //! Found out at no extra cost on the path of a transaction that commits: the completion
 //! matches only a claim row the open transaction wrote
 //! (`PostgresStore::complete_in_transaction`). Where the layer rolls back instead, the
-//! same check goes with the `ROLLBACK`, pipelined ([`roll_back_unless_ended`]).
+//! same check goes with the `ROLLBACK`, pipelined on tokio-postgres ([`roll_back_unless_ended`]).
 
 use std::{task::Poll, time::Duration};
 

@@ -48,10 +48,11 @@ pub(crate) enum Opened {
     Unavailable,
 }
 
-/// Takes a connection, then sends BEGIN and the claim together: one round trip. A
-/// duplicate's claim waits here on the first request's uncommitted row, up to
-/// `claim_wait`; the transaction then goes on with `lock_timeout`, set again in the
-/// same round trip where the two differ.
+/// Takes a connection, then sends BEGIN and the claim together: one round trip on
+/// tokio-postgres, three on sqlx (`TxStore::begin_and_claim`). A duplicate's claim
+/// waits here on the first request's uncommitted row, up to `claim_wait`; the
+/// transaction then goes on with `lock_timeout`, set again in the same round trip
+/// where the two differ.
 pub(crate) async fn open(
     store: &TxStore,
     request: &ClaimRequest<'_>,
@@ -213,9 +214,9 @@ async fn resolve(
         .flatten()
 }
 
-/// Writes the response into the claim row and commits, pipelined: one round trip, one
-/// commit, bounded by `store_timeout`. The completion matches only a row this
-/// transaction wrote: if it matches nothing, the transaction had ended under the layer
+/// Writes the response into the claim row and commits (pipelined on tokio-postgres: one
+/// round trip; two on sqlx), one commit, bounded by `store_timeout`. The completion
+/// matches only a row this transaction wrote: if it matches nothing, the transaction had ended under the layer
 /// ([`Committed::Ended`]). If the connection fails during the `COMMIT`, or no answer
 /// comes in time, finds out on another connection whether it committed ([`resolve`]).
 pub(crate) async fn commit(
