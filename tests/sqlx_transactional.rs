@@ -301,6 +301,25 @@ async fn concurrent_duplicates_run_once_and_replay_the_commit() {
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
 
+/// Not told to wait, a duplicate waits on the first request's uncommitted row a
+/// moment, then gets 409; once the first commits, a retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_of_a_running_request_gets_409_then_the_replay() {
+    let schema = TestSchema::new();
+    let (store, table) = store_at(&schema, &database_url(), 4).await;
+    let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
+    let first = in_flight(&router, post_with("k", &[("x-delay-ms", "1000")]), &counter).await;
+    let duplicate = send(&router, post_with("k", &[])).await;
+    assert_eq!(duplicate.status, 409, "{:?}", duplicate.body);
+    assert_eq!(duplicate.problem(), "in-progress");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
 #[tokio::test]
 async fn a_handler_error_or_panic_rolls_back_and_frees_the_key() {
     let schema = TestSchema::new();
