@@ -62,7 +62,7 @@ use tower_cookies::CookieManagerLayer;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, StoredResponse,
     store::{MemoryStore, PostgresStore, SqlxStore, pool_for_url},
-    transactional::TransactionHandle,
+    transactional::{SqlxTransaction, TransactionHandle},
 };
 
 // ---------------------------------------------------------------------------------------
@@ -192,6 +192,7 @@ enum Kind {
     Lease,
     LeaseShared,
     Tx,
+    SqlxTx,
     Replay,
     ReplayShared,
     Dup,
@@ -215,12 +216,13 @@ enum Kind {
     SqlxReplay,
 }
 
-const KINDS: [Kind; 26] = [
+const KINDS: [Kind; 27] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
     Kind::LeaseShared,
     Kind::Tx,
+    Kind::SqlxTx,
     Kind::Replay,
     Kind::ReplayShared,
     Kind::Dup,
@@ -246,7 +248,7 @@ const KINDS: [Kind; 26] = [
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 26] = [
+const RUN_ORDER: [Kind; 27] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
@@ -260,6 +262,7 @@ const RUN_ORDER: [Kind; 26] = [
     Kind::FloorLeaseNoNotify,
     Kind::Peer,
     Kind::Tx,
+    Kind::SqlxTx,
     Kind::FloorTx,
     Kind::HttpFloorTx,
     Kind::Replay,
@@ -283,6 +286,7 @@ impl Kind {
             Kind::Lease => "lease",
             Kind::LeaseShared => "lease_shared",
             Kind::Tx => "tx",
+            Kind::SqlxTx => "sqlx_tx",
             Kind::Replay => "replay",
             Kind::ReplayShared => "replay_shared",
             Kind::Dup => "dup",
@@ -314,6 +318,7 @@ impl Kind {
             Kind::Lease => "(c) lease mode, new keys",
             Kind::LeaseShared => "(c′) lease mode, new keys, claims on shared connections",
             Kind::Tx => "(d) transactional, new keys + 1 INSERT",
+            Kind::SqlxTx => "(d-s) transactional on sqlx, new keys + 1 INSERT",
             Kind::Replay => "(e) replays",
             Kind::ReplayShared => "(e′) replays, claims on shared connections",
             Kind::Dup => "(f) c duplicates of one key per round",
@@ -351,7 +356,7 @@ impl Kind {
             | Kind::SqlxLease
             | Kind::HttpFloorLease
             | Kind::Peer => Some(Kind::FloorLease),
-            Kind::Tx | Kind::HttpFloorTx => Some(Kind::FloorTx),
+            Kind::Tx | Kind::SqlxTx | Kind::HttpFloorTx => Some(Kind::FloorTx),
             // Replays are held to a plain read of the row by its primary key.
             Kind::Replay
             | Kind::ReplayShared
@@ -376,6 +381,7 @@ impl Kind {
                 | Kind::LeaseShared
                 | Kind::LeaseUnnamed
                 | Kind::Tx
+                | Kind::SqlxTx
                 | Kind::Replay
                 | Kind::ReplayShared
                 | Kind::ReplayUnnamed
@@ -434,7 +440,7 @@ impl Kind {
             | Kind::FloorLease
             | Kind::FloorLeaseNoNotify => 2.0,
             Kind::HttpFloorLease => 2.0,
-            Kind::Tx | Kind::FloorTx | Kind::HttpFloorTx => 3.0,
+            Kind::Tx | Kind::SqlxTx | Kind::FloorTx | Kind::HttpFloorTx => 3.0,
             Kind::Replay
             | Kind::ReplayShared
             | Kind::FloorReplay
@@ -961,6 +967,29 @@ async fn create_in_tx(
     insert_payment(&sql, &key, &tx).await
 }
 
+/// Transactional mode on sqlx: the same row, written through the request's
+/// `SqlxTransaction`.
+async fn create_in_sqlx_tx(
+    State(sql): State<Arc<Sql>>,
+    key: IdempotencyKey,
+    tx: SqlxTransaction,
+    _body: Bytes,
+) -> Response {
+    use sqlx::Executor as _;
+    let mut conn = match tx.connection().await {
+        Ok(c) => c,
+        Err(e) => return internal(e),
+    };
+    let insert = sqlx::query(&sql.insert)
+        .bind(key.as_str())
+        .bind(1250i64)
+        .bind("EUR");
+    if let Err(e) = conn.execute(insert).await {
+        return internal(e);
+    }
+    created()
+}
+
 async fn insert_payment(sql: &Sql, key: &IdempotencyKey, tx: &TransactionHandle) -> Response {
     let client = match tx.client().await {
         Ok(c) => c,
@@ -1409,6 +1438,21 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
             Some(
                 Router::new()
                     .route("/payments", post(create_in_tx))
+                    .with_state(ctx.sql.clone())
+                    .layer(IdempotencyLayer::transactional(st)),
+            )
+        }
+        Kind::SqlxTx => {
+            // The app's own sqlx pool, as the peer's (its connections counted, and
+            // closed, as the peer's are).
+            let pool = peer_pool(&db.row_url, ctx.settings.pool_size);
+            peer_db = Some(pool.clone());
+            let st = SqlxStore::new(pool)
+                .with_schema_name(&ctx.schema)
+                .expect("schema name");
+            Some(
+                Router::new()
+                    .route("/payments", post(create_in_sqlx_tx))
                     .with_state(ctx.sql.clone())
                     .layer(IdempotencyLayer::transactional(st)),
             )

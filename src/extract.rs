@@ -225,7 +225,7 @@ mod transaction {
         fn into_response(self) -> Response {
             if self.header.is_none() {
                 tracing::error!(
-                    "a handler that takes a TransactionHandle got a request that no IdempotencyLayer::transactional guarded; is one in front of the route, for its method?"
+                    "a handler that takes a TransactionHandle (or a SqlxTransaction) got a request that no IdempotencyLayer::transactional over its driver guarded; is one in front of the route, for its method?"
                 );
             }
             into_axum(render(&self.rejection(), self.problems.as_deref()))
@@ -266,6 +266,37 @@ mod transaction {
             _: &S,
         ) -> Result<Option<Self>, Self::Rejection> {
             Ok(parts.extensions.get::<TransactionHandle>().cloned())
+        }
+    }
+
+    #[cfg(feature = "sqlx")]
+    impl<S: Send + Sync> FromRequestParts<S> for crate::transactional::SqlxTransaction {
+        type Rejection = MissingTransaction;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<Self>()
+                .cloned()
+                .ok_or_else(|| MissingTransaction {
+                    // As for `TransactionHandle`: a layer that saw no key is the
+                    // client's doing, anything else the app's wiring (a layer over
+                    // tokio-postgres in front of a handler written for sqlx, say).
+                    header: crate::request::unkeyed_in(&parts.extensions),
+                    problems: crate::request::problems_in(&parts.extensions),
+                })
+        }
+    }
+
+    #[cfg(feature = "sqlx")]
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for crate::transactional::SqlxTransaction {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<Self>().cloned())
         }
     }
 }

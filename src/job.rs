@@ -63,7 +63,7 @@ pub struct JobRunner {
     shutdown: ShutdownHandle,
     sealing: Sealing,
     #[cfg(feature = "postgres")]
-    transactional: Option<(crate::store::PostgresStore, Duration)>,
+    transactional: Option<(crate::store::transaction::TxStore, Duration)>,
 }
 
 /// What the work gets.
@@ -76,6 +76,11 @@ pub struct JobContext {
     /// result.
     #[cfg(feature = "postgres")]
     pub transaction: Option<crate::transactional::TransactionHandle>,
+    /// The open transaction, in transactional mode on sqlx (a runner over a
+    /// `sqlx::PgPool` or a [`SqlxStore`](crate::store::SqlxStore)): write here, and it
+    /// commits with the result.
+    #[cfg(feature = "sqlx")]
+    pub sqlx_transaction: Option<crate::transactional::SqlxTransaction>,
 }
 
 /// How a [`JobRunner::run`] ended, when nothing failed.
@@ -196,14 +201,22 @@ impl JobRunner {
     }
 
     /// A runner in transactional mode: the work gets the open transaction in
-    /// [`JobContext::transaction`], and its writes commit with the result. `store` is a
+    /// [`JobContext::transaction`] (or, on sqlx, [`JobContext::sqlx_transaction`]), and
+    /// its writes commit with the result. `store` is a
     /// [`PostgresStore`](crate::store::PostgresStore), or the app's
-    /// `deadpool_postgres::Pool` (the table `public.idempotency_keys`); run
-    /// [`migrate`](Self::migrate) once before the first job.
+    /// `deadpool_postgres::Pool`, or, with the `sqlx` feature, a
+    /// [`SqlxStore`](crate::store::SqlxStore) or the app's `sqlx::PgPool` (a pool: the
+    /// table `public.idempotency_keys`); run [`migrate`](Self::migrate) once before the
+    /// first job.
     #[cfg(feature = "postgres")]
-    pub fn transactional(store: impl Into<crate::store::PostgresStore>) -> Self {
-        let store = store.into();
-        let mut runner = Self::new(store.clone());
+    pub fn transactional(store: impl Into<crate::store::TransactionalStore>) -> Self {
+        use crate::store::transaction::TxStore;
+        let store = store.into().0;
+        let mut runner = match &store {
+            TxStore::Postgres(store) => Self::new(store.clone()),
+            #[cfg(feature = "sqlx")]
+            TxStore::Sqlx(store) => Self::new(store.clone()),
+        };
         runner.transactional = Some((store, Duration::from_secs(5)));
         runner
     }
@@ -418,6 +431,8 @@ impl JobRunner {
                 key: ctx_key,
                 #[cfg(feature = "postgres")]
                 transaction: None,
+                #[cfg(feature = "sqlx")]
+                sqlx_transaction: None,
             };
             let Some(work) = started(work, ctx) else {
                 // In a task of its own, so that a caller that drops the run meanwhile

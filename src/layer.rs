@@ -88,7 +88,7 @@ pub(crate) struct Config {
     pub(crate) problems: Arc<Problems>,
     pub(crate) sealing: crate::run::sealing::Sealing,
     #[cfg(feature = "postgres")]
-    pub(crate) transactional: Option<crate::store::PostgresStore>,
+    pub(crate) transactional: Option<crate::store::transaction::TxStore>,
     #[cfg(feature = "postgres")]
     pub(crate) lock_timeout: Duration,
     /// Registered as resumable: each claim's request kept for a completer.
@@ -165,7 +165,10 @@ impl IdempotencyLayer {
     ///
     /// `store` is a [`PostgresStore`](crate::store::PostgresStore), or the app's
     /// `deadpool_postgres::Pool` (the table `public.idempotency_keys`), as for
-    /// [`new`](Self::new):
+    /// [`new`](Self::new); with the `sqlx` feature, a
+    /// [`SqlxStore`](crate::store::SqlxStore) or the app's `sqlx::PgPool`, whose
+    /// handlers get the transaction as a
+    /// [`SqlxTransaction`](crate::transactional::SqlxTransaction):
     ///
     /// ```no_run
     /// use tower_idempotency::{IdempotencyLayer, store::pool_for_url};
@@ -177,9 +180,14 @@ impl IdempotencyLayer {
     /// # Ok(()) }
     /// ```
     #[cfg(feature = "postgres")]
-    pub fn transactional(store: impl Into<crate::store::PostgresStore>) -> Self {
-        let store = store.into();
-        let mut layer = Self::new(store.clone());
+    pub fn transactional(store: impl Into<crate::store::TransactionalStore>) -> Self {
+        use crate::store::transaction::TxStore;
+        let store = store.into().0;
+        let mut layer = match &store {
+            TxStore::Postgres(store) => Self::new(store.clone()),
+            #[cfg(feature = "sqlx")]
+            TxStore::Sqlx(store) => Self::new(store.clone()),
+        };
         layer.config().transactional = Some(store);
         layer
     }

@@ -4,9 +4,10 @@
 //! With [`IdempotencyLayer::transactional`](crate::IdempotencyLayer::transactional), a
 //! guarded request opens a transaction, inserts its claim row in it, and hands the
 //! transaction to the handler as a [`TransactionHandle`] (request extension and Axum
-//! extractor). The handler does its writes there; the layer then writes the response
-//! into the claim row and commits, pipelined, in one round trip. The effect is
-//! exactly-once for the service's own database writes:
+//! extractor; on sqlx, a [`SqlxTransaction`]). The handler does its writes there; the
+//! layer then writes the response into the claim row and commits, pipelined, in one
+//! round trip (two on sqlx). The effect is exactly-once for the service's own database
+//! writes:
 //!
 //! - a crash, a dropped connection, a handler error or panic, or a response the storage
 //!   policy does not keep rolls everything back, so a retry starts clean;
@@ -49,6 +50,12 @@
 //!   not wait behind the pool), so that nothing of it commits and its key is free, and
 //!   answers `500 handler-failed`; if the work had committed or rolled back the
 //!   transaction itself, `500 transaction-ended`, as above.
+//!
+//! The same holds on sqlx (the `sqlx` feature): a layer over the app's `sqlx::PgPool`
+//! (or a [`SqlxStore`](crate::store::SqlxStore)) hands the handler a
+//! [`SqlxTransaction`], whose [`connection`](SqlxTransaction::connection) derefs to
+//! the `sqlx::PgConnection` running the transaction. sqlx does not pipeline: there the
+//! claim takes three round trips and the commit two.
 //!
 //! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
 //! and an app role that may signal its own sessions (any role may, unless its
@@ -95,7 +102,7 @@ use std::{ops::Deref, sync::Arc};
 use deadpool_postgres::ClientWrapper;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::store::transaction::Checkout;
+use crate::store::transaction::{Checkout, TxConn};
 
 /// The request's open transaction, for the handler's own writes.
 ///
@@ -190,13 +197,90 @@ impl TransactionClosed {
     }
 }
 
-impl TransactionHandle {
-    /// A handle over an open transaction, and the slot to take it back from.
-    pub(crate) fn holding(conn: Checkout) -> (Self, Arc<Mutex<Option<Checkout>>>) {
-        let slot = Arc::new(Mutex::new(Some(conn)));
-        (Self { slot: slot.clone() }, slot)
+/// Where the engine takes a request's transaction back from once its handler is
+/// done: the one its handle hands out, typed for its driver.
+#[derive(Clone)]
+pub(crate) enum Slot {
+    Deadpool(Arc<Mutex<Option<Checkout>>>),
+    #[cfg(feature = "sqlx")]
+    Sqlx(Arc<Mutex<Option<crate::store::transaction::SqlxConn>>>),
+}
+
+impl Slot {
+    /// A slot holding the open transaction on `conn`.
+    pub(crate) fn holding(conn: TxConn) -> Self {
+        match conn {
+            TxConn::Deadpool(conn) => Self::Deadpool(Arc::new(Mutex::new(Some(conn)))),
+            #[cfg(feature = "sqlx")]
+            TxConn::Sqlx(conn) => Self::Sqlx(Arc::new(Mutex::new(Some(conn)))),
+        }
     }
 
+    /// Gives the handler the transaction: its handle, of its driver's type, in
+    /// `extensions`.
+    pub(crate) fn hand_to(&self, extensions: &mut http::Extensions) {
+        match self {
+            Self::Deadpool(slot) => {
+                extensions.insert(TransactionHandle { slot: slot.clone() });
+            }
+            #[cfg(feature = "sqlx")]
+            Self::Sqlx(slot) => {
+                extensions.insert(SqlxTransaction { slot: slot.clone() });
+            }
+        }
+    }
+
+    /// The handle of a deadpool transaction, for a job's work.
+    pub(crate) fn deadpool_handle(&self) -> Option<TransactionHandle> {
+        match self {
+            Self::Deadpool(slot) => Some(TransactionHandle { slot: slot.clone() }),
+            #[cfg(feature = "sqlx")]
+            Self::Sqlx(_) => None,
+        }
+    }
+
+    /// The handle of a sqlx transaction, for a job's work.
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn sqlx_handle(&self) -> Option<SqlxTransaction> {
+        match self {
+            Self::Sqlx(slot) => Some(SqlxTransaction { slot: slot.clone() }),
+            Self::Deadpool(_) => None,
+        }
+    }
+
+    /// The transaction taken back, once the handler's connection is let go within
+    /// `bound` (`Some(None)`: taken back and dropped before, which rolled back). `None`
+    /// if the work still holds it: the slot is then emptied as soon as it lets go (a
+    /// task queued on its lock), so that the handle's later calls find it ended.
+    pub(crate) async fn take_within(&self, bound: std::time::Duration) -> Option<Option<TxConn>> {
+        match self {
+            Self::Deadpool(slot) => taken_within(slot, bound)
+                .await
+                .map(|taken| taken.map(TxConn::Deadpool)),
+            #[cfg(feature = "sqlx")]
+            Self::Sqlx(slot) => taken_within(slot, bound)
+                .await
+                .map(|taken| taken.map(TxConn::Sqlx)),
+        }
+    }
+}
+
+/// [`Slot::take_within`] for one driver's connection.
+async fn taken_within<C: Send + 'static>(
+    slot: &Arc<Mutex<Option<C>>>,
+    bound: std::time::Duration,
+) -> Option<Option<C>> {
+    if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
+        return Some(taken.take());
+    }
+    // Queued on the lock behind the work's connection: the handle's later calls queue
+    // behind this and find the transaction ended.
+    let queued = slot.clone();
+    tokio::spawn(async move { drop(queued.lock().await.take()) });
+    None
+}
+
+impl TransactionHandle {
     /// The transaction's connection.
     ///
     /// # Errors
@@ -245,5 +329,122 @@ impl Deref for TransactionClient {
 impl std::fmt::Debug for TransactionHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransactionHandle").finish_non_exhaustive()
+    }
+}
+
+/// The request's open transaction on sqlx, for the handler's own writes: what a
+/// layer in transactional mode over the app's `sqlx::PgPool` (or a
+/// [`SqlxStore`](crate::store::SqlxStore)) hands the handler, as a request extension
+/// and an Axum extractor, and a job's work in
+/// [`JobContext::sqlx_transaction`](crate::job::JobContext::sqlx_transaction).
+///
+/// [`connection`](Self::connection) locks the transaction's connection, a
+/// [`sqlx::PgConnection`] inside the transaction: pass `&mut *conn` to
+/// `sqlx::query(..).execute(..)` and to the app's own functions taking
+/// `&mut PgConnection` or an `Executor`. Everything [`TransactionHandle`] says holds
+/// here: cloning is cheap, every clone is the same transaction, and work that keeps
+/// the connection past the response has `store_timeout` to let go of it.
+///
+/// ```no_run
+/// use axum::{Router, http::StatusCode, routing::post};
+/// use sqlx::{PgConnection, PgPool};
+/// use tower_idempotency::{IdempotencyKey, IdempotencyLayer, transactional::SqlxTransaction};
+///
+/// /// The app's repository, written for any connection or transaction.
+/// async fn insert_payment(db: &mut PgConnection, id: &str) -> sqlx::Result<()> {
+///     sqlx::query("INSERT INTO payments (id) VALUES ($1)").bind(id).execute(db).await?;
+///     Ok(())
+/// }
+///
+/// async fn create_payment(
+///     key: IdempotencyKey,
+///     tx: SqlxTransaction,
+/// ) -> Result<(StatusCode, String), (StatusCode, String)> {
+///     let mut conn = tx.connection().await.map_err(|e| (e.status(), e.to_string()))?;
+///     // A failed INSERT aborts the transaction: the 409 goes to the client, unstored,
+///     // and a retry runs again.
+///     insert_payment(&mut conn, &key.derive("payment"))
+///         .await
+///         .map_err(|e| (StatusCode::CONFLICT, e.to_string()))?;
+///     Ok((StatusCode::CREATED, "created".into())) // committed with the stored response
+/// }
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
+/// let layer = IdempotencyLayer::transactional(pool.clone()); // the app keeps `pool`
+/// layer.migrate().await?;
+/// let app: Router = Router::new()
+///     .route("/payments", post(create_payment))
+///     .layer(layer);
+/// # Ok(()) }
+/// ```
+#[cfg(feature = "sqlx")]
+#[derive(Clone)]
+pub struct SqlxTransaction {
+    slot: Arc<Mutex<Option<crate::store::transaction::SqlxConn>>>,
+}
+
+/// The connection of a [`SqlxTransaction`], locked for one user at a time: derefs
+/// (mutably) to the [`sqlx::PgConnection`] that runs the request's transaction.
+///
+/// The transaction is sqlx's own: code that calls `begin()` on the connection (`Acquire`,
+/// `Connection::begin`) gets a `SAVEPOINT` inside the request's transaction, and its
+/// `commit()` releases it, so helpers that open a transaction of their own write in
+/// the request's. Do not send `COMMIT`, `ROLLBACK` or `BEGIN` as statements: the layer
+/// ends the transaction, and one the handler ends itself answers `500
+/// transaction-ended`, as [`TransactionClient`] says. Call sqlx through the
+/// connection's own `Executor` (`conn.execute("…")`, `query.execute(&mut *conn)`):
+/// `sqlx::raw_sql(..).execute(..)`'s future is not proven `Send` inside a handler.
+#[cfg(feature = "sqlx")]
+pub struct SqlxTransactionConnection {
+    guard: OwnedMutexGuard<Option<crate::store::transaction::SqlxConn>>,
+}
+
+#[cfg(feature = "sqlx")]
+impl SqlxTransaction {
+    /// The transaction's connection.
+    ///
+    /// # Errors
+    ///
+    /// [`TransactionClosed`] once the request's response has been produced (the layer
+    /// has taken the transaction back to commit or roll it back), or when the
+    /// transaction was given up on: nothing more can be written in it.
+    pub async fn connection(&self) -> Result<SqlxTransactionConnection, TransactionClosed> {
+        let guard = self.slot.clone().lock_owned().await;
+        if guard.is_none() {
+            return Err(TransactionClosed);
+        }
+        Ok(SqlxTransactionConnection { guard })
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl Deref for SqlxTransactionConnection {
+    type Target = sqlx::PgConnection;
+
+    fn deref(&self) -> &sqlx::PgConnection {
+        match self.guard.as_ref() {
+            Some(conn) => conn,
+            // `connection()` checked, and the slot only empties under this lock.
+            None => unreachable!("SqlxTransactionConnection over an ended transaction"),
+        }
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl std::ops::DerefMut for SqlxTransactionConnection {
+    fn deref_mut(&mut self) -> &mut sqlx::PgConnection {
+        match self.guard.as_mut() {
+            Some(conn) => conn,
+            // `connection()` checked, and the slot only empties under this lock.
+            None => unreachable!("SqlxTransactionConnection over an ended transaction"),
+        }
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl std::fmt::Debug for SqlxTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlxTransaction").finish_non_exhaustive()
     }
 }

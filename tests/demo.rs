@@ -513,19 +513,42 @@ async fn one_key_over_a_tokio_postgres_and_a_sqlx_process_charges_once() {
     assert_eq!(stats(&client, b.addr).await, once);
 }
 
-/// `--driver sqlx` is lease mode's: with transactional mode the demo says so and exits.
-#[test]
-fn the_sqlx_driver_with_transactional_mode_is_refused() {
-    let (status, stderr) = demo_exits(&[
-        "--database-url",
-        "postgres://postgres@127.0.0.1:1/none",
-        "--driver",
-        "sqlx",
-        "--mode",
-        "transactional",
-    ]);
-    assert!(!status.success());
-    assert!(stderr.contains("--driver sqlx needs"), "{stderr}");
+/// `--driver sqlx --mode transactional`: 100 concurrent requests with one key over a
+/// sqlx process and a tokio-postgres one, both transactional, on one table: one
+/// execution, one charge, one payment (recorded through the sqlx transaction when the
+/// sqlx process ran it), and a retry on either replays.
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_duplicates_over_a_sqlx_and_a_tokio_postgres_process_commit_once() {
+    const KEY: &str = "tx-sqlx-payment-1";
+    let schema = Schema::new();
+    let mut a = Demo::start_with(
+        Some(&schema),
+        &["--driver", "sqlx", "--mode", "transactional"],
+    );
+    let mut b = Demo::start_with(Some(&schema), &["--mode", "transactional"]);
+    let client = client();
+    a.wait_ready(&client).await;
+    b.wait_ready(&client).await;
+
+    let created = one_key_split_over(&client, [a.addr, b.addr], KEY, 100).await;
+    let first = created[0].body.clone();
+    for addr in [a.addr, b.addr] {
+        let retried = retry_until_created(&client, addr, KEY, SLOW_PAYMENT).await;
+        assert_eq!(retried.body, first);
+        assert!(
+            retried.replayed(),
+            "the retry was not a replay: {retried:?}"
+        );
+    }
+    let once = json!({"handler_runs": 1, "psp_calls": 1, "charges": 1, "payments": 1});
+    assert_eq!(stats(&client, a.addr).await, once);
+    // The sqlx process alone, so that its own transaction records the payment.
+    const ALONE: &str = "tx-sqlx-payment-2";
+    let paid = retry_until_created(&client, a.addr, ALONE, SLOW_PAYMENT).await;
+    assert!(!paid.replayed());
+    let twice = json!({"handler_runs": 2, "psp_calls": 2, "charges": 2, "payments": 2});
+    assert_eq!(stats(&client, b.addr).await, twice);
 }
 
 /// Requests the layer or the handler refuse.
@@ -999,14 +1022,36 @@ async fn key_row(schema: &Schema, key: &str) -> Option<(String, i64)> {
 /// the same derived key, and the payment commits once with its response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_crash_rolls_back_and_the_retry_commits_once() {
+    transactional_crash(&["--mode", "transactional", "--lease-ms", "500"]).await;
+}
+
+/// [`transactional_crash_rolls_back_and_the_retry_commits_once`] on sqlx (`--driver
+/// sqlx`): the process killed mid-handler takes its connection of the app's `PgPool`,
+/// and the transaction with it.
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlx_transactional_crash_rolls_back_and_the_retry_commits_once() {
+    transactional_crash(&[
+        "--driver",
+        "sqlx",
+        "--mode",
+        "transactional",
+        "--lease-ms",
+        "500",
+    ])
+    .await;
+}
+
+/// A transactional demo process started with `args`, killed (`SIGKILL`) after the
+/// charge and before the commit, then a process started with them again.
+async fn transactional_crash(args: &[&str]) {
     const KEY: &str = "tx-crash-payment-1";
     // The window between charge and record is long enough that the kill lands in it on
     // a loaded machine too.
     const PAYMENT: &str = r#"{"amount":700,"currency":"EUR","delay_ms":4000}"#;
-    const ARGS: &[&str] = &["--mode", "transactional", "--lease-ms", "500"];
     let schema = Schema::new();
     let client = client();
-    let mut first = Demo::start_with(Some(&schema), ARGS);
+    let mut first = Demo::start_with(Some(&schema), args);
     assert_eq!(first.line_starting_with("mode:"), "mode: transactional");
     first.wait_ready(&client).await;
 
@@ -1045,7 +1090,7 @@ async fn transactional_crash_rolls_back_and_the_retry_commits_once() {
     assert_eq!(charges.len(), 1);
     let charge_id: String = charges[0].get(0);
 
-    let mut second = Demo::start_with(Some(&schema), ARGS);
+    let mut second = Demo::start_with(Some(&schema), args);
     second.wait_ready(&client).await;
     let created = retry_until_created(&client, second.addr, KEY, PAYMENT).await;
     assert!(

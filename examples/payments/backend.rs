@@ -411,6 +411,35 @@ impl Backend {
         Ok(())
     }
 
+    /// Records the payment inside the request's idempotency transaction, on sqlx
+    /// (`--driver sqlx --mode transactional`): the same statement, sent through the
+    /// transaction's `PgConnection`.
+    #[cfg(feature = "sqlx")]
+    pub(crate) async fn record_payment_in_sqlx(
+        &self,
+        tx: &tower_idempotency::transactional::SqlxTransaction,
+        payment_id: &str,
+        charge_id: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<(), Error> {
+        use sqlx::Executor as _;
+        let Self::Postgres { schema, pooled, .. } = self else {
+            return Err("transactional mode needs PostgreSQL".into());
+        };
+        let sql = insert_payment(schema);
+        let insert = sqlx::query(&sql)
+            // Behind a transaction pooler, unnamed (as `query` sends them).
+            .persistent(!*pooled)
+            .bind(payment_id)
+            .bind(charge_id)
+            .bind(amount)
+            .bind(currency);
+        let mut conn = tx.connection().await?;
+        conn.execute(insert).await?;
+        Ok(())
+    }
+
     pub(crate) fn store_metrics(&self) -> Option<StoreMetrics> {
         match self {
             Self::Memory(_) => None,

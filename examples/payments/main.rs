@@ -52,11 +52,13 @@
 //! payment's response, nor its key, can be read in the idempotency table. Give every
 //! process that shares the database the same key.
 //!
-//! `--driver sqlx` (lease mode, built with the `sqlx` feature) keeps the idempotency
-//! keys through a `sqlx::PgPool` of its own (`SqlxStore`) instead of tokio-postgres (the
-//! default, `--driver tokio-postgres`): the same table, so processes of either driver
-//! share one database. The demo's own ledger stays on tokio-postgres, and
-//! `GET /stats/store` counts the tokio-postgres store's statements only.
+//! `--driver sqlx` (built with the `sqlx` feature; not with `--resumable`) keeps the
+//! idempotency keys through a `sqlx::PgPool` of its own (`SqlxStore`) instead of
+//! tokio-postgres (the default, `--driver tokio-postgres`): the same table, so processes
+//! of either driver share one database. With `--mode transactional` the payment is
+//! recorded through the request's `SqlxTransaction`; the rest of the demo's ledger
+//! stays on tokio-postgres, and `GET /stats/store` counts the tokio-postgres store's
+//! statements only.
 //!
 //! `--retention-secs N` keeps a payment's response N seconds (the layer's TTL; 24 h by
 //! default); `--remember-secs N` remembers its key N seconds more once the response is
@@ -279,7 +281,7 @@ async fn sqlx_store(
     _: &str,
     _: &Args,
     _: bool,
-) -> Result<tower_idempotency::store::MemoryStore, backend::Error> {
+) -> Result<tower_idempotency::store::PostgresStore, backend::Error> {
     Err("--driver sqlx: this demo was built without the sqlx feature (cargo run --features sqlx --example payments)".into())
 }
 
@@ -325,9 +327,9 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             "--resumable needs PostgreSQL (DATABASE_URL or --database-url) and lease mode".into(),
         );
     }
-    if args.sqlx && (args.transactional || args.resumable || args.database_url.is_none()) {
+    if args.sqlx && (args.resumable || args.database_url.is_none()) {
         return Err(
-            "--driver sqlx needs PostgreSQL (DATABASE_URL or --database-url) and lease mode, without --resumable"
+            "--driver sqlx needs PostgreSQL (DATABASE_URL or --database-url), without --resumable"
                 .into(),
         );
     }
@@ -367,10 +369,12 @@ async fn run(args: Args) -> Result<(), backend::Error> {
             );
             let (layer, name) = if args.sqlx {
                 let store = sqlx_store(url, &args, direct).await?;
-                (
-                    IdempotencyLayer::new(store),
-                    format!("{name}; through sqlx"),
-                )
+                let layer = if args.transactional {
+                    IdempotencyLayer::transactional(store)
+                } else {
+                    IdempotencyLayer::new(store)
+                };
+                (layer, format!("{name}; through sqlx"))
             } else if args.transactional {
                 (IdempotencyLayer::transactional(store), name)
             } else {
@@ -644,12 +648,24 @@ fn parse_payment(body: &[u8]) -> Result<Payment, String> {
     })
 }
 
+/// The request's transaction, in transactional mode: of the tokio-postgres store, or,
+/// with `--driver sqlx`, of the sqlx one.
+enum Transaction {
+    TokioPostgres(TransactionHandle),
+    #[cfg(feature = "sqlx")]
+    Sqlx(tower_idempotency::transactional::SqlxTransaction),
+}
+
 async fn create_payment(
     State(backend): State<Backend>,
     key: IdempotencyKey,
     tx: Option<TransactionHandle>,
+    #[cfg(feature = "sqlx")] sqlx_tx: Option<tower_idempotency::transactional::SqlxTransaction>,
     body: axum::body::Bytes,
 ) -> Response {
+    let tx = tx.map(Transaction::TokioPostgres);
+    #[cfg(feature = "sqlx")]
+    let tx = tx.or(sqlx_tx.map(Transaction::Sqlx));
     // Every attempt that reaches the handler is counted, on its own.
     if let Err(e) = backend.count_handler_run().await {
         return internal(e);
@@ -687,9 +703,21 @@ async fn create_payment(
     let payment_id = format!("pay_{}", &key.derive("payment")[..24]);
     // In transactional mode the payment commits with the stored response, or not at all.
     let recorded = match &tx {
-        Some(tx) => {
+        Some(Transaction::TokioPostgres(tx)) => {
             backend
                 .record_payment_in(
+                    tx,
+                    &payment_id,
+                    &charge_id,
+                    payment.amount,
+                    &payment.currency,
+                )
+                .await
+        }
+        #[cfg(feature = "sqlx")]
+        Some(Transaction::Sqlx(tx)) => {
+            backend
+                .record_payment_in_sqlx(
                     tx,
                     &payment_id,
                     &charge_id,

@@ -195,7 +195,24 @@ pub(crate) enum Reader<'a> {
     ),
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    /// Reads on the connection of the claim's transaction, where its driver reads
+    /// there (tokio-postgres); on sqlx, through the store: the look-ups read other
+    /// keys than the claim's, committed ones, which a read committed transaction and
+    /// the pool see alike.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn in_transaction(
+        store: &'a crate::store::transaction::TxStore,
+        conn: &'a crate::store::transaction::TxConn,
+    ) -> Self {
+        use crate::store::transaction::{TxConn, TxStore};
+        match (store, conn) {
+            (TxStore::Postgres(store), TxConn::Deadpool(conn)) => Self::Transaction(store, conn),
+            #[cfg(feature = "sqlx")]
+            _ => Self::Store(store.as_store()),
+        }
+    }
+
     async fn look_up(&self, scope: &Scope, key: &str) -> Result<Option<KeyRecord>, StoreError> {
         match self {
             Self::Store(store) => store.look_up(scope, key).await,
@@ -233,15 +250,15 @@ pub(crate) async fn answer_in_lease<B>(
 pub(crate) async fn answer_in_transaction<B>(
     config: &Config,
     (store, conn): (
-        &crate::store::PostgresStore,
-        &crate::store::transaction::Checkout,
+        &crate::store::transaction::TxStore,
+        &crate::store::transaction::TxConn,
     ),
     parts: &Parts,
     request: &ClaimRequest<'_>,
     key: &str,
 ) -> Option<Response<ResponseBody<B>>> {
     let earlier = Earlier::of_layer(config, parts, request, key);
-    let reader = Reader::Transaction(store, conn);
+    let reader = Reader::in_transaction(store, conn);
     let bound = config.store_timeout;
     earlier.answer(config, reader, request, key, bound).await
 }

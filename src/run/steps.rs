@@ -49,7 +49,7 @@ enum Recorder {
 /// Where transactional mode records a run's steps.
 #[cfg(feature = "postgres")]
 struct InTransaction {
-    store: crate::store::PostgresStore,
+    store: crate::store::transaction::TxStore,
     backend: crate::store::transaction::Backend,
     fingerprint: crate::Fingerprint,
 }
@@ -115,7 +115,7 @@ impl StepLog {
 /// The steps of a run in transactional mode, in the transaction of `backend`.
 #[cfg(feature = "postgres")]
 pub(crate) fn in_transaction(
-    store: &crate::store::PostgresStore,
+    store: &crate::store::transaction::TxStore,
     claimed: (
         &Lease,
         crate::store::transaction::Backend,

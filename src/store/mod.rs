@@ -62,8 +62,8 @@ pub use postgres::sqlx_store::SqlxStore;
 pub(crate) use postgres::transaction;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    ConfigError, GenerationRotation, Migration, PostgresStore, StoreMetrics, pool_for_url,
-    pool_for_url_with_tls,
+    ConfigError, GenerationRotation, Migration, PostgresStore, StoreMetrics, TransactionalStore,
+    pool_for_url, pool_for_url_with_tls,
 };
 pub use steps::{Orphan, RecordedStep};
 

@@ -10,18 +10,14 @@
 //!
 //! Found out at no extra cost on the path of a transaction that commits: the completion
 //! matches only a claim row the open transaction wrote
-//! ([`PostgresStore::complete_in_transaction`]). Where the layer rolls back instead, the
-//! same check goes with the `ROLLBACK`, pipelined ([`roll_back_unless_ended`]).
+//! (`PostgresStore::complete_in_transaction`). Where the layer rolls back instead, the
+//! same check goes with the `ROLLBACK`, pipelined on tokio-postgres ([`roll_back_unless_ended`]).
 
 use std::{task::Poll, time::Duration};
 
 use bytes::Bytes;
-use deadpool_postgres::ClientWrapper;
 use http::Response;
-use tokio::{
-    sync::oneshot,
-    time::{Instant, timeout, timeout_at},
-};
+use tokio::{sync::oneshot, time::timeout};
 
 use super::{Kept, lifecycle::Claimed};
 use crate::{
@@ -30,11 +26,8 @@ use crate::{
     body::ResponseBody,
     rejection::{Problem, Problems},
     store::{
-        ClaimRequest, Lease, PostgresStore,
-        transaction::{
-            Backend, Checkout, in_an_aborted_transaction, kept_if_rolled_back, roll_back_keeping,
-            roll_back_or_close,
-        },
+        ClaimRequest, Lease,
+        transaction::{Backend, Checked, TxConn, TxStore},
     },
 };
 
@@ -72,12 +65,12 @@ pub(crate) fn is_stored(response: &StoredResponse) -> bool {
 /// Completes the key of `claimed` with `500 transaction-ended`, outside its transaction,
 /// which ended under the layer: the claim row if the handler committed it, or the key
 /// afresh if the handler's `ROLLBACK` left it free; never a key another request holds
-/// ([`PostgresStore::finish_ended`]). On `conn` if it is fit for it (its transaction
+/// (`PostgresStore::finish_ended`). On `conn` if it is fit for it (its transaction
 /// over), else on a connection that does not wait behind the pool; bounded by
 /// `store_timeout`. Logged at `error`, with a hash of the key.
 pub(crate) async fn finish(
-    store: &PostgresStore,
-    conn: Option<Checkout>,
+    store: &TxStore,
+    conn: Option<TxConn>,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
@@ -85,11 +78,11 @@ pub(crate) async fn finish(
     let key_hash = crate::request::short_hash(request.key.as_bytes());
     let key_hash = key_hash.as_str();
     let token = claimed.lease.token;
+    let mut conn = conn;
     let finished = timeout(store_timeout, async {
-        let client = conn.as_ref().map(|conn| -> &ClientWrapper { conn });
         let finished = store
             .finish_ended(
-                client,
+                conn.as_mut(),
                 &claimed.lease,
                 &claimed.backend,
                 &request.fingerprint,
@@ -101,7 +94,7 @@ pub(crate) async fn finish(
                 request.ttl,
             )
             .await;
-        if let (Ok(_), Some(conn)) = (&finished, conn) {
+        if let (Ok(_), Some(conn)) = (&finished, conn.take()) {
             conn.done();
         }
         finished
@@ -152,57 +145,31 @@ pub(crate) enum RolledBack {
 /// more to prepare it). A transaction aborted by a failed statement cannot be checked
 /// so; once rolled back, [`finish_if_claim_committed`] tells.
 pub(crate) async fn roll_back_unless_ended(
-    store: &PostgresStore,
-    conn: Checkout,
+    store: &TxStore,
+    conn: TxConn,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
 ) -> RolledBack {
-    let deadline = Instant::now() + store_timeout;
-    let client = &*conn;
-    // Prepared first, so that its Execute is on the wire before the ROLLBACK.
-    match timeout_at(deadline, store.prepare_ours(client)).await {
-        Ok(Ok(())) => {}
-        // In a transaction aborted by a statement of the handler's, say.
-        Ok(Err(e)) if in_an_aborted_transaction(&e) => {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let conn = roll_back_keeping(conn, left).await;
-            return finish_if_claim_committed(store, conn, claimed, request, store_timeout).await;
-        }
-        Ok(Err(_)) => {
-            roll_back_or_close(conn, deadline.saturating_duration_since(Instant::now())).await;
-            return RolledBack::Yes;
-        }
-        Err(_) => {
-            tracing::warn!("no answer in time before ROLLBACK; closing the connection");
-            return RolledBack::Yes;
-        }
-    }
-    let (ours, rolled_back) = tokio::join!(
-        timeout_at(deadline, store.still_ours(client, &claimed.lease)),
-        timeout_at(deadline, store.send_rollback(client)),
-    );
-    let conn = kept_if_rolled_back(conn, rolled_back);
-    match ours {
-        Ok(Ok(false)) => {
+    match store
+        .roll_back_checking(conn, &claimed.lease, store_timeout)
+        .await
+    {
+        Checked::RolledBack => RolledBack::Yes,
+        Checked::NotOurs(conn) => {
             finish(store, conn, claimed, request, store_timeout).await;
             RolledBack::Ended
         }
-        Ok(Err(e)) if in_an_aborted_transaction(&e) => {
+        // In a transaction aborted by a statement of the handler's, say.
+        Checked::Aborted(conn) => {
             finish_if_claim_committed(store, conn, claimed, request, store_timeout).await
-        }
-        _ => {
-            if let Some(conn) = conn {
-                conn.done();
-            }
-            RolledBack::Yes
         }
     }
 }
 
 /// Finishes the key ([`finish`]) if the handler had committed the layer's transaction,
 /// which then ended in a way that could not tell: the claim row is committed `running`,
-/// as the claim wrote it ([`PostgresStore::claim_committed_alone`]). For a transaction
+/// as the claim wrote it (`PostgresStore::claim_committed_alone`). For a transaction
 /// found aborted by a failed statement, and rolled back since (on `conn`, back outside
 /// any transaction, or `None` if the `ROLLBACK` got no answer): it may be one the
 /// handler began after its `COMMIT` (`COMMIT; BEGIN` and then a failed statement, from
@@ -211,15 +178,16 @@ pub(crate) async fn roll_back_unless_ended(
 /// bounded by `store_timeout`. If the read fails, the transaction is taken as rolled
 /// back, as it usually is.
 pub(crate) async fn finish_if_claim_committed(
-    store: &PostgresStore,
-    conn: Option<Checkout>,
+    store: &TxStore,
+    conn: Option<TxConn>,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
     store_timeout: Duration,
 ) -> RolledBack {
-    let client = conn.as_ref().map(|conn| -> &ClientWrapper { conn });
-    let alone = store.claim_committed_alone(client, &claimed.lease, &claimed.backend);
-    match timeout(store_timeout, alone).await {
+    let mut conn = conn;
+    let alone = store.claim_committed_alone(conn.as_mut(), &claimed.lease, &claimed.backend);
+    let alone = timeout(store_timeout, alone).await;
+    match alone {
         Ok(Ok(true)) => {
             finish(store, conn, claimed, request, store_timeout).await;
             RolledBack::Ended
@@ -253,7 +221,7 @@ pub(crate) async fn finish_if_claim_committed(
 /// session cannot be told apart rolls back once the work lets go, unless in either case
 /// the handler had committed it before ([`finish_if_claim_committed`]).
 pub(crate) async fn kept(
-    store: &PostgresStore,
+    store: &TxStore,
     kept: Kept,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
@@ -281,14 +249,14 @@ pub(crate) async fn kept(
 /// be taken over by a retry and run again before the layer finishes the key. So from a
 /// third of the lease on, a task of its own renews the lease of the claim row every
 /// third of the lease, if it is committed `running` as the claim wrote it
-/// ([`PostgresStore::renew_committed_claim`]), until `future` is done. While the
+/// (`PostgresStore::renew_committed_claim`), until `future` is done. While the
 /// transaction is open, which is always unless the handler ends it, that statement
 /// matches nothing and waits on nothing. A request that ends within a third of the
 /// lease costs a timer and nothing more. The task is started when this future is
 /// polled after a third of the lease: a handler that blocks its thread from before then
 /// starts it only when it yields.
 pub(crate) async fn keeping_claim<F: Future>(
-    store: &PostgresStore,
+    store: &TxStore,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
     future: F,
@@ -323,7 +291,7 @@ pub(crate) async fn keeping_claim<F: Future>(
 /// The renewal task of [`keeping_claim`]: renews at once, then every third of `lease`,
 /// until `stopped` (its sender dropped).
 async fn renew(
-    store: PostgresStore,
+    store: TxStore,
     claim: Lease,
     backend: Backend,
     lease: Duration,

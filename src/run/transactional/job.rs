@@ -21,16 +21,14 @@ use crate::{
         sealing::Sealing,
     },
     shutdown::InFlight,
-    store::{
-        ClaimRequest, PostgresStore, StoreError, StoreErrorKind, transaction::roll_back_or_close,
-    },
-    transactional::TransactionHandle,
+    store::{ClaimRequest, StoreError, StoreErrorKind, transaction::TxStore},
+    transactional::Slot,
 };
 
 /// Runs `work` once for the key of `request`, in the transaction that claims it, and
 /// commits its result with what it wrote.
 pub(crate) async fn run_job<F, Fut, E>(
-    store: &PostgresStore,
+    store: &TxStore,
     (lock_timeout, store_timeout): (Duration, Duration),
     shutdown: &ShutdownHandle,
     request: &ClaimRequest<'_>,
@@ -56,16 +54,16 @@ where
         // A run that waited on another worker's row may get it after `close()`:
         // nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if shutdown.is_closed() => {
-            roll_back_or_close(conn, store_timeout).await;
+            conn.roll_back_or_close(store_timeout).await;
             return Err(JobError::ShuttingDown);
         }
         Opened::Acquired(conn, claimed) => {
             // A record from before encryption, under the key in clear, read in the
             // transaction: answered from there, the transaction rolled back.
-            let reader = Reader::Transaction(store, &conn);
+            let reader = Reader::in_transaction(store, &conn);
             let earlier = job_answer(sealing, reader, request, key.as_str(), store_timeout);
             if let Some(answer) = earlier.await {
-                roll_back_or_close(conn, store_timeout).await;
+                conn.roll_back_or_close(store_timeout).await;
                 return answer;
             }
             (conn, claimed)
@@ -91,12 +89,14 @@ where
             )));
         }
     };
-    let (handle, slot) = TransactionHandle::holding(conn);
+    let slot = Slot::holding(conn);
     let mut key = key;
     key.set_steps(crate::run::steps::Steps(Some(claimed.steps.clone())));
     let ctx = JobContext {
         key,
-        transaction: Some(handle),
+        transaction: slot.deadpool_handle(),
+        #[cfg(feature = "sqlx")]
+        sqlx_transaction: slot.sqlx_handle(),
     };
     // Renewed should the work commit the claim itself (see `keeping_claim`).
     let run = async {
@@ -129,7 +129,7 @@ where
                 let conn = take_back(&slot, store, &claimed.backend, store_timeout);
                 // The work never began, so it kept nothing.
                 if let Ok(conn) = conn.await {
-                    roll_back_or_close(conn, store_timeout).await;
+                    conn.roll_back_or_close(store_timeout).await;
                 }
                 return Err(JobError::Panicked);
             }

@@ -13,7 +13,6 @@ use std::{sync::Arc, time::Duration};
 use bytes::Bytes;
 use http::{Request, Response, request::Parts};
 use http_body::Body;
-use tokio::sync::Mutex;
 use tower_service::Service;
 
 pub(crate) use ended::{
@@ -39,10 +38,10 @@ use crate::{
     layer::Config,
     shutdown::InFlight,
     store::{
-        ClaimRequest, PostgresStore,
-        transaction::{Backend, Checkout, Ending, roll_back_or_close},
+        ClaimRequest,
+        transaction::{Backend, Ending, TxConn, TxStore},
     },
-    transactional::TransactionHandle,
+    transactional::Slot,
 };
 
 /// What became of a transaction whose work kept its client past the response, when the
@@ -77,19 +76,15 @@ pub(crate) enum Kept {
 /// client, or its session ended), [`Kept`] says so, for the caller to settle the
 /// key (`ended::kept`).
 pub(crate) async fn take_back(
-    slot: &Arc<Mutex<Option<Checkout>>>,
-    store: &PostgresStore,
+    slot: &Slot,
+    store: &TxStore,
     backend: &Backend,
     bound: Duration,
-) -> Result<Checkout, Kept> {
-    if let Ok(mut taken) = tokio::time::timeout(bound, slot.lock()).await {
-        // Empty only if taken back already, and then dropped, which rolled back.
-        return taken.take().ok_or(Kept::RolledBack);
+) -> Result<TxConn, Kept> {
+    // Empty only if taken back already, and then dropped, which rolled back.
+    if let Some(taken) = slot.take_within(bound).await {
+        return taken.ok_or(Kept::RolledBack);
     }
-    // Queued on the lock behind the work's client: the handle's later calls queue
-    // behind this and find the transaction ended.
-    let queued = slot.clone();
-    tokio::spawn(async move { drop(queued.lock().await.take()) });
     const KEPT: &str = "the work kept the transaction's connection past the response";
     match tokio::time::timeout(bound, store.end_transaction(backend)).await {
         Ok(Ok(Ending::Terminated)) => {
@@ -139,7 +134,7 @@ const DUPLICATE_LOCK_WAIT: Duration = Duration::from_millis(50);
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve<S, ReqBody, ResBody>(
     config: Arc<Config>,
-    store: PostgresStore,
+    store: TxStore,
     inner: S,
     mut parts: Parts,
     body: Bytes,
@@ -220,7 +215,7 @@ where
         // A duplicate that waited on the first request's row may get it after
         // `close()`: nothing is claimed after the close, so it lets the row go.
         Opened::Acquired(conn, _) if config.shutdown.is_closed() => {
-            roll_back_or_close(conn, store_timeout).await;
+            conn.roll_back_or_close(store_timeout).await;
             return Ok(shutting_down(&config.problems));
         }
         Opened::Acquired(conn, claimed) => {
@@ -231,7 +226,7 @@ where
             let earlier =
                 super::previous::answer_in_transaction(&config, on, &parts, &request, key);
             if let Some(answer) = earlier.await {
-                roll_back_or_close(conn, store_timeout).await;
+                conn.roll_back_or_close(store_timeout).await;
                 return Ok(answer);
             }
             // Until now, dropping the request dropped its connection, which rolled
@@ -253,8 +248,8 @@ where
         }
     };
 
-    let (handle, slot) = TransactionHandle::holding(conn);
-    parts.extensions.insert(handle);
+    let slot = Slot::holding(conn);
+    slot.hand_to(&mut parts.extensions);
     crate::request::hand_over(&mut parts.extensions, &request, key, &config, true);
     let steps = super::steps::Steps(Some(claimed.steps.clone()));
     super::steps::attach_log(&mut parts.extensions, steps);
@@ -270,10 +265,10 @@ where
 /// commits it with the response, or rolls it back, or finds it ended under the layer.
 async fn run_and_end<S, ReqBody, ResBody>(
     config: &Config,
-    store: &PostgresStore,
+    store: &TxStore,
     inner: S,
     req: Request<ReqBody>,
-    slot: &Arc<Mutex<Option<Checkout>>>,
+    slot: &Slot,
     claimed: &Claimed,
     request: &ClaimRequest<'_>,
 ) -> Answer<ResBody, S::Error>

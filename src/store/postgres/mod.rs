@@ -5,6 +5,7 @@ mod batch_complete;
 mod checkout;
 mod claim;
 mod config;
+mod driver;
 mod errors;
 mod generations;
 mod holder;
@@ -49,6 +50,7 @@ use tokio_postgres::types::ToSql;
 use checkout::Checkout;
 use claim::ms;
 pub use config::ConfigError;
+pub use driver::TransactionalStore;
 use errors::again_if_it_lost_a_race;
 pub use generations::GenerationRotation;
 use in_doubt::ABANDONED_CLAIM_WAIT;
@@ -83,16 +85,13 @@ fn key_id(qualified: &str, scope: &Scope, key: &str) -> String {
 }
 
 pub(crate) mod transaction {
+    #[cfg(feature = "sqlx")]
+    pub(crate) use super::sqlx_store::SqlxConn;
     pub(crate) use super::{
         checkout::Checkout,
-        errors::{
-            again_if_it_lost_a_race, connection_lost, describe, in_an_aborted_transaction,
-            statement_cancelled,
-        },
-        tx::{
-            Backend, Ending, Resolution, commit_on, kept_if_rolled_back, roll_back_keeping,
-            roll_back_or_close,
-        },
+        driver::{Checked, CommitEnd, TxConn, TxStore},
+        errors::statement_cancelled,
+        tx::{Backend, Ending, Resolution},
     };
 }
 

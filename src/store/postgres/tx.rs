@@ -15,6 +15,7 @@ use tokio_postgres::{Row, SimpleQueryMessage, types::ToSql};
 use super::{
     Checkout, PostgresStore,
     claim::{Within, ms},
+    row::{Columns, need},
     sql::{Statement, params},
 };
 use crate::{
@@ -55,17 +56,17 @@ pub(super) struct Statements {
     /// The claim, in the transaction its `BEGIN` opened, or nowhere.
     pub(super) claim: Statement,
     /// The completion, matching only the row this transaction wrote.
-    complete: Statement,
+    pub(super) complete: Statement,
     /// Whether the claim row is still this transaction's.
-    ours: Statement,
+    pub(super) ours: Statement,
     /// Whether the claim row is committed `running`, as the claim wrote it.
-    claim_alone: Statement,
+    pub(super) claim_alone: Statement,
     /// Renews the lease of a claim row committed `running`, as the claim wrote it.
-    renew_alone: Statement,
+    pub(super) renew_alone: Statement,
     /// Completes the key after its transaction ended under the layer.
-    finish_ended: Statement,
+    pub(super) finish_ended: Statement,
     /// Ends a transaction on the server from another session.
-    end: Statement,
+    pub(super) end: Statement,
 }
 
 impl Statements {
@@ -190,7 +191,7 @@ impl Statements {
 /// `BEGIN` (with `isolation`, e.g. `" ISOLATION LEVEL READ COMMITTED"`, or `""`) and
 /// the transaction's `lock_timeout`, as one simple query that also returns the
 /// backend's pid.
-fn begin(isolation: &str, lock_timeout: Duration) -> String {
+pub(super) fn begin(isolation: &str, lock_timeout: Duration) -> String {
     format!(
         "BEGIN{isolation}; {}; SELECT pg_backend_pid()",
         set_lock_timeout(lock_timeout)
@@ -199,7 +200,7 @@ fn begin(isolation: &str, lock_timeout: Duration) -> String {
 
 /// [`begin`] for a claim sent right behind it, with `token`: the transaction it opens
 /// carries the mark the claim checks (see `Statements::claim`).
-fn begin_claiming(lock_timeout: Duration, token: FencingToken) -> String {
+pub(super) fn begin_claiming(lock_timeout: Duration, token: FencingToken) -> String {
     format!(
         "BEGIN; {}; SELECT pg_backend_pid(), set_config('{CLAIM_MARK}', '{}', true)",
         set_lock_timeout(lock_timeout),
@@ -208,7 +209,7 @@ fn begin_claiming(lock_timeout: Duration, token: FencingToken) -> String {
 }
 
 /// `SET LOCAL lock_timeout`, in milliseconds (at least 1: zero would mean no bound).
-fn set_lock_timeout(lock_timeout: Duration) -> String {
+pub(super) fn set_lock_timeout(lock_timeout: Duration) -> String {
     format!(
         "SET LOCAL lock_timeout = {}",
         lock_timeout.as_millis().max(1)
@@ -251,10 +252,10 @@ pub(crate) async fn roll_back_keeping(conn: Checkout, bound: Duration) -> Option
 /// `conn` after its `ROLLBACK` answered `rolled_back` within its bound: kept, outside
 /// any transaction, if the server rolled back; else `None`, dropped, which closes it
 /// (and so rolls back).
-pub(crate) fn kept_if_rolled_back<E: std::fmt::Display>(
-    conn: Checkout,
+pub(crate) fn kept_if_rolled_back<C, E: std::fmt::Display>(
+    conn: C,
     rolled_back: Result<Result<(), E>, tokio::time::error::Elapsed>,
-) -> Option<Checkout> {
+) -> Option<C> {
     match rolled_back {
         Ok(Ok(())) => Some(conn),
         Ok(Err(e)) => {
@@ -301,6 +302,52 @@ pub(crate) enum Resolution {
     /// The claim committed `running`, without its completion: the transaction had
     /// ended under the layer, committed by the handler.
     ClaimAlone,
+}
+
+/// How a transaction whose `COMMIT` was in doubt ended, from the key's `row` as
+/// `in_doubt_read` returns it (`None`: no row), whichever driver read it (see
+/// [`PostgresStore::committed_on`]).
+pub(super) fn resolution(
+    row: Option<&impl Columns>,
+    lease: &Lease,
+    backend: &Backend,
+    fingerprint: &Fingerprint,
+    sent: &StoredResponse,
+) -> Result<Resolution, StoreError> {
+    let Some(row) = row else {
+        return Ok(Resolution::NotCommitted);
+    };
+    if FencingToken::new(need(row.int8(0), 0)?) != lease.token {
+        return Ok(Resolution::NotCommitted);
+    }
+    let state = need(row.text(1), 1)?;
+    if state == "running" && row.time(6) == Some(backend.started) {
+        return Ok(Resolution::ClaimAlone);
+    }
+    let ours = state == "completed"
+        && row.bytes(2) == Some(fingerprint.as_bytes())
+        && row.int2(3) == Some(sent.status.as_u16() as i16)
+        && row.bytes(4) == Some(&StoredResponse::encode_headers(&sent.headers)[..])
+        && row.bytes(5) == Some(&sent.body[..]);
+    Ok(if ours {
+        Resolution::Committed
+    } else {
+        Resolution::NotCommitted
+    })
+}
+
+/// What [`PostgresStore::end_transaction`] found, from the row of `end` (`None`: no
+/// session has that pid), whichever driver read it.
+pub(super) fn ending(row: Option<&impl Columns>) -> Ending {
+    match row {
+        None => Ending::SessionGone,
+        Some(row) if row.boolean(1) != Some(true) => Ending::CannotEnd,
+        Some(row) => match row.boolean(0) {
+            Some(true) => Ending::Terminated,
+            Some(false) => Ending::CannotEnd,
+            None => Ending::AlreadyEnded,
+        },
+    }
 }
 
 impl PostgresStore {
@@ -420,27 +467,7 @@ impl PostgresStore {
         let rows = self
             .query_on(client, &self.sql.in_doubt_read, &[&scope, &key])
             .await?;
-        let Some(row) = rows.first() else {
-            return Ok(Resolution::NotCommitted);
-        };
-        if FencingToken::new(row.get::<_, i64>(0)) != lease.token {
-            return Ok(Resolution::NotCommitted);
-        }
-        let state = row.get::<_, &str>(1);
-        if state == "running" && row.get::<_, SystemTime>(6) == backend.started {
-            return Ok(Resolution::ClaimAlone);
-        }
-        let ours = state == "completed"
-            && row.get::<_, &[u8]>(2) == fp
-            && row.get::<_, Option<i16>>(3) == Some(sent.status.as_u16() as i16)
-            && row.get::<_, Option<&[u8]>>(4)
-                == Some(&StoredResponse::encode_headers(&sent.headers)[..])
-            && row.get::<_, Option<&[u8]>>(5) == Some(&sent.body[..]);
-        Ok(if ours {
-            Resolution::Committed
-        } else {
-            Resolution::NotCommitted
-        })
+        resolution(rows.first(), lease, backend, fingerprint, sent)
     }
 
     /// Prepares the check of [`still_ours`](Self::still_ours) on `client` (a no-op
@@ -572,14 +599,6 @@ impl PostgresStore {
     pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<Ending, StoreError> {
         let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
         let rows = self.query_apart(None, &self.sql.tx.end, &params).await?;
-        Ok(match rows.first() {
-            None => Ending::SessionGone,
-            Some(row) if !row.get::<_, bool>(1) => Ending::CannotEnd,
-            Some(row) => match row.get::<_, Option<bool>>(0) {
-                Some(true) => Ending::Terminated,
-                Some(false) => Ending::CannotEnd,
-                None => Ending::AlreadyEnded,
-            },
-        })
+        Ok(ending(rows.first()))
     }
 }

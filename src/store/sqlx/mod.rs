@@ -1,4 +1,5 @@
-//! The sqlx driver: lease mode over the app's own [`sqlx::PgPool`]. The table, its
+//! The sqlx driver: lease mode and transactional mode (`tx`) over the app's own
+//! [`sqlx::PgPool`]. The table, its
 //! migrations, the statements, the claim's decision, the reading of rows and the
 //! classification of errors by SQLSTATE are the PostgreSQL store's (`store/postgres`);
 //! this driver owns its connections (the app's pool), the binding of parameters and the
@@ -10,6 +11,10 @@ use std::{
     sync::{Arc, Mutex, PoisonError, Weak},
     time::{Duration, SystemTime},
 };
+
+mod tx;
+
+pub(crate) use tx::{SqlxConn, roll_back};
 
 use ::sqlx::{
     Executor as _, PgPool, Postgres, Row as _, ValueRef as _,
@@ -98,6 +103,9 @@ pub struct SqlxStore {
     purge: Arc<Purge>,
     /// This store as the holder of its claims, if it has liveness (`with_liveness`).
     liveness: Option<Arc<liveness::Liveness>>,
+    /// Transactional mode: the claims that may wait on another request's row at once
+    /// (half of the pool's connections; see `tx_claim_permit`).
+    tx_claims: Arc<tokio::sync::Semaphore>,
 }
 
 impl fmt::Debug for SqlxStore {
@@ -140,7 +148,9 @@ impl SqlxStore {
         listen_pool: PgPool,
     ) -> Self {
         let sql = Arc::new(Sql::new(&schema, &table, false, remember));
+        let waiting = (pool.options().get_max_connections() / 2).max(1) as usize;
         Self {
+            tx_claims: Arc::new(tokio::sync::Semaphore::new(waiting)),
             listener: Arc::new(Listener::new(listen_pool, format!("{table}_done"))),
             purge: Arc::new(Purge::default()),
             liveness: None,
@@ -850,7 +860,7 @@ impl Drop for InDoubt<'_> {
 
 /// Whether `e` is a sqlx error of a connection lost, or unusable, once a statement
 /// may have been sent on it.
-fn lost_its_connection(e: &StoreError) -> bool {
+pub(crate) fn lost_its_connection(e: &StoreError) -> bool {
     use std::error::Error as _;
     matches!(
         e.source().and_then(|e| e.downcast_ref::<::sqlx::Error>()),
