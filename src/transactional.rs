@@ -55,7 +55,7 @@
 //! (or a [`SqlxStore`](crate::store::SqlxStore)) hands the handler a
 //! [`SqlxTransaction`], whose [`connection`](SqlxTransaction::connection) derefs to
 //! the `sqlx::PgConnection` running the transaction. sqlx does not pipeline: there the
-//! claim takes three round trips and the commit two.
+//! claim takes two round trips and the commit two.
 //!
 //! Transactional mode needs PostgreSQL 13 or later (`pg_current_xact_id_if_assigned`),
 //! and an app role that may signal its own sessions (any role may, unless its

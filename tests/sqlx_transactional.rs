@@ -470,3 +470,48 @@ async fn a_transactional_job_on_sqlx_commits_its_writes_with_its_result() {
     assert_eq!(again, JobOutcome::AlreadyDone(Bytes::from_static(b"done")));
     assert_eq!(rows_in(&schema, &table).await, 1);
 }
+
+/// The claim's wait and the handler's are bounded apart on sqlx too: a duplicate told
+/// to wait waits on the first request's row past `lock_timeout` and replays its answer,
+/// while the handler's own statements run under `lock_timeout`, which the claim set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_waits_past_the_lock_timeout_which_the_handler_runs_under() {
+    let schema = TestSchema::new();
+    let (store, table) = store_at(&schema, &database_url(), 4).await;
+    let layer = IdempotencyLayer::transactional(store)
+        .lock_timeout(Duration::from_millis(100))
+        .wait_for_running(Duration::from_secs(30));
+    let handler = |State(app): State<App>, tx: SqlxTransaction, headers: HeaderMap| async move {
+        let run = app.counter.count_run();
+        let mut conn = tx.connection().await.expect("transaction");
+        let lock_timeout: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        drop(conn);
+        if headers.contains_key("x-held") {
+            app.counter.held().await;
+        }
+        (StatusCode::CREATED, format!("{run} {lock_timeout}"))
+    };
+    let (router, counter) = common::ledger::app_on(post(handler), layer, &table);
+    let first = in_flight(&router, post_with("k", &[("x-held", "1")]), &counter).await;
+    let dup = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, post_with("k", &[])).await }
+    });
+    schema.wait_for_lock_waiters(1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !dup.is_finished(),
+        "the duplicate stopped waiting at the lock timeout"
+    );
+    counter.let_go(1);
+    let first = first.await.unwrap();
+    let dup = dup.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body, "1 100ms");
+    assert_eq!(dup.outcome, Some(Outcome::Replayed));
+    assert_eq!(dup.body, first.body);
+    assert_eq!(counter.runs(), 1);
+}

@@ -49,9 +49,9 @@ pub(crate) enum Opened {
 }
 
 /// Takes a connection, then sends BEGIN and the claim together: one round trip on
-/// tokio-postgres, three on sqlx (`TxStore::begin_and_claim`). A duplicate's claim
+/// tokio-postgres, two on sqlx (`TxStore::begin_and_claim`). A duplicate's claim
 /// waits here on the first request's uncommitted row, up to `claim_wait`; the
-/// transaction then goes on with `lock_timeout`, set again in the same round trip
+/// transaction then goes on with `lock_timeout`, which the claim sets once it has run
 /// where the two differ.
 pub(crate) async fn open(
     store: &TxStore,

@@ -39,6 +39,13 @@ pub(super) const WRITTEN_BY_THIS_TRANSACTION: &str =
 /// (`Statements::claim`), that is, in that transaction.
 const CLAIM_MARK: &str = "tower_idempotency.claim";
 
+/// A setting local to a claim's transaction, set by its `BEGIN` (`begin_claiming`) to
+/// the `lock_timeout` the handler's statements get: the claim itself sets the
+/// transaction's `lock_timeout` to it once it has run (`Statements::claim`), so that
+/// the claim waits on another request's row for its own bound and the handler's
+/// statements for theirs, with no statement of its own to say so.
+const THEN_LOCK_TIMEOUT: &str = "tower_idempotency.lock_timeout";
+
 /// The server session and the transaction a claim opened: what tells that transaction
 /// apart from any other, on that backend or behind a pooler that lends it to others
 /// once the transaction ends.
@@ -108,8 +115,22 @@ impl Statements {
             // key `running`, with nobody to finish it. Only the transaction that `BEGIN`
             // opened carries the mark with this claim's token: anywhere else the
             // filter, which no row depends on, holds for none, and nothing is called.
+            //
+            // Once it has run (its row read, and so its wait on another request's row
+            // over: the subquery, which calls volatile functions, is not merged into
+            // the outer query), the claim also reads the backend's pid and sets the
+            // transaction's `lock_timeout` to the handler's (`THEN_LOCK_TIMEOUT`, when
+            // the `BEGIN` set it; an unset or reset placeholder reads as '' and keeps
+            // the claim's): the statements a separate `SET` and `SELECT` would cost.
             claim: Statement::new(
-                format!("{claim} WHERE current_setting('{CLAIM_MARK}', true) = $6::text"),
+                format!(
+                    "SELECT c.*, pg_backend_pid() AS pid,
+                            set_config('lock_timeout',
+                                       coalesce(nullif(current_setting('{THEN_LOCK_TIMEOUT}', true), ''),
+                                                current_setting('lock_timeout')),
+                                       true)
+                     FROM ({claim} WHERE current_setting('{CLAIM_MARK}', true) = $6::text) AS c"
+                ),
                 params::CLAIM,
             ),
             complete,
@@ -198,22 +219,40 @@ pub(super) fn begin(isolation: &str, lock_timeout: Duration) -> String {
     )
 }
 
-/// [`begin`] for a claim sent right behind it, with `token`: the transaction it opens
-/// carries the mark the claim checks (see `Statements::claim`).
-pub(super) fn begin_claiming(lock_timeout: Duration, token: FencingToken) -> String {
+/// `BEGIN` for a claim sent right behind it, with `token`, `lock_timeout` the claim's
+/// bound on another request's row: the transaction it opens carries the mark the claim
+/// checks, and, with `then_lock_timeout`, the `lock_timeout` the claim sets once it
+/// has run (see `Statements::claim`). Two statements, one of them reading the
+/// backend's pid.
+pub(super) fn begin_claiming(
+    lock_timeout: Duration,
+    token: FencingToken,
+    then_lock_timeout: Option<Duration>,
+) -> String {
+    let then = then_lock_timeout
+        .map(|then| {
+            format!(
+                ", set_config('{THEN_LOCK_TIMEOUT}', '{}', true)",
+                millis(then)
+            )
+        })
+        .unwrap_or_default();
     format!(
-        "BEGIN; {}; SELECT pg_backend_pid(), set_config('{CLAIM_MARK}', '{}', true)",
-        set_lock_timeout(lock_timeout),
-        token.get()
+        "BEGIN; SELECT pg_backend_pid(), set_config('{CLAIM_MARK}', '{}', true), \
+         set_config('lock_timeout', '{}', true){then}",
+        token.get(),
+        millis(lock_timeout),
     )
+}
+
+/// A `lock_timeout` in milliseconds, at least 1: zero would mean no bound.
+fn millis(lock_timeout: Duration) -> u128 {
+    lock_timeout.as_millis().max(1)
 }
 
 /// `SET LOCAL lock_timeout`, in milliseconds (at least 1: zero would mean no bound).
 pub(super) fn set_lock_timeout(lock_timeout: Duration) -> String {
-    format!(
-        "SET LOCAL lock_timeout = {}",
-        lock_timeout.as_millis().max(1)
-    )
+    format!("SET LOCAL lock_timeout = {}", millis(lock_timeout))
 }
 
 /// The pid a `begin` query returned.
@@ -354,10 +393,11 @@ impl PostgresStore {
     /// Sends `BEGIN`, with `claim_wait` as the transaction's `lock_timeout`, and the
     /// claim together, one round trip: the claim with the database's `now()` and the pid
     /// of the backend that runs it. The claim runs in that transaction or not at all: if
-    /// the `BEGIN` fails, nothing is claimed. With `then_lock_timeout`, the transaction's
-    /// `lock_timeout` is set to it right after the claim, in the same round trip: the
-    /// claim waits on another request's row for `claim_wait`, and the handler's
-    /// statements for this one.
+    /// the `BEGIN` fails, nothing is claimed. With `then_lock_timeout`, the claim sets
+    /// the transaction's `lock_timeout` to it once it has run: the claim waits on
+    /// another request's row for `claim_wait`, and the handler's statements for this
+    /// one. Four statements: `BEGIN`, a `SELECT` of settings, the claim, and, for a key
+    /// taken over, its `UPDATE`.
     pub(crate) async fn begin_and_claim(
         &self,
         client: &ClientWrapper,
@@ -368,30 +408,17 @@ impl PostgresStore {
     ) -> Result<(Claim, Backend), StoreError> {
         let failed = super::errors::unavailable;
         // Prepared first (once per connection), so that the claim's execution goes on
-        // the wire between the `BEGIN` and the reset of the lock timeout. (Unnamed, it
-        // goes whole at its first poll.)
+        // the wire right behind the `BEGIN`. (Unnamed, it goes whole at its first poll.)
         self.prepare_on(client, &self.sql.tx.claim).await?;
-        let begin = begin_claiming(claim_wait, token);
-        let reset = then_lock_timeout.map(set_lock_timeout);
-        let (begun, claim, reset) = tokio::join!(
+        let begin = begin_claiming(claim_wait, token, then_lock_timeout);
+        let (begun, claim) = tokio::join!(
             client.simple_query(&begin),
             // Judged by the transaction, not by a holder's liveness: its rollback frees
             // the key of a process that dies.
             self.claim_within(Within::ItsTransaction, client, request, token, None),
-            async {
-                match &reset {
-                    Some(reset) => client.batch_execute(reset).await,
-                    None => Ok(()),
-                }
-            }
         );
         let pid = backend_pid(&begun.map_err(failed)?)?;
         let (claim, started) = claim?;
-        // After a failed claim the reset fails too (the transaction is aborted); after
-        // one that found another request's record, it does not matter.
-        if matches!(claim, Claim::Acquired(_)) {
-            reset.map_err(failed)?;
-        }
         Ok((claim, Backend { pid, started }))
     }
 

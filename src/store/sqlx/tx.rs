@@ -10,9 +10,9 @@
 //! `SAVEPOINT`, and its `commit()` releases it, rather than ending the layer's
 //! transaction.
 //!
-//! sqlx does not pipeline: `BEGIN`, the claim, and the backend's pid read with the
-//! transaction's `lock_timeout` set again go in three round trips, and the completion
-//! and its `COMMIT` in two, where the tokio-postgres driver sends each group in one.
+//! sqlx does not pipeline: `BEGIN` and the claim go in two round trips, and the
+//! completion and its `COMMIT` in two, where the tokio-postgres driver sends each pair
+//! in one.
 
 use std::{
     ops::{Deref, DerefMut},
@@ -37,11 +37,9 @@ use super::{
         claim::{CLAIM_ATTEMPTS, Found, found, ms},
         errors::{again_if_it_lost_a_race, lost_a_race},
         row::{Columns, need},
+        sql::col,
         steps::{place, step},
-        tx::{
-            Backend, Ending, Resolution, begin, begin_claiming, ending, resolution,
-            set_lock_timeout,
-        },
+        tx::{Backend, Ending, Resolution, begin, begin_claiming, ending, resolution},
     },
     SqlxRow, SqlxStore, classify,
 };
@@ -222,8 +220,9 @@ impl SqlxStore {
     }
 
     /// `BEGIN` with `claim_wait` as the transaction's `lock_timeout`, then the claim in
-    /// it, then the backend's pid, read with the transaction's `lock_timeout` set to
-    /// `then_lock_timeout` (as `PostgresStore::begin_and_claim`, in three round trips).
+    /// it, which reads the backend's pid and sets the transaction's `lock_timeout` to
+    /// `then_lock_timeout` once it has run (as `PostgresStore::begin_and_claim`, in two
+    /// round trips: sqlx does not pipeline).
     /// Where transactions default to repeatable read or serializable, a claim that
     /// waited on a row committed meanwhile fails so: it is rolled back and sent again.
     pub(crate) async fn begin_and_claim(
@@ -237,50 +236,32 @@ impl SqlxStore {
         let mut attempt = 0;
         loop {
             let token = FencingToken::fresh();
+            let begin = begin_claiming(claim_wait, token, then_lock_timeout);
             match self
-                .claim_in_new_transaction(conn, claim_wait, request, token)
+                .claim_in_new_transaction(conn, begin, request, token)
                 .await
             {
                 Err(e) if lost_a_race(&e) && attempt < CLAIM_ATTEMPTS => {
                     attempt += 1;
                     self.send_rollback(conn).await?;
                 }
-                Ok((claim @ Claim::Acquired(_), started)) => {
-                    let reset = then_lock_timeout
-                        .map(|then| format!("{}; ", set_lock_timeout(then)))
-                        .unwrap_or_default();
-                    let read = format!("{reset}SELECT pg_backend_pid()::text");
-                    let rows = ::sqlx::raw_sql(&read)
-                        .fetch_all_via(&mut *conn)
-                        .await
-                        .map_err(classify)?;
-                    let pid = rows
-                        .into_iter()
-                        .next()
-                        .and_then(|row| SqlxRow(row).text(0).and_then(|pid| pid.parse().ok()))
-                        .ok_or_else(|| {
-                            StoreError::new(StoreErrorKind::Corrupt, "no backend pid was returned")
-                        })?;
-                    return Ok((claim, Backend { pid, started }));
-                }
-                Ok((found, started)) => return Ok((found, Backend { pid: 0, started })),
+                Ok((claim, backend)) => return Ok((claim, backend)),
                 Err(e) => return Err(e),
             }
         }
     }
 
-    /// One `BEGIN` and the claim in it, looking again while the key changes under it:
-    /// the claim, and the transaction's start.
+    /// `begin` (`begin_claiming`'s) and the claim in it, looking again while the key
+    /// changes under it: the claim, and the transaction's start and backend.
     async fn claim_in_new_transaction(
         &self,
         conn: &mut PgConnection,
-        claim_wait: Duration,
+        begin: String,
         req: &ClaimRequest<'_>,
         token: FencingToken,
-    ) -> Result<(Claim, SystemTime), StoreError> {
+    ) -> Result<(Claim, Backend), StoreError> {
         // The claim's `BEGIN`, as sqlx's own: the connection is in a transaction to
         // sqlx, as it is to the server.
-        let begin = begin_claiming(claim_wait, token);
         PgTransactionManager::begin(conn, Some(begin.into()))
             .await
             .map_err(classify)?;
@@ -303,7 +284,9 @@ impl SqlxStore {
                         "the claim found no transaction of its own (its BEGIN failed), and claimed nothing",
                     )
                 })?;
-            let (found, started) = found(&SqlxRow(row), req, self.sql.remember)?;
+            let row = SqlxRow(row);
+            let pid = need(row.int4(col::TX_PID), col::TX_PID)?;
+            let (found, started) = found(&row, req, self.sql.remember)?;
             let claim = match found {
                 Found::Claim(claim) => claim,
                 Found::TakeOver(seen) => self
@@ -329,7 +312,7 @@ impl SqlxStore {
                     }),
             };
             if let Some(claim) = claim {
-                return Ok((claim, started));
+                return Ok((claim, Backend { pid, started }));
             }
         }
         Err(StoreError::new(
