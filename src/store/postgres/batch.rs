@@ -312,6 +312,7 @@ async fn drive(store: PostgresStore, batcher: Arc<Batcher>, mut sending: Sending
             continue;
         }
         batcher.batches.fetch_add(1, Ordering::Relaxed);
+        batcher.in_flight.sent();
         batcher
             .batched
             .fetch_add(members.len() as u64, Ordering::Relaxed);
@@ -556,6 +557,7 @@ impl PostgresStore {
                 Ok(Some(client)) => {
                     batcher.batches.fetch_add(1, Ordering::Relaxed);
                     batcher.batched.fetch_add(1, Ordering::Relaxed);
+                    batcher.in_flight.sent();
                     let claimed = lead.run(self.claim_checked_out(req, token, client)).await;
                     return Answer::Inline(claimed);
                 }

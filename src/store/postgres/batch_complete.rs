@@ -175,6 +175,7 @@ async fn drive(
         if members.is_empty() {
             continue;
         }
+        completions.in_flight.sent();
         let mut batch = Box::pin(send_batch(store.clone(), members));
         if tokio::time::timeout(STALLED, batch.as_mut()).await.is_err() {
             // The next batch goes on another connection; this one waits on.
@@ -309,6 +310,7 @@ impl PostgresStore {
             // Alone, in this task, as without batching; the completions that come
             // meanwhile queue behind it.
             let mut lead = Lead::new(self, completions, slot);
+            completions.in_flight.sent();
             return lead.run(self.complete_alone(lease, response, ttl)).await;
         }
         match answer.await {

@@ -96,11 +96,11 @@ pub(super) fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigEr
 /// Claims (and completions) per batch statement by default.
 const DEFAULT_MAX_CLAIMS: usize = 64;
 
-/// Batching by default (`with_batched_claims`): up to half the pool's connections for
-/// batches in flight at once (as many as transactional claims may hold), 64 claims
-/// per statement.
+/// Batching by default (`with_batched_claims`): up to as many batches in flight at once
+/// as the pool has connections, so that batching never has fewer statements in flight
+/// than claims sent alone would (`adapt`), 64 claims per statement.
 fn default_batching(pool: &Pool) -> (usize, usize) {
-    ((pool.status().max_size / 2).max(1), DEFAULT_MAX_CLAIMS)
+    (pool.status().max_size.max(1), DEFAULT_MAX_CLAIMS)
 }
 
 impl PostgresStore {
@@ -532,7 +532,8 @@ impl PostgresStore {
     /// Sets how lease mode's claims (and so its replays, 409s and 422s) go in batches:
     /// up to `max_claims` claims in one statement, and up to `connections` batches in
     /// flight at once; `0` connections turns batching off. On by default, with up to
-    /// half the pool's connections and 64 claims per statement.
+    /// as many batches in flight as the pool has connections and 64 claims per
+    /// statement.
     ///
     /// The batching is natural: a claim that finds a batching connection with nothing
     /// in flight is sent at once, alone, by its own caller, with no timer and no added
@@ -546,12 +547,16 @@ impl PostgresStore {
     /// or runs each again alone; docs/postgres.md, "Batched claims", says how, and
     /// docs/benchmarks.md when it pays.
     ///
-    /// How many batches are in flight follows the load, between one and `connections`:
-    /// fewer, bigger batches while that makes claims faster (the database's CPU is the
-    /// bound), more side by side while that does (each batch waits on a slow commit, a
-    /// distant database, a busy machine, and commits in flight together are flushed
-    /// together). The store tries a step every 64 claims and completions and keeps going
-    /// the way their time falls.
+    /// How many batches are in flight follows the load, between one and `connections`.
+    /// It starts at `connections`: a claim that finds one of them idle goes alone, so
+    /// while fewer claims wait than that, as many statements are in flight as without
+    /// batching, and only those that find every one busy queue (where without batching
+    /// they would have waited for a pooled connection). While batches carry two claims
+    /// or more, it tries fewer, bigger batches, and keeps them while that makes claims
+    /// faster (the database's CPU is the bound), stepping back up while more side by
+    /// side do (each batch waits on a slow commit, a distant database, a busy machine,
+    /// and commits in flight together are flushed together). It tries a step every
+    /// 128 claims and completions, and goes back up when batches thin out.
     ///
     /// Lease mode's completions are batched the same way (one `UPDATE … FROM unnest(…)`,
     /// each row checked by its own fencing token), on the connections a completion
