@@ -126,8 +126,7 @@ async fn claims_given_up_on_do_not_queue_for_a_connection_without_end() {
 /// The same, batching off: each claim waits for a connection of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn claims_given_up_on_do_not_queue_for_a_connection_without_end_unbatched() {
-    given_up_claims_stop_waiting_for_a_connection(|store| store.with_batched_claims(0, 1), 3)
-        .await;
+    given_up_claims_stop_waiting_for_a_connection(|store| store.with_batched_claims(0, 1), 3).await;
 }
 
 /// Three claims given up on while the pool's one connection is held: `waiting`

@@ -19,12 +19,15 @@
 //! From there it only comes down where batching wins, found by trying: every window of
 //! `WINDOW` claims and completions (and at least `WINDOW_TIME`),
 //!
-//! - if the window's statements carried fewer than two each on average, few are
-//!   waiting: one more slot (up to the most), as a claim alone on a connection of its
-//!   own is then what a claim without batching gets;
-//! - else the mean time a claim or completion took, from its arrival to its answer, is
-//!   compared with the previous window's: better than before, one more step the same
-//!   way; worse, one step back the other way. The first step is down (bigger batches).
+//! - if hardly any queued (under 1.25 claims or completions a statement on average) and
+//!   hardly any claim found every pooled connection checked out (under one in eight),
+//!   fewer are waiting than there are slots: twice the slots (up to the most), as a
+//!   claim alone on a connection of its own is then what a claim without batching gets;
+//! - else batches form, or claims wait for the pool as they would without batching:
+//!   the mean time a claim or completion took, from its arrival to its answer, is
+//!   compared with the previous window's. Better than before, one more step the same
+//!   way; worse, one step back the other way; a step halves or doubles the number, the
+//!   first one halving it (bigger batches).
 //!
 //! A window taking `LIGHT` to fill puts the number back at the most: at light load a
 //! claim finds a slot idle and is sent alone by its caller, whatever the number, and
@@ -44,7 +47,7 @@ use std::{
 const WINDOW: u32 = 128;
 
 /// A window's shortest time: a burst of fast statements does not decide alone.
-const WINDOW_TIME: Duration = Duration::from_millis(20);
+const WINDOW_TIME: Duration = Duration::from_millis(50);
 
 /// A window taking this long to fill: the load is light.
 const LIGHT: Duration = Duration::from_secs(1);
@@ -55,6 +58,8 @@ pub(super) struct InFlight {
     limit: AtomicUsize,
     /// Statements sent (a batch, or a claim or completion alone) in this window.
     statements: AtomicU32,
+    /// Claims in this window that found a batching slot idle but no pooled connection.
+    starved: AtomicU32,
     window: Mutex<Window>,
 }
 
@@ -76,6 +81,7 @@ impl InFlight {
             max,
             limit: AtomicUsize::new(max),
             statements: AtomicU32::new(0),
+            starved: AtomicU32::new(0),
             window: Mutex::new(Window {
                 started: Instant::now(),
                 waited: Duration::ZERO,
@@ -96,6 +102,12 @@ impl InFlight {
         self.statements.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A claim found a slot idle but every pooled connection checked out: without
+    /// batching it would have waited for one too.
+    pub(super) fn starved(&self) {
+        self.starved.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A claim or completion answered `took` after it arrived, at `now`.
     pub(super) fn record(&self, took: Duration, now: Instant) {
         let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
@@ -106,17 +118,19 @@ impl InFlight {
             return;
         }
         let statements = self.statements.swap(0, Ordering::Relaxed).max(1);
+        let starved = self.starved.swap(0, Ordering::Relaxed);
         let mean = w.waited / w.count;
         let limit = self.limit();
         let next = if elapsed >= LIGHT {
             w.last = None;
             w.up = false;
             self.max
-        } else if w.count < 2 * statements {
-            // Batches of fewer than two: as many in flight as waiting, up to the most.
+        } else if 4 * w.count < 5 * statements && 8 * starved < w.count {
+            // Hardly any batches, and the pool's connections enough for those
+            // waiting: as many in flight as waiting, up to the most.
             w.last = None;
             w.up = false;
-            limit + 1
+            limit * 2
         } else {
             if w.last.is_some_and(|last| mean > last) {
                 w.up = !w.up;
@@ -125,7 +139,7 @@ impl InFlight {
             if w.up && limit == self.max || !w.up && limit == 1 {
                 w.up = !w.up;
             }
-            if w.up { limit + 1 } else { limit - 1 }
+            if w.up { limit * 2 } else { limit / 2 }
         };
         self.limit.store(next.clamp(1, self.max), Ordering::Relaxed);
         w.started = now;
@@ -194,9 +208,9 @@ mod tests {
             |n| Duration::from_millis(10 + n as u64),
             shared_by(64),
         );
-        assert_eq!(seen[0], 16);
-        assert!(seen[..15].windows(2).all(|p| p[1] + 1 == p[0]), "{seen:?}");
-        assert!(seen[16..].iter().all(|&n| n <= 2), "{seen:?}");
+        // Halving each window while it pays, then between one and two.
+        assert_eq!(seen[..5], [16, 8, 4, 2, 1], "{seen:?}");
+        assert!(seen[5..].iter().all(|&n| n <= 2), "{seen:?}");
     }
 
     #[test]
@@ -206,7 +220,10 @@ mod tests {
         // Best at 4: fewer hold claims back, more split the batches too fine.
         let cost = |n: usize| Duration::from_millis(10 + 3 * (n as u64).abs_diff(4));
         let seen = climb(&in_flight, start, 30, cost, shared_by(64));
-        assert!(seen[10..].iter().all(|n| (3..=5).contains(n)), "{seen:?}");
+        // Half the windows there, the others trying either side of it.
+        let at_best = seen[1..].iter().filter(|&&n| n == 4).count();
+        assert!(2 * at_best >= seen.len() - 1, "{seen:?}");
+        assert!(seen.iter().all(|n| [2, 4, 8].contains(n)), "{seen:?}");
     }
 
     #[test]
@@ -221,7 +238,10 @@ mod tests {
             |n| Duration::from_millis(64 / n as u64),
             shared_by(64),
         );
-        assert!(seen.iter().all(|&n| n >= 7), "{seen:?}");
+        // Half the windows at the most, the others trying half as many.
+        let at_most = seen.iter().filter(|&&n| n == 8).count();
+        assert!(2 * at_most >= seen.len(), "{seen:?}");
+        assert!(seen.iter().all(|&n| n >= 4), "{seen:?}");
     }
 
     #[test]
@@ -237,11 +257,26 @@ mod tests {
         );
         let low = in_flight.limit();
         assert!(low <= 2, "{low}");
-        // Fewer callers than slots: one more slot a window, up to the most.
+        // Fewer callers than slots: twice the slots a window, up to the most.
         let later = start + Duration::from_millis(600);
         let seen = climb(&in_flight, later, 10, |_| Duration::from_millis(1), |_| 1);
-        assert_eq!(seen[1], low + 1, "{seen:?}");
+        assert_eq!(seen[1], low * 2, "{seen:?}");
         assert_eq!(*seen.last().unwrap(), 8, "{seen:?}");
+    }
+
+    #[test]
+    fn tries_fewer_when_claims_wait_for_pooled_connections() {
+        let in_flight = InFlight::new(16);
+        let start = in_flight.window.lock().unwrap().started;
+        // Each alone, but one in four found no pooled connection at once.
+        for i in 0..WINDOW {
+            in_flight.sent();
+            if i % 4 == 0 {
+                in_flight.starved();
+            }
+            in_flight.record(Duration::from_millis(1), start + Duration::from_millis(50));
+        }
+        assert_eq!(in_flight.limit(), 8);
     }
 
     #[test]

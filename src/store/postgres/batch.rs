@@ -564,7 +564,10 @@ impl PostgresStore {
                 // Every pooled connection checked out: it waits for one as a batch,
                 // with the claims that come meanwhile (the lead, dropped, starts
                 // `drive`).
-                Ok(None) => batcher.slots[slot].lock().queue.push_front(member()),
+                Ok(None) => {
+                    batcher.in_flight.starved();
+                    batcher.slots[slot].lock().queue.push_front(member());
+                }
                 Err(e) => return Answer::Failed(e),
             }
         }

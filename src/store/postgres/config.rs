@@ -551,12 +551,13 @@ impl PostgresStore {
     /// It starts at `connections`: a claim that finds one of them idle goes alone, so
     /// while fewer claims wait than that, as many statements are in flight as without
     /// batching, and only those that find every one busy queue (where without batching
-    /// they would have waited for a pooled connection). While batches carry two claims
-    /// or more, it tries fewer, bigger batches, and keeps them while that makes claims
-    /// faster (the database's CPU is the bound), stepping back up while more side by
-    /// side do (each batch waits on a slow commit, a distant database, a busy machine,
-    /// and commits in flight together are flushed together). It tries a step every
-    /// 128 claims and completions, and goes back up when batches thin out.
+    /// they would have waited for a pooled connection). While batches form, or claims
+    /// find every pooled connection checked out, it tries fewer, bigger batches, and
+    /// keeps them while that makes claims faster (the database's CPU is the bound),
+    /// stepping back up while more side by side do (each batch waits on a slow commit,
+    /// a distant database, a busy machine, and commits in flight together are flushed
+    /// together). It halves or doubles every 128 claims and completions, and goes back
+    /// up when batches thin out.
     ///
     /// Lease mode's completions are batched the same way (one `UPDATE … FROM unnest(…)`,
     /// each row checked by its own fencing token), on the connections a completion
