@@ -2,7 +2,7 @@
 """The standard rows of the end-to-end benchmark in three settings, and their table.
 
     python3 benches/standard.py [--out target/bench/standard] [--commit-delay-us 2000]
-                                [--only local,remote,slow-commits] [--table-only]
+                                [--only local,remote,slow-commits] [--table-only] [--plot]
 
 Runs `cargo bench -p benches --bench e2e` three times, with the rows
 
@@ -23,7 +23,8 @@ Each run writes its CSV under --out/<setting>/e2e.csv and its tables to
 of each row, and the ratios the targets are stated in, each taken within one run) and
 writes it to --out/standard.md. Every other BENCH_* variable (BENCH_SECS,
 BENCH_REPEAT, BENCH_POOL_SIZE, ...) is passed on as it is. `--table-only` rebuilds the
-table from CSVs already there. `python3 benches/plot.py --dir <out>/<setting>` plots one.
+table from CSVs already there; `--plot` draws each setting with benches/plot.py
+(matplotlib) into docs/benchmarks-<setting>.png.
 """
 
 import argparse
@@ -148,6 +149,7 @@ def main():
     p.add_argument("--commit-delay-us", type=int, default=2000)
     p.add_argument("--only", default="local,remote,slow-commits")
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--plot", action="store_true")
     a = p.parse_args()
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
@@ -158,6 +160,20 @@ def main():
                 print(f"== {title}", file=sys.stderr, flush=True)
                 run(out, name, extra)
     table(out, a.commit_delay_us)
+    if a.plot:
+        for name, _, _ in settings(a.commit_delay_us):
+            if read(out, name) is not None:
+                subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.join(ROOT, "benches", "plot.py"),
+                        "--dir",
+                        os.path.join(out, name),
+                        "--e2e-name",
+                        f"benchmarks-{name}.png",
+                    ],
+                    check=True,
+                )
 
 
 if __name__ == "__main__":
