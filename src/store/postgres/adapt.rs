@@ -27,7 +27,10 @@
 //!   the mean time a claim or completion took, from its arrival to its answer, is
 //!   compared with the previous window's. Better than before, one more step the same
 //!   way; worse, one step back the other way; a step halves or doubles the number, the
-//!   first one halving it (bigger batches).
+//!   first one halving it (bigger batches). Fewer, bigger batches cost the database
+//!   less for the same claims, so they are kept unless more are clearly faster: a
+//!   halving counts as worse if it made the mean over 1/16 longer, a doubling unless
+//!   it made it over 1/16 shorter.
 //!
 //! A window taking `LIGHT` to fill puts the number back at the most: at light load a
 //! claim finds a slot idle and is sent alone by its caller, whatever the number, and
@@ -132,7 +135,17 @@ impl InFlight {
             w.up = false;
             limit * 2
         } else {
-            if w.last.is_some_and(|last| mean > last) {
+            // Fewer, bigger batches unless more are clearly faster: a step down is
+            // undone if it made claims over 1/16 slower, a step up unless it made them
+            // over 1/16 faster.
+            let worse = w.last.is_some_and(|last| {
+                if w.up {
+                    mean + last / 16 > last
+                } else {
+                    mean > last + last / 16
+                }
+            });
+            if worse {
                 w.up = !w.up;
             }
             w.last = Some(mean);
