@@ -123,6 +123,11 @@ struct Settings {
     /// Added to each direction of every connection to PostgreSQL but the observer's
     /// (`support/delay.rs`): a database across a network. Zero: connected directly.
     db_delay: Duration,
+    /// `commit_delay` (µs) of every connection of the rows, with `commit_siblings = 0`
+    /// (`BENCH_COMMIT_DELAY_US`): slow commits. Each WAL flush waits this long first,
+    /// and the commits that arrive meanwhile are flushed with it (group commit), as on
+    /// a slow disk. Zero: the server's own.
+    commit_delay: Duration,
     /// `wire` (one connection per worker, see `support/wire.rs`) or `hyper` (the
     /// hyper-util pooled client).
     client: String,
@@ -171,6 +176,7 @@ impl Settings {
             ),
             out_dir: support::in_repository(env_or("BENCH_OUT_DIR", "target/bench".to_owned())),
             db_delay: Duration::from_micros(env_or("BENCH_DB_DELAY_US", 0)),
+            commit_delay: Duration::from_micros(env_or("BENCH_COMMIT_DELAY_US", 0)),
             client: match env_or("BENCH_CLIENT", "wire".to_owned()).as_str() {
                 c @ ("wire" | "hyper") => c.to_owned(),
                 other => panic!("BENCH_CLIENT={other:?}: wire or hyper"),
@@ -214,9 +220,11 @@ enum Kind {
     ReplayBatched,
     SqlxLease,
     SqlxReplay,
+    LeaseUnbatched,
+    ReplayUnbatched,
 }
 
-const KINDS: [Kind; 27] = [
+const KINDS: [Kind; 29] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -244,11 +252,13 @@ const KINDS: [Kind; 27] = [
     Kind::ReplayBatched,
     Kind::SqlxLease,
     Kind::SqlxReplay,
+    Kind::LeaseUnbatched,
+    Kind::ReplayUnbatched,
 ];
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 27] = [
+const RUN_ORDER: [Kind; 29] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
@@ -257,6 +267,7 @@ const RUN_ORDER: [Kind; 27] = [
     Kind::LeaseUnnamed,
     Kind::LeaseBatched,
     Kind::SqlxLease,
+    Kind::LeaseUnbatched,
     Kind::FloorLease,
     Kind::HttpFloorLease,
     Kind::FloorLeaseNoNotify,
@@ -270,6 +281,7 @@ const RUN_ORDER: [Kind; 27] = [
     Kind::ReplayUnnamed,
     Kind::ReplayBatched,
     Kind::SqlxReplay,
+    Kind::ReplayUnbatched,
     Kind::FloorReplay,
     Kind::HttpFloorReplay,
     Kind::PeerReplay,
@@ -308,6 +320,8 @@ impl Kind {
             Kind::ReplayBatched => "replay_batched",
             Kind::SqlxLease => "sqlx_lease",
             Kind::SqlxReplay => "sqlx_replay",
+            Kind::LeaseUnbatched => "lease_unbatched",
+            Kind::ReplayUnbatched => "replay_unbatched",
         }
     }
 
@@ -315,11 +329,11 @@ impl Kind {
         match self {
             Kind::Bare => "(a) bare app, no layer",
             Kind::PassThrough => "(b) layer, pass-through (no key)",
-            Kind::Lease => "(c) lease mode, new keys",
+            Kind::Lease => "(c) lease mode, new keys (the default: batched)",
             Kind::LeaseShared => "(c′) lease mode, new keys, claims on shared connections",
             Kind::Tx => "(d) transactional, new keys + 1 INSERT",
             Kind::SqlxTx => "(d-s) transactional on sqlx, new keys + 1 INSERT",
-            Kind::Replay => "(e) replays",
+            Kind::Replay => "(e) replays (the default: batched)",
             Kind::ReplayShared => "(e′) replays, claims on shared connections",
             Kind::Dup => "(f) c duplicates of one key per round",
             Kind::Memory => "(g) MemoryStore, new keys",
@@ -338,8 +352,12 @@ impl Kind {
             Kind::ReplayUnnamed => "(e‴) replays, unnamed statements (transaction pooling's mode)",
             Kind::Peer => "(k) peer: axum-idempotent on ruts' PostgresStore, new keys",
             Kind::PeerReplay => "(l) peer: axum-idempotent on ruts' PostgresStore, replays",
-            Kind::LeaseBatched => "(c-b) lease mode, new keys, batched claims",
-            Kind::ReplayBatched => "(e-b) replays, batched claims",
+            Kind::LeaseBatched => {
+                "(c-b) lease mode, new keys, batched claims, up to BENCH_BATCH_CONNECTIONS"
+            }
+            Kind::ReplayBatched => "(e-b) replays, batched claims, up to BENCH_BATCH_CONNECTIONS",
+            Kind::LeaseUnbatched => "(c-u) lease mode, new keys, batching off",
+            Kind::ReplayUnbatched => "(e-u) replays, batching off",
             Kind::SqlxLease => "(c-s) lease mode, new keys, SqlxStore on a sqlx PgPool",
             Kind::SqlxReplay => "(e-s) replays, SqlxStore on a sqlx PgPool",
         }
@@ -354,6 +372,7 @@ impl Kind {
             | Kind::LeaseUnnamed
             | Kind::LeaseBatched
             | Kind::SqlxLease
+            | Kind::LeaseUnbatched
             | Kind::HttpFloorLease
             | Kind::Peer => Some(Kind::FloorLease),
             Kind::Tx | Kind::SqlxTx | Kind::HttpFloorTx => Some(Kind::FloorTx),
@@ -363,6 +382,7 @@ impl Kind {
             | Kind::ReplayUnnamed
             | Kind::ReplayBatched
             | Kind::SqlxReplay
+            | Kind::ReplayUnbatched
             | Kind::PeerReplay => Some(Kind::FloorSelect),
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
             _ => None,
@@ -389,6 +409,8 @@ impl Kind {
                 | Kind::ReplayBatched
                 | Kind::SqlxLease
                 | Kind::SqlxReplay
+                | Kind::LeaseUnbatched
+                | Kind::ReplayUnbatched
                 | Kind::Dup
         )
     }
@@ -437,6 +459,7 @@ impl Kind {
             | Kind::LeaseShared
             | Kind::Dup
             | Kind::LeaseBatched
+            | Kind::LeaseUnbatched
             | Kind::FloorLease
             | Kind::FloorLeaseNoNotify => 2.0,
             Kind::HttpFloorLease => 2.0,
@@ -447,6 +470,7 @@ impl Kind {
             | Kind::FloorSelect
             | Kind::FloorReplayShared
             | Kind::ReplayBatched
+            | Kind::ReplayUnbatched
             | Kind::HttpFloorReplay => 1.0,
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
             // Parsed with every execution: nothing prepared.
@@ -505,8 +529,16 @@ fn address_of(url: &str) -> SocketAddr {
 
 impl Db {
     /// The rows connect through `proxy` if there is one; the observer connects directly.
-    async fn open(url: &str, proxy: Option<SocketAddr>) -> Self {
-        let rows = proxy.map_or_else(|| url.to_owned(), |addr| via(url, addr));
+    async fn open(url: &str, proxy: Option<SocketAddr>, commit_delay: Duration) -> Self {
+        let mut rows = proxy.map_or_else(|| url.to_owned(), |addr| via(url, addr));
+        if !commit_delay.is_zero() {
+            // -c commit_delay=N -c commit_siblings=0, for the rows' sessions alone.
+            let options = format!(
+                "options=-c%20commit_delay%3D{}%20-c%20commit_siblings%3D0",
+                commit_delay.as_micros()
+            );
+            rows = with_param(&rows, &options);
+        }
         Self {
             base: support::BenchDatabase::open(url, "tower_idempotency_bench_admin").await,
             row_url: with_param(&rows, &format!("application_name={ROW_APP}")),
@@ -1400,6 +1432,8 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
         | Kind::ReplayUnnamed
         | Kind::LeaseBatched
         | Kind::ReplayBatched
+        | Kind::LeaseUnbatched
+        | Kind::ReplayUnbatched
         | Kind::Dup => {
             let st = ctx
                 .store()
@@ -1407,6 +1441,8 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                 .with_transaction_pooling(kind.unnamed());
             let st = if kind.batched() {
                 st.with_batched_claims(ctx.settings.batch_connections, ctx.settings.batch_max)
+            } else if matches!(kind, Kind::LeaseUnbatched | Kind::ReplayUnbatched) {
+                st.with_batched_claims(0, 1)
             } else {
                 st
             };
@@ -1527,6 +1563,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     | Kind::ReplayUnnamed
                     | Kind::ReplayBatched
                     | Kind::SqlxReplay
+                    | Kind::ReplayUnbatched
                     | Kind::HttpFloorReplay
                     | Kind::PeerReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
@@ -2288,7 +2325,12 @@ async fn run() {
         );
         proxy
     });
-    let db = Db::open(&settings.url, proxy.as_ref().map(|p| p.addr)).await;
+    let db = Db::open(
+        &settings.url,
+        proxy.as_ref().map(|p| p.addr),
+        settings.commit_delay,
+    )
+    .await;
     let _postgres_pinned = if split_cores() {
         Some(PinnedPostgres::pin(&db).await)
     } else {
@@ -2427,8 +2469,15 @@ async fn run() {
         .filter_map(|rs| {
             let kind = rs[0].kind;
             let peer = match kind {
-                Kind::Lease | Kind::LeaseShared | Kind::Tx | Kind::HttpFloorLease => Kind::Peer,
-                Kind::Replay | Kind::ReplayShared | Kind::HttpFloorReplay => Kind::PeerReplay,
+                Kind::Lease
+                | Kind::LeaseShared
+                | Kind::LeaseUnbatched
+                | Kind::Tx
+                | Kind::HttpFloorLease => Kind::Peer,
+                Kind::Replay
+                | Kind::ReplayShared
+                | Kind::ReplayUnbatched
+                | Kind::HttpFloorReplay => Kind::PeerReplay,
                 _ => return None,
             };
             paired(rs, peer).map(|ratio| (kind, rs[0].c, peer, ratio))

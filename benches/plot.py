@@ -29,6 +29,7 @@ E2E_ROWS = [
     ("lease", "lease\nnew keys"),
     ("lease_shared", "lease, shared\nclaims"),
     ("lease_batched", "lease, batched\nclaims"),
+    ("lease_unbatched", "lease,\nbatching off"),
     ("http_floor_lease", "floor (h)\nover HTTP"),
     ("floor_lease", "floor (h)"),
     ("floor_lease_nonotify", "floor (h)\nno pg_notify"),
@@ -39,6 +40,7 @@ E2E_ROWS = [
     ("replay", "replays"),
     ("replay_shared", "replays,\nshared claims"),
     ("replay_batched", "replays,\nbatched claims"),
+    ("replay_unbatched", "replays,\nbatching off"),
     ("http_floor_replay", "floor (j)\nover HTTP"),
     ("floor_replay", "floor (j)"),
     ("peer_replay", "peer (l)\nreplays"),
@@ -52,10 +54,12 @@ LAYER_ROWS = {
     "lease",
     "lease_shared",
     "lease_batched",
+    "lease_unbatched",
     "tx",
     "replay",
     "replay_shared",
     "replay_batched",
+    "replay_unbatched",
     "dup",
 }
 PALETTE = ["#9ecae1", "#4292c6", "#08306b", "#6a51a3", "#238b45"]

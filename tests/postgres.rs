@@ -116,9 +116,25 @@ async fn duplicate_burst(
 /// A pool built without a wait timeout (deadpool's default) still bounds how long the
 /// store waits for one of its connections: claims whose requests gave up on them (503
 /// at the store timeout) do not queue for a connection without end, and none of them
-/// lands once connections free.
+/// lands once connections free. Batched (the default), the three claims wait in one
+/// batch, for one connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn claims_given_up_on_do_not_queue_for_a_connection_without_end() {
+    given_up_claims_stop_waiting_for_a_connection(|store| store, 1).await;
+}
+
+/// The same, batching off: each claim waits for a connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_given_up_on_do_not_queue_for_a_connection_without_end_unbatched() {
+    given_up_claims_stop_waiting_for_a_connection(|store| store.with_batched_claims(0, 1), 3).await;
+}
+
+/// Three claims given up on while the pool's one connection is held: `waiting`
+/// checkouts wait for it, then give up, and none of the claims lands.
+async fn given_up_claims_stop_waiting_for_a_connection(
+    configure: impl FnOnce(PostgresStore) -> PostgresStore,
+    waiting: usize,
+) {
     let schema = TestSchema::new();
     schema.store().await;
     let config: tokio_postgres::Config = common::database_url().parse().expect("url");
@@ -128,9 +144,11 @@ async fn claims_given_up_on_do_not_queue_for_a_connection_without_end() {
         .build()
         .expect("pool");
     assert!(pool.timeouts().wait.is_none());
-    let store = PostgresStore::new(pool.clone())
-        .with_schema_name(&schema.name)
-        .expect("schema name");
+    let store = configure(
+        PostgresStore::new(pool.clone())
+            .with_schema_name(&schema.name)
+            .expect("schema name"),
+    );
     let held = pool.get().await.expect("the pool's one connection");
     let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(200));
     let (router, counter) = app(layer);
@@ -141,7 +159,7 @@ async fn claims_given_up_on_do_not_queue_for_a_connection_without_end() {
         );
     }
     // Their claims still wait for the connection, in tasks of their own, then give up.
-    assert_eq!(pool.status().waiting, 3);
+    assert_eq!(pool.status().waiting, waiting);
     common::eventually(|| pool.status().waiting == 0).await;
     drop(held);
     assert_eq!(send(&router, post("other", "{}")).await.status, 201);

@@ -47,7 +47,7 @@ use std::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::oneshot;
@@ -55,6 +55,7 @@ use tokio_postgres::{Row, types::ToSql};
 
 use super::{
     Checkout, PostgresStore,
+    adapt::InFlight,
     batch_complete::Completions,
     claim::{CLAIM_ATTEMPTS, Found, found, ms},
     errors::{again_if_it_lost_a_race, corrupt, lost_its_connection},
@@ -78,6 +79,8 @@ const MEMBER_BYTES: usize = 32 + 3 * 8;
 /// Batching connections and what is queued for them.
 pub(super) struct Batcher {
     slots: Box<[Slot]>,
+    /// How many of them take new claims (and completions), following the load.
+    in_flight: Arc<InFlight>,
     /// Claims in one statement at most.
     max_claims: usize,
     /// Completions, batched the same way.
@@ -172,23 +175,18 @@ impl Drop for Landed {
 }
 
 impl Batcher {
-    /// `connections` batching connections, `max_claims` (at least 1) per statement.
+    /// Up to `connections` batching connections (`adapt`), `max_claims` (at least 1)
+    /// per statement.
     pub(super) fn new(connections: usize, max_claims: usize) -> Self {
+        let in_flight = Arc::new(InFlight::new(connections));
         Self {
             slots: (0..connections.max(1)).map(|_| Slot::default()).collect(),
             max_claims: max_claims.max(1),
-            completions: Arc::new(Completions::new(connections, max_claims)),
+            completions: Arc::new(Completions::new(connections, max_claims, in_flight.clone())),
+            in_flight,
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
         }
-    }
-
-    pub(super) fn connections(&self) -> usize {
-        self.slots.len()
-    }
-
-    pub(super) fn max_claims(&self) -> usize {
-        self.max_claims
     }
 
     /// The batching of completions.
@@ -212,12 +210,13 @@ impl Batcher {
         self.slots.iter().map(|s| s.lock().queue.len()).sum()
     }
 
-    /// The slot for the next claim: the first with nothing in flight (at light load
-    /// the first slot, its claims sent by their callers), else the one with the fewest
-    /// queued.
+    /// The slot for the next claim, among those taking claims now (`adapt`): the first
+    /// with nothing in flight (at light load the first slot, its claims sent by their
+    /// callers), else the one with the fewest queued.
     fn pick(&self) -> usize {
         let mut best = (usize::MAX, 0);
-        for (i, slot) in self.slots.iter().enumerate() {
+        let taking = self.in_flight.limit().min(self.slots.len());
+        for (i, slot) in self.slots[..taking].iter().enumerate() {
             let state = slot.lock();
             if !state.sending {
                 return i;
@@ -313,6 +312,7 @@ async fn drive(store: PostgresStore, batcher: Arc<Batcher>, mut sending: Sending
             continue;
         }
         batcher.batches.fetch_add(1, Ordering::Relaxed);
+        batcher.in_flight.sent();
         batcher
             .batched
             .fetch_add(members.len() as u64, Ordering::Relaxed);
@@ -489,7 +489,11 @@ impl PostgresStore {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
-            let row = match self.in_a_batch(batcher, req, token).await {
+            let arrived = Instant::now();
+            let answer = self.in_a_batch(batcher, req, token).await;
+            let now = Instant::now();
+            batcher.in_flight.record(now - arrived, now);
+            let row = match answer {
                 Answer::Inline(claimed) => return claimed,
                 Answer::Row(row) => row,
                 Answer::Alone => return self.claim_pooled(req, token).await,
@@ -553,13 +557,17 @@ impl PostgresStore {
                 Ok(Some(client)) => {
                     batcher.batches.fetch_add(1, Ordering::Relaxed);
                     batcher.batched.fetch_add(1, Ordering::Relaxed);
+                    batcher.in_flight.sent();
                     let claimed = lead.run(self.claim_checked_out(req, token, client)).await;
                     return Answer::Inline(claimed);
                 }
                 // Every pooled connection checked out: it waits for one as a batch,
                 // with the claims that come meanwhile (the lead, dropped, starts
                 // `drive`).
-                Ok(None) => batcher.slots[slot].lock().queue.push_front(member()),
+                Ok(None) => {
+                    batcher.in_flight.starved();
+                    batcher.slots[slot].lock().queue.push_front(member());
+                }
                 Err(e) => return Answer::Failed(e),
             }
         }

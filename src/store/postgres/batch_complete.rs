@@ -22,7 +22,7 @@ use std::{
     collections::VecDeque,
     future::Future,
     sync::{Arc, Mutex, PoisonError},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::oneshot;
@@ -30,6 +30,7 @@ use tokio_postgres::types::ToSql;
 
 use super::{
     PostgresStore,
+    adapt::InFlight,
     claim::ms,
     errors::{again_if_it_lost_a_race, lost_its_connection},
     lead::{Lanes, Lead, Sending},
@@ -65,13 +66,16 @@ struct SlotState {
 pub(super) struct Completions {
     slots: Box<[Mutex<SlotState>]>,
     max: usize,
+    /// How many slots take new completions, shared with the claims' (`adapt`).
+    in_flight: Arc<InFlight>,
 }
 
 impl Completions {
-    pub(super) fn new(connections: usize, max: usize) -> Self {
+    pub(super) fn new(connections: usize, max: usize, in_flight: Arc<InFlight>) -> Self {
         Self {
             slots: (0..connections.max(1)).map(|_| Mutex::default()).collect(),
             max: max.max(1),
+            in_flight,
         }
     }
 
@@ -79,10 +83,11 @@ impl Completions {
         self.slots[i].lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The first slot with nothing in flight, else the one with the fewest queued.
+    /// Among the slots taking completions now (`adapt`), the first with nothing in
+    /// flight, else the one with the fewest queued.
     fn pick(&self) -> usize {
         let mut best = (usize::MAX, 0);
-        for i in 0..self.slots.len() {
+        for i in 0..self.in_flight.limit().min(self.slots.len()) {
             let state = self.lock(i);
             if !state.sending {
                 return i;
@@ -170,6 +175,7 @@ async fn drive(
         if members.is_empty() {
             continue;
         }
+        completions.in_flight.sent();
         let mut batch = Box::pin(send_batch(store.clone(), members));
         if tokio::time::timeout(STALLED, batch.as_mut()).await.is_err() {
             // The next batch goes on another connection; this one waits on.
@@ -276,6 +282,22 @@ impl PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
+        let arrived = Instant::now();
+        let done = self
+            .complete_in_a_batch(completions, lease, response, ttl)
+            .await;
+        let now = Instant::now();
+        completions.in_flight.record(now - arrived, now);
+        done
+    }
+
+    async fn complete_in_a_batch(
+        &self,
+        completions: &Arc<Completions>,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced, StoreError> {
         let (reply, answer) = oneshot::channel();
         let member = || Member {
             lease: lease.clone(),
@@ -288,6 +310,7 @@ impl PostgresStore {
             // Alone, in this task, as without batching; the completions that come
             // meanwhile queue behind it.
             let mut lead = Lead::new(self, completions, slot);
+            completions.in_flight.sent();
             return lead.run(self.complete_alone(lease, response, ttl)).await;
         }
         match answer.await {

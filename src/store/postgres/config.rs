@@ -35,8 +35,9 @@ pub(super) struct Options {
     transaction_pooling: bool,
     /// The period of the table's generations, if it has them.
     generations: Option<Duration>,
-    /// Batched claims: connections (0: off) and claims per statement.
-    batching: (usize, usize),
+    /// Batched claims as set (`with_batched_claims`): connections at most (0: off) and
+    /// claims per statement; `None`, the default (`default_batching`).
+    batching: Option<(usize, usize)>,
     /// Liveness, if there is a notification connection to hold its lock on.
     liveness: bool,
     /// What the app runs on each connection the store makes outside its pool to write
@@ -92,6 +93,16 @@ pub(super) fn validate_identifier(what: &str, name: &str) -> Result<(), ConfigEr
     }
 }
 
+/// Claims (and completions) per batch statement by default.
+const DEFAULT_MAX_CLAIMS: usize = 64;
+
+/// Batching by default (`with_batched_claims`): up to as many batches in flight at once
+/// as the pool has connections, so that batching never has fewer statements in flight
+/// than claims sent alone would (`adapt`), 64 claims per statement.
+fn default_batching(pool: &Pool) -> (usize, usize) {
+    (pool.status().max_size.max(1), DEFAULT_MAX_CLAIMS)
+}
+
 impl PostgresStore {
     /// A store over `pool`, using the table `public.idempotency_keys`.
     ///
@@ -117,7 +128,7 @@ impl PostgresStore {
                 purge_every: Some(purge::DEFAULT_EVERY),
                 transaction_pooling: false,
                 generations: None,
-                batching: (0, 0),
+                batching: None,
                 liveness: true,
                 session_setup: None,
                 remember: crate::store::DEFAULT_REMEMBER,
@@ -192,10 +203,7 @@ impl PostgresStore {
             purge_every: self.purge.every(),
             transaction_pooling: self.transaction_pooling,
             generations: self.purge.generations(),
-            batching: self
-                .batcher
-                .as_ref()
-                .map_or((0, 0), |b| (b.connections(), b.max_claims())),
+            batching: self.batching,
             liveness: self.liveness_on,
             session_setup: self.reserve.session_setup(),
             remember: self.sql.remember,
@@ -219,6 +227,14 @@ impl PostgresStore {
             session_setup,
             remember,
         } = options;
+        // Batching is on by default, unless shared claim connections are asked for (and
+        // can be had: not behind a transaction pooler); asked for both, batching wins.
+        let batching_set = batching;
+        let batching = match batching {
+            Some(set) => set,
+            None if shared > 0 && !transaction_pooling => (0, 0),
+            None => default_batching(&pool),
+        };
         // A shared claim connection sets `lock_timeout` for its session, which a
         // transaction pooler would hand to other clients' transactions. With batching,
         // claims go in batches: a store takes one path for its claims, and the wait for
@@ -291,6 +307,7 @@ impl PostgresStore {
             statements: Arc::default(),
             shared: (shared > 0).then(|| Arc::new(Shared::new(shared, Opened::ForClaims))),
             batcher: (batching.0 > 0).then(|| Arc::new(Batcher::new(batching.0, batching.1))),
+            batching: batching_set,
             reserve: Arc::new(Shared::new(
                 reserve::RESERVE,
                 Opened::Reserve(Setup::new(session_setup, sql.reserve_check.clone())),
@@ -492,9 +509,10 @@ impl PostgresStore {
     /// pooling. Behind PgBouncer's transaction pooling it would leak to other clients'
     /// transactions and not hold for the claims; leave sharing off there.
     ///
-    /// Not with [`with_batched_claims`](Self::with_batched_claims): claims then go in
-    /// batches, and shared claim connections are off (a warning says so when the
-    /// store is built with both).
+    /// Batching ([`with_batched_claims`](Self::with_batched_claims)), on by default,
+    /// gives way: claims take the shared connections and are not batched. With both set
+    /// explicitly, claims go in batches, and shared claim connections are off (a
+    /// warning says so).
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
@@ -511,53 +529,66 @@ impl PostgresStore {
         Self::build(self.pool, options)
     }
 
-    /// Sends lease mode's claims (and so its replays, 409s and 422s) in batches: up to
-    /// `max_claims` claims in one statement, over `connections` batching connections
-    /// at once; `0` connections, the default, turns batching off.
+    /// Sets how lease mode's claims (and so its replays, 409s and 422s) go in batches:
+    /// up to `max_claims` claims in one statement, and up to `connections` batches in
+    /// flight at once; `0` connections turns batching off. On by default, with up to
+    /// as many batches in flight as the pool has connections and 64 claims per
+    /// statement.
     ///
     /// The batching is natural: a claim that finds a batching connection with nothing
-    /// in flight is sent at once, alone, with no timer and no added wait; the claims
-    /// that arrive while a batch is in flight queue up and go together as one statement
-    /// when it returns (up to `max_claims`, and 1 MiB of keys). One statement reads
-    /// every key of a batch and inserts the missing ones, in one commit: under load the
-    /// database does a fraction of the work per claim, and a busy app needs fewer
-    /// connections. Each claim gets the answer it would have had alone (two claims of
-    /// one key in one batch: the first runs, the second finds it running), and a failed
-    /// batch gives each claim the error it would have had alone, or runs each again
-    /// alone; docs/postgres.md, "Batched claims", says how, and docs/benchmarks.md
-    /// when it pays.
+    /// in flight is sent at once, alone, by its own caller, with no timer and no added
+    /// wait; the claims that arrive while a batch is in flight queue up and go together
+    /// as one statement when it returns (up to `max_claims`, and 1 MiB of keys). One
+    /// statement reads every key of a batch and inserts the missing ones, in one
+    /// commit: under load the database does a fraction of the work per claim, and a
+    /// busy app needs fewer connections. Each claim gets the answer it would have had
+    /// alone (two claims of one key in one batch: the first runs, the second finds it
+    /// running), and a failed batch gives each claim the error it would have had alone,
+    /// or runs each again alone; docs/postgres.md, "Batched claims", says how, and
+    /// docs/benchmarks.md when it pays.
+    ///
+    /// How many batches are in flight follows the load, between one and `connections`.
+    /// It starts at `connections`: a claim that finds one of them idle goes alone, so
+    /// while fewer claims wait than that, as many statements are in flight as without
+    /// batching, and only those that find every one busy queue (where without batching
+    /// they would have waited for a pooled connection). While batches form, or claims
+    /// find every pooled connection checked out, it tries fewer, bigger batches, and
+    /// keeps them while that makes claims faster (the database's CPU is the bound),
+    /// stepping back up while more side by side do (each batch waits on a slow commit,
+    /// a distant database, a busy machine, and commits in flight together are flushed
+    /// together). It halves or doubles every 128 claims and completions, and goes back
+    /// up when batches thin out.
     ///
     /// Lease mode's completions are batched the same way (one `UPDATE … FROM unnest(…)`,
     /// each row checked by its own fencing token), on the connections a completion
     /// takes alone. Each batch of claims is sent on a pooled connection, checked out
     /// for it, so this works behind a transaction pooler too. Transactional mode,
-    /// releases and renewals are sent as before. Batching wins over shared claim
-    /// connections ([`with_shared_claim_connections`](Self::with_shared_claim_connections)):
-    /// with both set, in either order, claims go in batches and no shared claim
-    /// connection is opened (a warning says so), so that a claim given up on is
-    /// waited for, and released if it lands, as a batched claim is.
+    /// releases and renewals are sent as before. With shared claim connections
+    /// ([`with_shared_claim_connections`](Self::with_shared_claim_connections)) asked
+    /// for, and batching left as it is by default, claims take the shared connections
+    /// and are not batched; with both set, in either order, claims go in batches and no
+    /// shared claim connection is opened (a warning says so), so that a claim given up
+    /// on is waited for, and released if it lands, as a batched claim is.
     ///
-    /// When it pays: measured in one quiet run on two cores, at 64 concurrent requests
-    /// new keys ran at twice the hand-written statements' throughput at a third of their
-    /// PostgreSQL CPU per key, and replays at about a third of a primary-key read's
-    /// PostgreSQL CPU each; at 16 ahead of unbatched; at 1 a claim finding its batching
-    /// connection idle is sent by its own caller, and latency is the unbatched store's.
-    /// Off by default because with slow commits (a loaded machine) batching at moderate
-    /// concurrency fell behind: two batching connections hold back what the pool would
-    /// have committed side by side. Turn it on where a replica serves tens of concurrent
-    /// requests or more, or mostly replays, and measure.
+    /// `with_batched_claims(0, 1)` sends every claim and completion alone on a pooled
+    /// connection, as before batching: for a comparison, or a database that should see
+    /// one statement per request.
     ///
     /// ```no_run
     /// use tower_idempotency::store::PostgresStore;
     ///
+    /// // Up to 4 batches in flight, up to 64 claims each.
     /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
-    ///     .with_batched_claims(2, 64);
+    ///     .with_batched_claims(4, 64);
+    /// // Batching off.
+    /// let unbatched = PostgresStore::connect("postgres://postgres@127.0.0.1/postgres")?
+    ///     .with_batched_claims(0, 1);
     /// # Ok::<(), tower_idempotency::store::ConfigError>(())
     /// ```
     #[must_use]
     pub fn with_batched_claims(self, connections: usize, max_claims: usize) -> Self {
         let options = Options {
-            batching: (connections, max_claims.max(1)),
+            batching: Some((connections, max_claims.max(1))),
             ..self.options()
         };
         Self::build(self.pool, options)

@@ -1,5 +1,6 @@
 //! The PostgreSQL store: one table, single-row statements on its primary key.
 
+mod adapt;
 mod batch;
 mod batch_complete;
 mod checkout;
@@ -148,8 +149,10 @@ pub struct PostgresStore {
     tx_claims: Arc<tokio::sync::Semaphore>,
     /// Connections shared by claims, if any (`with_shared_claim_connections`).
     shared: Option<Arc<Shared>>,
-    /// Claims sent in batches, if on (`with_batched_claims`).
+    /// Claims sent in batches, if on (`with_batched_claims`, on by default).
     batcher: Option<Arc<batch::Batcher>>,
+    /// Batching as set with `with_batched_claims`; `None`: the default.
+    batching: Option<(usize, usize)>,
     /// The pool and the table: stores over one pool and one table claim the same keys
     /// (`Store::records_location`).
     location: Arc<str>,
