@@ -1782,12 +1782,13 @@ struct Peer {
 
 /// A sqlx pool of `size` connections, opened on demand as the store's deadpool pool is,
 /// and like it handing out an idle connection without a round trip to test it (sqlx's
-/// default pings each one first: that round trip is left out, in the peer's favour).
+/// default pings each one first: that round trip is left out, in the peer's favour,
+/// unless `BENCH_SQLX_TEST_BEFORE_ACQUIRE=true` asks for sqlx's default, to measure it).
 fn peer_pool(url: &str, size: usize) -> PgPool {
     let options: PgConnectOptions = url.parse().expect("BENCH_DATABASE_URL, for sqlx");
     PgPoolOptions::new()
         .max_connections(u32::try_from(size).expect("pool size"))
-        .test_before_acquire(false)
+        .test_before_acquire(env_or("BENCH_SQLX_TEST_BEFORE_ACQUIRE", false))
         .connect_lazy_with(options)
 }
 

@@ -73,6 +73,10 @@ const PURGE_BATCH: i64 = 1000;
 /// [`JobRunner::new`](crate::job::JobRunner::new) becomes a `SqlxStore` with its
 /// defaults (schema `public`, table `idempotency_keys`).
 ///
+/// sqlx's pool tests each connection given back to it with a round trip, and by default
+/// each one it hands out as well: build the pool with `test_before_acquire(false)` to
+/// leave the second out (docs/postgres.md, "CPU per request on sqlx").
+///
 /// Behind a transaction-pooling PgBouncer, turn the store's prepared statements off
 /// ([`with_transaction_pooling`](Self::with_transaction_pooling)) and the app's own
 /// (`PgConnectOptions::statement_cache_capacity(0)`); waiters then need a pool whose
@@ -84,7 +88,10 @@ const PURGE_BATCH: i64 = 1000;
 /// use tower_idempotency::{IdempotencyLayer, store::SqlxStore};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let pool = PgPoolOptions::new().connect("postgres://app@db/app").await?;
+/// let pool = PgPoolOptions::new()
+///     .test_before_acquire(false)
+///     .connect("postgres://app@db/app")
+///     .await?;
 /// let store = SqlxStore::new(pool);
 /// store.migrate().await?;
 /// let layer = IdempotencyLayer::new(store);
