@@ -964,6 +964,95 @@ mod generations {
         assert_eq!(generation_of(&schema, "brief").await, 3);
     }
 
+    /// One table in generations, both drivers: each replays what the other completed,
+    /// across rotations made by either, which take turns by the same lock.
+    #[tokio::test]
+    async fn both_drivers_serve_and_rotate_one_table_in_generations() {
+        let schema = TestSchema::new();
+        let sqlx_store = store(&schema, 4).await;
+        let pg_store = schema
+            .store()
+            .await
+            .with_background_purge(None)
+            .with_generations(EVERY_TIME);
+        pg_store.migrate().await.expect("migrate");
+        let hour = Duration::from_secs(3600);
+        completed(&sqlx_store, "by-sqlx", hour, "s").await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(
+            pg_store.rotate_generations().await.unwrap().started,
+            Some(2)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(
+            sqlx_store.rotate_generations().await.unwrap().started,
+            Some(3)
+        );
+
+        let scope = Scope::anonymous();
+        let Claim::Acquired(lease) = pg_store
+            .claim(&request(&scope, "by-pg", hour))
+            .await
+            .unwrap()
+        else {
+            panic!("a new key")
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: "p".into(),
+        };
+        assert!(
+            pg_store
+                .complete(&lease, &response, hour)
+                .await
+                .unwrap()
+                .is_kept()
+        );
+        assert_eq!(generation_of(&schema, "by-pg").await, 3);
+        for (store, key, body) in [
+            (&pg_store as &dyn Store, "by-sqlx", "s"),
+            (&sqlx_store as &dyn Store, "by-pg", "p"),
+        ] {
+            match store.claim(&request(&scope, key, hour)).await.unwrap() {
+                Claim::Completed { response, .. } => assert_eq!(response.body, body),
+                other => panic!("{key}: {other:?}"),
+            }
+            assert_eq!(rows_of(&schema, key).await, 1);
+        }
+    }
+
+    /// The background purge of a store in generations rotates them: started at the
+    /// first claim, it starts new generations and drops the emptied ones, rather than
+    /// deleting rows.
+    #[tokio::test]
+    async fn the_background_purge_rotates() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 4)
+            .await
+            .remember_keys_for(Duration::ZERO)
+            .with_background_purge(Some(Duration::from_millis(10)));
+        completed(&store, "brief", Duration::from_millis(1), "b").await;
+        assert_eq!(generation_of(&schema, "brief").await, 1);
+        // Waits (up to 10 s) for generation 1 to go with its expired row.
+        for _ in 0..1000 {
+            if !partitions(&schema)
+                .await
+                .contains(&"idempotency_keys_g1".to_owned())
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let left = partitions(&schema).await;
+        assert!(
+            !left.contains(&"idempotency_keys_g1".to_owned()),
+            "{left:?}"
+        );
+        assert!(!left.is_empty(), "the newest generation stays");
+        assert_eq!(rows_of(&schema, "brief").await, 0);
+    }
+
     /// A plain table of the name cannot be turned into generations in place: migrating
     /// a store built with them over it is refused, and changes nothing.
     #[tokio::test]
