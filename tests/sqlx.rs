@@ -1,6 +1,6 @@
 //! The sqlx driver (`SqlxStore`) over the app's own `sqlx::PgPool`: the layer suite in
 //! lease mode, and what this driver shares with the tokio-postgres one (the table, its
-//! rows, the classification of errors).
+//! rows, the classification of errors); a table in generations rotated under sqlx.
 #![cfg(feature = "sqlx")]
 
 mod common;
@@ -790,5 +790,349 @@ mod liveness {
         assert_eq!(replay.status, StatusCode::CREATED);
         assert_eq!(again.runs(), 0);
         completer.abort();
+    }
+}
+
+/// A table in generations on sqlx (`SqlxStore::with_generations`): the key cases of
+/// tests/generations.rs, by the same rotation over the app's pool.
+#[allow(clippy::unwrap_used)] // unwrap in the tests themselves: a failure is the test failing
+mod generations {
+    use std::{
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
+        time::Duration,
+    };
+
+    use tower_idempotency::{
+        Fingerprint, IdempotencyLayer, Outcome, Scope, StoredResponse,
+        store::{Claim, ClaimRequest, SqlxStore, Store, StoreErrorKind},
+    };
+
+    use crate::common::{self, TestSchema, database_url, pooler_url, send};
+
+    /// A period so short that every rotation starts a generation.
+    const EVERY_TIME: Duration = Duration::from_millis(1);
+
+    /// A migrated store in generations, with no background purge (the tests rotate by
+    /// hand), on a pool of `size` connections (through the transaction pooler if
+    /// `TI_POOLER_URL` names one).
+    async fn store(schema: &TestSchema, size: u32) -> SqlxStore {
+        let store = match pooler_url() {
+            Some(pooler) => SqlxStore::new(super::pool(&pooler, size).await)
+                .with_transaction_pooling(true)
+                .with_notification_pool(super::pool(&database_url(), 1).await),
+            None => SqlxStore::new(super::pool(&database_url(), size).await),
+        };
+        let store = store
+            .with_schema_name(&schema.name)
+            .expect("schema name")
+            .with_background_purge(None)
+            .with_generations(EVERY_TIME);
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    /// How many rows `key` has, in all generations.
+    async fn rows_of(schema: &TestSchema, key: &str) -> i64 {
+        schema
+            .query(&format!(
+                "SELECT count(*) FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+                schema.name
+            ))
+            .await[0]
+            .get(0)
+    }
+
+    /// The generation `key`'s row is in.
+    async fn generation_of(schema: &TestSchema, key: &str) -> i64 {
+        schema
+            .query(&format!(
+                "SELECT generation FROM \"{}\".idempotency_keys WHERE key = '{key}'",
+                schema.name
+            ))
+            .await[0]
+            .get(0)
+    }
+
+    /// The partitions attached to the table.
+    async fn partitions(schema: &TestSchema) -> Vec<String> {
+        schema
+            .query(&format!(
+                "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                 WHERE i.inhparent = '\"{}\".idempotency_keys'::regclass ORDER BY c.relname",
+                schema.name
+            ))
+            .await
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    fn request<'a>(scope: &'a Scope, key: &'a str, ttl: Duration) -> ClaimRequest<'a> {
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint: Fingerprint::new([7; 32]),
+            lease: Duration::from_secs(60),
+            ttl,
+        }
+    }
+
+    /// Claims and completes `key` with `ttl` and `body`.
+    async fn completed(store: &SqlxStore, key: &str, ttl: Duration, body: &'static str) {
+        let scope = Scope::anonymous();
+        let Claim::Acquired(lease) = store.claim(&request(&scope, key, ttl)).await.unwrap() else {
+            panic!("{key} is new");
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: body.into(),
+        };
+        assert!(
+            store
+                .complete(&lease, &response, ttl)
+                .await
+                .unwrap()
+                .is_kept()
+        );
+    }
+
+    /// Keys claimed and completed in one generation replay from it once another
+    /// started, and a completed key claimed again is replayed, never inserted into the
+    /// newest generation.
+    #[tokio::test]
+    async fn a_key_completed_before_a_rotation_replays_after_it_and_stays_one_row() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 4).await;
+        store.migrate().await.expect("migrate again");
+        assert_eq!(partitions(&schema).await, ["idempotency_keys_g1"]);
+
+        let hour = Duration::from_secs(3600);
+        completed(&store, "first", hour, "one").await;
+        assert_eq!(generation_of(&schema, "first").await, 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let rotation = store.rotate_generations().await.unwrap();
+        assert_eq!(rotation.started, Some(2));
+        assert!(rotation.dropped.is_empty(), "{rotation:?}");
+        completed(&store, "second", hour, "two").await;
+        assert_eq!(generation_of(&schema, "second").await, 2);
+
+        let scope = Scope::anonymous();
+        for (key, body) in [("first", "one"), ("second", "two")] {
+            match store.claim(&request(&scope, key, hour)).await.unwrap() {
+                Claim::Completed { response, .. } => assert_eq!(response.body, body),
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        assert_eq!(rows_of(&schema, "first").await, 1);
+        assert_eq!(generation_of(&schema, "first").await, 1);
+    }
+
+    /// A generation whose rows all expired is emptied and its partition dropped; one
+    /// holding an unexpired row stays; a key whose generation went is new again.
+    #[tokio::test]
+    async fn a_rotation_empties_and_drops_a_generation_once_its_rows_expired() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 4).await.remember_keys_for(Duration::ZERO);
+        completed(&store, "kept", Duration::from_secs(3600), "k").await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(store.rotate_generations().await.unwrap().started, Some(2));
+        completed(&store, "brief", Duration::from_millis(20), "b").await;
+        assert_eq!(generation_of(&schema, "brief").await, 2);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+
+        let rotation = store.rotate_generations().await.unwrap();
+        assert_eq!(rotation.started, Some(3));
+        assert_eq!(rotation.emptied, [2], "{rotation:?}");
+        assert_eq!(rotation.dropped, [2], "{rotation:?}");
+        assert_eq!(
+            partitions(&schema).await,
+            ["idempotency_keys_g1", "idempotency_keys_g3"]
+        );
+        assert_eq!(rows_of(&schema, "brief").await, 0);
+        assert_eq!(rows_of(&schema, "kept").await, 1);
+
+        let scope = Scope::anonymous();
+        let again = request(&scope, "brief", Duration::from_secs(60));
+        assert!(matches!(
+            store.claim(&again).await.unwrap(),
+            Claim::Acquired(_)
+        ));
+        assert_eq!(generation_of(&schema, "brief").await, 3);
+    }
+
+    /// One table in generations, both drivers: each replays what the other completed,
+    /// across rotations made by either, which take turns by the same lock.
+    #[tokio::test]
+    async fn both_drivers_serve_and_rotate_one_table_in_generations() {
+        let schema = TestSchema::new();
+        let sqlx_store = store(&schema, 4).await;
+        let pg_store = schema
+            .store()
+            .await
+            .with_background_purge(None)
+            .with_generations(EVERY_TIME);
+        pg_store.migrate().await.expect("migrate");
+        let hour = Duration::from_secs(3600);
+        completed(&sqlx_store, "by-sqlx", hour, "s").await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(
+            pg_store.rotate_generations().await.unwrap().started,
+            Some(2)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(
+            sqlx_store.rotate_generations().await.unwrap().started,
+            Some(3)
+        );
+
+        let scope = Scope::anonymous();
+        let Claim::Acquired(lease) = pg_store
+            .claim(&request(&scope, "by-pg", hour))
+            .await
+            .unwrap()
+        else {
+            panic!("a new key")
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: "p".into(),
+        };
+        assert!(
+            pg_store
+                .complete(&lease, &response, hour)
+                .await
+                .unwrap()
+                .is_kept()
+        );
+        assert_eq!(generation_of(&schema, "by-pg").await, 3);
+        for (store, key, body) in [
+            (&pg_store as &dyn Store, "by-sqlx", "s"),
+            (&sqlx_store as &dyn Store, "by-pg", "p"),
+        ] {
+            match store.claim(&request(&scope, key, hour)).await.unwrap() {
+                Claim::Completed { response, .. } => assert_eq!(response.body, body),
+                other => panic!("{key}: {other:?}"),
+            }
+            assert_eq!(rows_of(&schema, key).await, 1);
+        }
+    }
+
+    /// The background purge of a store in generations rotates them: started at the
+    /// first claim, it starts new generations and drops the emptied ones, rather than
+    /// deleting rows.
+    #[tokio::test]
+    async fn the_background_purge_rotates() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 4)
+            .await
+            .remember_keys_for(Duration::ZERO)
+            .with_background_purge(Some(Duration::from_millis(10)));
+        completed(&store, "brief", Duration::from_millis(1), "b").await;
+        assert_eq!(generation_of(&schema, "brief").await, 1);
+        // Waits (up to 10 s) for generation 1 to go with its expired row.
+        for _ in 0..1000 {
+            if !partitions(&schema)
+                .await
+                .contains(&"idempotency_keys_g1".to_owned())
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let left = partitions(&schema).await;
+        assert!(
+            !left.contains(&"idempotency_keys_g1".to_owned()),
+            "{left:?}"
+        );
+        assert!(!left.is_empty(), "the newest generation stays");
+        assert_eq!(rows_of(&schema, "brief").await, 0);
+    }
+
+    /// A plain table of the name cannot be turned into generations in place: migrating
+    /// a store built with them over it is refused, and changes nothing.
+    #[tokio::test]
+    async fn a_plain_table_is_refused() {
+        let schema = TestSchema::new();
+        let plain = super::store(&schema).await;
+        let e = plain
+            .with_generations(EVERY_TIME)
+            .migrate()
+            .await
+            .expect_err("a plain table");
+        assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
+        assert!(e.to_string().contains("plain table"), "{e}");
+    }
+
+    /// 100 requests with one key at once, over three stores (pools), in rounds of a
+    /// fresh key each, while a fourth store rotates the generations under them: one
+    /// run per key, its response to the others (or 409), one row across generations.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn duplicates_run_once_while_generations_rotate() {
+        let schema = TestSchema::new();
+        let mut routers = Vec::new();
+        for _ in 0..3 {
+            routers.push(common::app(IdempotencyLayer::new(store(&schema, 8).await)));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let rotator = {
+            let (store, stop) = (store(&schema, 2).await, stop.clone());
+            tokio::spawn(async move {
+                let mut started = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(rotation) = store.rotate_generations().await {
+                        started += usize::from(rotation.started.is_some());
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                started
+            })
+        };
+        for round in 0..3 {
+            let key = format!("race-{round}");
+            let barrier = Arc::new(tokio::sync::Barrier::new(100));
+            let tasks: Vec<_> = (0..100)
+                .map(|i| {
+                    let router = routers[i % routers.len()].0.clone();
+                    let (barrier, key) = (barrier.clone(), key.clone());
+                    tokio::spawn(async move {
+                        let r = common::req("POST")
+                            .header("idempotency-key", &key)
+                            .header("x-delay-ms", "20")
+                            .body(axum::body::Body::from("{}"))
+                            .unwrap();
+                        barrier.wait().await;
+                        send(&router, r).await
+                    })
+                })
+                .collect();
+            let mut bodies = Vec::new();
+            for t in tasks {
+                let r = t.await.unwrap();
+                match r.status.as_u16() {
+                    201 => bodies.push((r.outcome, r.body)),
+                    409 => assert_eq!(r.problem(), "in-progress"),
+                    other => panic!("unexpected {other}: {:?}", r.body),
+                }
+            }
+            let runs: usize = routers.iter().map(|(_, c)| c.runs_of(&key)).sum();
+            assert_eq!(runs, 1, "{key}: the handler ran {runs} times");
+            assert!(bodies.iter().all(|(_, b)| *b == bodies[0].1));
+            let executed = bodies
+                .iter()
+                .filter(|(o, _)| *o == Some(Outcome::Executed))
+                .count();
+            assert_eq!(executed, 1);
+            assert_eq!(rows_of(&schema, &key).await, 1);
+        }
+        stop.store(true, Ordering::SeqCst);
+        assert!(
+            rotator.await.unwrap() > 0,
+            "no generation started under the races"
+        );
     }
 }

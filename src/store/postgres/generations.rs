@@ -13,14 +13,14 @@
 //! (unexpired, or running under a live lease), checked again under a lock of its
 //! partition that no writer can slip past; an emptied partition is then detached
 //! (`DETACH PARTITION … CONCURRENTLY`, which does not hold up the claims) and dropped.
+//!
+//! This module is what both drivers share: the names, the statements' text and what a
+//! round decides ([`Rotator`]). A driver only runs the statements ([`RunsRotation`]):
+//! `rotate` for tokio-postgres, `store/sqlx/generations` for sqlx.
 
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
-use tokio_postgres::types::Type;
-
-use super::{Checkout, errors::describe, tls::Connector};
-use crate::store::{StoreError, StoreErrorKind};
+use crate::store::{BoxFuture, StoreError, StoreErrorKind};
 
 /// The partitioned table, made instead of 0001's when it does not exist yet.
 const CREATE: &str = include_str!("../../../migrations/generations/create.sql");
@@ -58,7 +58,7 @@ pub(super) struct Names {
     schema: String,
     table: String,
     /// The parent table, schema-qualified.
-    qualified: String,
+    pub(super) qualified: String,
     /// `<table>_generations`.
     generations: String,
     lock_key_function: String,
@@ -133,10 +133,36 @@ pub struct GenerationRotation {
     pub dropped: Vec<i64>,
 }
 
+/// How a driver runs the rotation's statements (`rotate` for tokio-postgres,
+/// `store/sqlx/generations` for sqlx): the statements and what a round decides are
+/// [`Rotator`]'s. Errors are described as text, as the purge reports them.
+pub(crate) trait RunsRotation: Send + Sync {
+    /// Runs one step of the rotation ([`Rotator::step_sql`]: a transaction of its own,
+    /// sent as one simple query) on a connection that goes back to the pool clean
+    /// (rolled back, or closed) whatever happens; returns its row's two numbers, or
+    /// `None` if it returned no row.
+    fn step<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<Option<StepRow>, String>>;
+    /// Runs `sql`, statements without parameters, outside any transaction.
+    fn batch<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<(), String>>;
+    /// The rows of [`Names::emptied_statement`] with its three text parameters.
+    fn emptied<'a>(
+        &'a self,
+        sql: &'a str,
+        params: [&'a str; 3],
+    ) -> BoxFuture<'a, Result<Vec<EmptiedRow>, String>>;
+}
+
+/// A step's row: the generation started, the generation emptied.
+pub(crate) type StepRow = (Option<i64>, Option<i64>);
+
+/// A row of `emptied_statement`: an emptied generation, and whether its partition is
+/// attached and a detach of it under way (`None`: detached).
+pub(crate) type EmptiedRow = (i64, Option<bool>);
+
 /// The rotation of one store's table: its names and its period.
 pub(super) struct Rotator {
     pub(super) period: Duration,
-    names: Names,
+    pub(super) names: Names,
     /// How long a completed key is remembered once its response expired: a
     /// generation is emptied only once its rows are all forgotten.
     remember: Duration,
@@ -170,15 +196,17 @@ impl Rotator {
     /// `lock`: the table's purge lock, so that replicas rotate in turn.
     pub(super) async fn round(
         &self,
-        pool: &Pool,
-        connector: Option<&Connector>,
+        runs: &impl RunsRotation,
         lock: i64,
     ) -> Result<GenerationRotation, String> {
         let mut rotation = GenerationRotation::default();
         for step in 0..EMPTIED_PER_ROUND {
             // One generation started per round at most.
             let period = (step == 0).then(|| super::ms(self.period));
-            let (started, emptied) = self.step(pool, connector, lock, period).await?;
+            let (started, emptied) = runs
+                .step(&self.step_sql(lock, period))
+                .await?
+                .ok_or_else(|| "the rotation returned no row".to_owned())?;
             rotation.started = rotation.started.or(started);
             match emptied {
                 Some(g) => rotation.emptied.push(g),
@@ -186,61 +214,27 @@ impl Rotator {
             }
         }
         if !rotation.emptied.is_empty() {
-            let conn = checkout(pool, connector).await?;
-            conn.batch_execute(&self.forget_orphan_steps)
-                .await
-                .map_err(|e| describe(&e))?;
-            conn.done();
+            runs.batch(&self.forget_orphan_steps).await?;
         }
-        rotation.dropped = self.drop_emptied(pool, connector).await?;
+        rotation.dropped = self.drop_emptied(runs).await?;
         Ok(rotation)
     }
 
-    /// One statement of the rotation: (started, emptied). With no `period`, it starts
-    /// no generation. In a read committed transaction of its own whatever the
-    /// database's default (its DDL and its checks must see what is committed), sent
-    /// as one simple query: its parameters are numbers, written into the text.
-    async fn step(
-        &self,
-        pool: &Pool,
-        connector: Option<&Connector>,
-        lock: i64,
-        period: Option<i64>,
-    ) -> Result<(Option<i64>, Option<i64>), String> {
-        let conn = checkout(pool, connector).await?;
+    /// One statement of the rotation, which returns (started, emptied). With no
+    /// `period`, it starts no generation. In a read committed transaction of its own
+    /// whatever the database's default (its DDL and its checks must see what is
+    /// committed), sent as one simple query: its parameters are numbers, written into
+    /// the text.
+    fn step_sql(&self, lock: i64, period: Option<i64>) -> String {
         let period = period.map_or("NULL".to_owned(), |p| p.to_string());
         let timeout = super::ms(EMPTY_LOCK_TIMEOUT);
         let remember = super::ms(self.remember);
-        let sql = format!(
+        format!(
             "BEGIN ISOLATION LEVEL READ COMMITTED;
              SELECT started, emptied FROM {}({period}, {lock}, {timeout}, {remember});
              COMMIT",
             self.names.rotate_function
-        );
-        let answer = conn.simple_query(&sql).await;
-        let answer = match answer {
-            Ok(answer) => {
-                conn.done();
-                answer
-            }
-            // Rolled back, the connection clean again, or closed if that fails too.
-            Err(e) => {
-                super::tx::roll_back_or_close(conn, Duration::from_secs(5)).await;
-                return Err(describe(&e));
-            }
-        };
-        let number = |row: &tokio_postgres::SimpleQueryRow, i| -> Option<i64> {
-            row.get(i).and_then(|v: &str| v.parse().ok())
-        };
-        answer
-            .iter()
-            .find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(row) => {
-                    Some((number(row, 0), number(row, 1)))
-                }
-                _ => None,
-            })
-            .ok_or_else(|| "the rotation returned no row".to_owned())
+        )
     }
 
     /// Detaches and drops the emptied partitions: `DETACH PARTITION … CONCURRENTLY`
@@ -249,65 +243,46 @@ impl Rotator {
     /// finished with `FINALIZE`. Each statement on its own, outside any transaction,
     /// as `CONCURRENTLY` requires, and unnamed (they are rare, and run behind a
     /// transaction pooler too). Returns the generations dropped.
-    async fn drop_emptied(
-        &self,
-        pool: &Pool,
-        connector: Option<&Connector>,
-    ) -> Result<Vec<i64>, String> {
-        let conn = checkout(pool, connector).await?;
-        let err = |e: tokio_postgres::Error| describe(&e);
-        let rows = conn
-            .query_typed(
-                &self.names.emptied_statement(),
-                &[
-                    (&self.names.qualified, Type::TEXT),
-                    (&self.names.schema, Type::TEXT),
-                    (&self.names.table, Type::TEXT),
-                ],
+    async fn drop_emptied(&self, runs: &impl RunsRotation) -> Result<Vec<i64>, String> {
+        let names = &self.names;
+        let rows = runs
+            .emptied(
+                &names.emptied_statement(),
+                [&names.qualified, &names.schema, &names.table],
             )
-            .await
-            .map_err(err)?;
+            .await?;
         let mut dropped = Vec::new();
-        let parent = &self.names.qualified;
-        for row in rows {
-            let g: i64 = row.get(0);
-            let pending: Option<bool> = row.get(1);
-            let partition = self.names.partition(g);
-            let detach = match pending {
-                Some(false) => Some("CONCURRENTLY"),
-                Some(true) => Some("FINALIZE"),
-                None => None,
-            };
-            if let Some(how) = detach {
-                conn.batch_execute(&format!(
-                    "ALTER TABLE {parent} DETACH PARTITION {partition} {how}"
-                ))
-                .await
-                .map_err(err)?;
+        for (g, pending) in rows {
+            for statement in names.drop_statements(g, pending) {
+                runs.batch(&statement).await?;
             }
-            conn.batch_execute(&format!("DROP TABLE IF EXISTS {partition}"))
-                .await
-                .map_err(err)?;
-            conn.execute_typed(
-                &format!(
-                    "DELETE FROM {} WHERE generation = $1",
-                    self.names.generations
-                ),
-                &[(&g, Type::INT8)],
-            )
-            .await
-            .map_err(err)?;
             dropped.push(g);
         }
-        conn.done();
         Ok(dropped)
     }
 }
 
-/// A pooled connection, closed (its statement cancelled) if dropped before it is done.
-async fn checkout(pool: &Pool, connector: Option<&Connector>) -> Result<Checkout, String> {
-    let client = pool.get().await.map_err(|e| e.to_string())?;
-    Ok(Checkout(Some(client), connector.cloned()))
+impl Names {
+    /// What drops emptied generation `g`, in order: its partition detached if it is
+    /// still attached (`pending`: see `emptied_statement`), `FINALIZE`d if a detach of
+    /// it was interrupted; the partition dropped; the generation forgotten.
+    fn drop_statements(&self, g: i64, pending: Option<bool>) -> Vec<String> {
+        let parent = &self.qualified;
+        let partition = self.partition(g);
+        let detach = match pending {
+            Some(false) => Some("CONCURRENTLY"),
+            Some(true) => Some("FINALIZE"),
+            None => None,
+        };
+        detach
+            .map(|how| format!("ALTER TABLE {parent} DETACH PARTITION {partition} {how}"))
+            .into_iter()
+            .chain([
+                format!("DROP TABLE IF EXISTS {partition}"),
+                format!("DELETE FROM {} WHERE generation = {g}", self.generations),
+            ])
+            .collect()
+    }
 }
 
 /// The statements that create the table in generations, with `names` in place.
@@ -317,26 +292,20 @@ pub(super) fn create_sql(names: &Names) -> String {
         .replace("{{table}}", &names.qualified)
 }
 
-/// In the migration's transaction, before the numbered migrations: creates the table
-/// in generations if it does not exist yet; refuses a plain table of that name, which
-/// cannot be turned into a partitioned one in place (docs/postgres.md says how to move
-/// it). `failed`: how a failed statement is reported.
-pub(super) async fn create_if_absent(
-    tx: &impl deadpool_postgres::GenericClient,
-    names: &Names,
-    failed: impl Fn(tokio_postgres::Error) -> StoreError,
-) -> Result<(), StoreError> {
-    let kind: Option<String> = tx
-        .query_opt(
-            "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)",
-            &[&names.qualified],
-        )
-        .await
-        .map_err(&failed)?
-        .map(|row| row.get(0));
-    match kind.as_deref() {
-        None => tx.batch_execute(&create_sql(names)).await.map_err(failed),
-        Some("p") => Ok(()),
+/// The kind of the relation of the table's name (`pg_class.relkind`), if there is one;
+/// its parameter is [`Names::qualified`].
+pub(super) const RELATION_KIND: &str =
+    "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)";
+
+/// What the migration's transaction does, before the numbered migrations, given the
+/// kind of the relation of the table's name (`RELATION_KIND`): creates the table in
+/// generations if it does not exist yet (the statements returned); refuses a plain
+/// table of that name, which cannot be turned into a partitioned one in place
+/// (docs/postgres.md says how to move it).
+pub(super) fn to_create(names: &Names, kind: Option<&str>) -> Result<Option<String>, StoreError> {
+    match kind {
+        None => Ok(Some(create_sql(names))),
+        Some("p") => Ok(None),
         Some(_) => Err(StoreError::new(
             StoreErrorKind::Misconfigured,
             format!(
@@ -344,30 +313,5 @@ pub(super) async fn create_if_absent(
                 names.qualified
             ),
         )),
-    }
-}
-
-impl super::PostgresStore {
-    /// Rotates the table's generations once, as the background purge does at its
-    /// period: for a store whose background purge is off, from a scheduled job. Replicas
-    /// take turns (a rotation that finds another under way does nothing). Without
-    /// generations, it does nothing.
-    pub async fn rotate_generations(&self) -> Result<GenerationRotation, StoreError> {
-        self.purge
-            .rotate()
-            .await
-            .map_err(|e| StoreError::new(StoreErrorKind::Unavailable, e))
-    }
-
-    /// See [`create_if_absent`].
-    pub(super) async fn create_generations_if_absent(
-        &self,
-        tx: &impl deadpool_postgres::GenericClient,
-        failed: impl Fn(tokio_postgres::Error) -> StoreError,
-    ) -> Result<(), StoreError> {
-        match &self.sql.generations {
-            Some(names) => create_if_absent(tx, names, failed).await,
-            None => Ok(()),
-        }
     }
 }

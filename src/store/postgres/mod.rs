@@ -20,6 +20,7 @@ mod migrate;
 mod operator;
 mod purge;
 mod reserve;
+mod rotate;
 mod row;
 mod shared;
 mod slots;

@@ -172,7 +172,13 @@ impl BackgroundPurge {
         // read its partition, and one given up on is finished in a later round.
         let rotated = tokio::time::timeout(
             BATCH_BOUND,
-            rotator.round(&self.pool, self.connector.as_ref(), self.lock),
+            rotator.round(
+                &super::rotate::OnPool {
+                    pool: &self.pool,
+                    connector: self.connector.as_ref(),
+                },
+                self.lock,
+            ),
         )
         .await
         .unwrap_or_else(|_| Err("a rotation took longer than 30 s; given up".to_owned()));

@@ -23,6 +23,7 @@ use ::sqlx::{
 };
 use tokio_postgres::error::SqlState;
 
+mod generations;
 mod liveness;
 mod orphans;
 
@@ -64,7 +65,10 @@ const PURGE_BATCH: i64 = 1000;
 /// about a second, and a completer ([`IdempotencyLayer::spawn_completer`](crate::IdempotencyLayer::spawn_completer))
 /// finishes the keys of resumable routes whose holder died.
 ///
-/// Not on sqlx: transactional mode, tables in generations, and batched or shared
+/// With [`with_generations`](Self::with_generations), the table is kept in
+/// generations, rotated in place of the purge, as the PostgreSQL store's.
+///
+/// Not on sqlx: transactional mode, and batched or shared
 /// claims, which rest on tokio-postgres's pipelining (docs/postgres.md, "The sqlx
 /// driver", says why). TLS is the pool's own (one of sqlx's TLS features and its
 /// `sslmode`); the connections the store makes itself take the pools' options.
@@ -113,6 +117,9 @@ pub struct SqlxStore {
     /// Transactional mode: the claims that may wait on another request's row at once
     /// (half of the pool's connections; see `tx_claim_permit`).
     tx_claims: Arc<tokio::sync::Semaphore>,
+    /// The period of the table's generations, if it has them (`with_generations`).
+    generations: Option<Duration>,
+    rotator: Option<Arc<super::generations::Rotator>>,
 }
 
 impl fmt::Debug for SqlxStore {
@@ -140,6 +147,7 @@ impl SqlxStore {
             crate::store::DEFAULT_REMEMBER,
             true,
             Some(DEFAULT_EVERY),
+            None,
             pool,
         )
     }
@@ -152,12 +160,15 @@ impl SqlxStore {
         remember: Duration,
         persistent: bool,
         purge_every: Option<Duration>,
+        generations: Option<Duration>,
         listen_pool: PgPool,
     ) -> Self {
-        let sql = Arc::new(Sql::new(&schema, &table, false, remember));
+        let sql = Arc::new(Sql::new(&schema, &table, generations.is_some(), remember));
         let waiting = (pool.options().get_max_connections() / 2).max(1) as usize;
         Self {
             tx_claims: Arc::new(tokio::sync::Semaphore::new(waiting)),
+            rotator: generations::rotator(generations, &sql),
+            generations,
             listener: Arc::new(Listener::new(listen_pool, format!("{table}_done"))),
             purge: Arc::new(Purge::default()),
             liveness: None,
@@ -183,6 +194,7 @@ impl SqlxStore {
             s.remember,
             s.persistent,
             s.purge_every,
+            s.generations,
             listen_pool,
         )
         .with_liveness(live)
@@ -232,6 +244,7 @@ impl SqlxStore {
             self.remember,
             self.persistent,
             self.purge_every,
+            self.generations,
             pool,
         )
         .with_liveness(live)
@@ -336,6 +349,7 @@ impl SqlxStore {
         .fetch_all(&mut *tx)
         .await
         .map_err(applying)?;
+        self.create_generations_if_absent(&mut tx).await?;
         for (version, sql) in scripts(&self.sql) {
             if applied.contains(&version) {
                 continue;
@@ -523,6 +537,13 @@ impl SqlxStore {
                         tokio::time::sleep(every).await;
                         if me.strong_count() == 0 {
                             return;
+                        }
+                        // A table in generations rotates instead.
+                        if store.rotator.is_some() {
+                            if let Err(e) = store.rotate_generations().await {
+                                tracing::warn!(error = %e, "the idempotency rotation failed; trying again next round");
+                            }
+                            continue;
                         }
                         loop {
                             match store.purge_expired(PURGE_BATCH).await {
