@@ -515,3 +515,38 @@ async fn a_duplicate_waits_past_the_lock_timeout_which_the_handler_runs_under() 
     assert_eq!(dup.body, first.body);
     assert_eq!(counter.runs(), 1);
 }
+
+/// A table in generations serves transactional mode on sqlx too: the claim, the
+/// handler's row and the response commit together into the current generation, the
+/// key is replayed across a rotation, and it stays one row in all generations.
+#[tokio::test]
+async fn a_table_in_generations_commits_and_replays_across_a_rotation() {
+    let schema = TestSchema::new();
+    let (plain, table) = store_at(&schema, &database_url(), 4).await;
+    let store = SqlxStore::new(plain.pool().clone())
+        .with_transaction_pooling(pooler_url().is_some())
+        .with_schema_name(&schema.name)
+        .unwrap()
+        .with_table_name("keys_in_generations")
+        .unwrap()
+        .with_background_purge(None)
+        .with_generations(Duration::from_millis(1));
+    store.migrate().await.unwrap();
+    let (router, counter) = app(IdempotencyLayer::transactional(store.clone()), &table);
+    let first = send(&router, post_with("k", &[])).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let rotation = store.rotate_generations().await.unwrap();
+    assert!(rotation.started.is_some(), "{rotation:?}");
+    let retry = send(&router, post_with("k", &[])).await;
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, first.body);
+    let second = send(&router, post_with("k2", &[])).await;
+    assert_eq!(second.status, 201, "{:?}", second.body);
+    assert_eq!(counter.runs(), 2);
+    assert_eq!(rows_in(&schema, &table).await, 2);
+    let rows = format!(
+        "SELECT count(*) FROM \"{}\".keys_in_generations WHERE key IN ('k', 'k2') AND state = 'completed'",
+        schema.name
+    );
+    assert_eq!(count(&schema, &rows).await, 2);
+}
