@@ -45,7 +45,12 @@ macro_rules! on_every_store {
                     // Liveness off: a duplicate waiting on a key is then woken by the
                     // release's notification alone, never by liveness's look every
                     // second, so the waiting test shows the notification.
-                    let store = std::sync::Arc::new(schema.store().await.with_liveness(false));
+                    let store = schema.store().await.with_liveness(false);
+                    // Listening before the first request: a listener that comes up
+                    // while a duplicate waits wakes it to look again (anything may have
+                    // changed unheard), and it registers a second time.
+                    store.listen().await.expect("the LISTEN connection");
+                    let store = std::sync::Arc::new(store);
                     super::$test(store, Some(&schema)).await;
                 }
             )*

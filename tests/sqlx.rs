@@ -473,11 +473,17 @@ mod faults {
         let schema = TestSchema::new();
         let proxy = PgProxy::start().await;
         let store = store_through(&schema, &proxy, 1).await;
+        let pool = store.pool().clone();
         let layer = IdempotencyLayer::new(store).lease_duration(Duration::from_secs(60));
         let (router, counter) = app(layer);
         // Prepares the statements: the claim is what the server answers next.
         assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
         wait_for_state(&schema, "warm-up", "completed").await;
+        // sqlx returns a connection to its pool in a task of its own, after a ping
+        // through the proxy: once the pool's one connection is idle again, that ping
+        // (the warm-up's last exchange) has been answered, and the next reply is the
+        // claim's.
+        eventually(|| pool.num_idle() == 1).await;
         proxy.cut_at_next_reply();
         proxy.refuse(away);
         let lost = send(&router, post("k", "{}")).await;
