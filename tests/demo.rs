@@ -1172,8 +1172,11 @@ async fn transactional_duplicates_over_two_processes_commit_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_on_another_process_is_woken_by_a_notification() {
     const KEY: &str = "wait-payment-1";
-    // Long enough for B's duplicate to claim and register before A completes.
-    const PAYMENT: &str = r#"{"amount":1100,"currency":"EUR","delay_ms":3000}"#;
+    // Long enough for B's duplicate to claim and register before A completes, and
+    // ending half a second from any of the waiter's own once-a-second looks (liveness:
+    // the first comes a second after it starts waiting, just after A's handler starts),
+    // so that the notification, not a look landing just after the completion, wakes it.
+    const PAYMENT: &str = r#"{"amount":1100,"currency":"EUR","delay_ms":3500}"#;
     let schema = Schema::new();
     let client = client();
     let mut a = Demo::start(Some(&schema));
