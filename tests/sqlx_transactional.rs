@@ -244,7 +244,8 @@ async fn a_rolled_back_transaction_keeps_its_recorded_step_and_the_commit_forget
     assert_eq!(
         count(&schema, &steps).await,
         1,
-        "the rollback kept the step"
+        "the rollback kept the step: {:?}",
+        String::from_utf8_lossy(&failed.body)
     );
     let retry = send(&router, post_with("k", &[("x-step", "1")])).await;
     assert_eq!(retry.status, 201, "{:?}", retry.body);
@@ -485,6 +486,7 @@ async fn a_duplicate_waits_past_the_lock_timeout_which_the_handler_runs_under() 
         let run = app.counter.count_run();
         let mut conn = tx.connection().await.expect("transaction");
         let lock_timeout: String = sqlx::query_scalar("SHOW lock_timeout")
+            .persistent(false)
             .fetch_one(&mut *conn)
             .await
             .unwrap();

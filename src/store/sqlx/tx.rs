@@ -164,23 +164,41 @@ impl<'q> Via<'q> for RawSql<'q> {}
 
 /// A connection for a statement that must not queue behind the app's pool (which the
 /// handlers may hold): an idle one of the pool if there is one, else one of its own,
-/// made with the pool's options and closed after the statement.
-enum Apart {
+/// made with the pool's options and closed after the statement. Behind a transaction
+/// pooler, the statement runs in a transaction of its own (`transaction`): sqlx sends an
+/// unnamed statement's parse and its execution in two exchanges, which the pooler may
+/// give to two server sessions unless a transaction holds one.
+struct Apart {
+    conn: ApartConn,
+    transaction: bool,
+}
+
+enum ApartConn {
     Pooled(PoolConnection<Postgres>),
     Own(PgConnection),
 }
 
 impl Apart {
     fn conn(&mut self) -> &mut PgConnection {
-        match self {
-            Self::Pooled(conn) => conn,
-            Self::Own(conn) => conn,
+        match &mut self.conn {
+            ApartConn::Pooled(conn) => conn,
+            ApartConn::Own(conn) => conn,
         }
     }
 
-    async fn done(self) {
-        if let Self::Own(conn) = self {
-            let _ = conn.close().await;
+    async fn done(mut self) {
+        // `COMMIT` ends the transaction whether its statement succeeded or not (the
+        // server rolls an aborted one back); a connection that cannot end it is closed
+        // rather than given back to the pool in it.
+        let ended = !self.transaction || PgTransactionManager::commit(self.conn()).await.is_ok();
+        match self.conn {
+            ApartConn::Pooled(conn) if !ended => {
+                let _ = conn.close().await;
+            }
+            ApartConn::Pooled(_) => {}
+            ApartConn::Own(conn) => {
+                let _ = conn.close().await;
+            }
         }
     }
 }
@@ -208,15 +226,31 @@ impl SqlxStore {
     }
 
     /// [`apart`](Apart): an idle pooled connection, else one of the store's own.
-    async fn apart(&self) -> Result<Apart, StoreError> {
-        if let Some(conn) = self.pool.try_acquire() {
-            return Ok(Apart::Pooled(conn));
+    /// `alone_behind_pooler`: behind a transaction pooler, the statement in a
+    /// transaction of its own (a step's read and record: sent unnamed, their parse and
+    /// execution could reach two server sessions otherwise).
+    async fn apart(&self, alone_behind_pooler: bool) -> Result<Apart, StoreError> {
+        let conn = match self.pool.try_acquire() {
+            Some(conn) => ApartConn::Pooled(conn),
+            None => {
+                let options = self.pool.connect_options();
+                let conn = PgConnection::connect_with(&options)
+                    .await
+                    .map_err(classify)?;
+                ApartConn::Own(conn)
+            }
+        };
+        let mut apart = Apart {
+            conn,
+            transaction: false,
+        };
+        if alone_behind_pooler && !self.persistent {
+            PgTransactionManager::begin(apart.conn(), None)
+                .await
+                .map_err(classify)?;
+            apart.transaction = true;
         }
-        let options = self.pool.connect_options();
-        let conn = PgConnection::connect_with(&options)
-            .await
-            .map_err(classify)?;
-        Ok(Apart::Own(conn))
+        Ok(apart)
     }
 
     /// `BEGIN` with `claim_wait` as the transaction's `lock_timeout`, then the claim in
@@ -443,7 +477,7 @@ impl SqlxStore {
         let rows = match conn {
             Some(conn) => query.fetch_all_via(conn).await,
             None => {
-                let mut apart = self.apart().await?;
+                let mut apart = self.apart(false).await?;
                 let rows = query.fetch_all_via(apart.conn()).await;
                 apart.done().await;
                 rows
@@ -461,7 +495,7 @@ impl SqlxStore {
         backend: &Backend,
         duration: Duration,
     ) -> Result<bool, StoreError> {
-        let mut apart = self.apart().await?;
+        let mut apart = self.apart(false).await?;
         let renewed = self
             .query(&self.sql.tx.renew_alone)
             .bind(lease.scope.as_str())
@@ -505,7 +539,7 @@ impl SqlxStore {
         let rows = match conn {
             Some(conn) => query.fetch_all_via(conn).await,
             None => {
-                let mut apart = self.apart().await?;
+                let mut apart = self.apart(false).await?;
                 let rows = query.fetch_all_via(apart.conn()).await;
                 apart.done().await;
                 rows
@@ -517,7 +551,7 @@ impl SqlxStore {
     /// Ends the transaction `backend` runs, from another session (see
     /// `PostgresStore::end_transaction`), on a connection apart from the pool's queue.
     pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<Ending, StoreError> {
-        let mut apart = self.apart().await?;
+        let mut apart = self.apart(false).await?;
         let row = self
             .query(&self.sql.tx.end)
             .bind(backend.pid)
@@ -551,7 +585,7 @@ impl SqlxStore {
         fingerprint: &Fingerprint,
     ) -> Result<Vec<RecordedStep>, StoreError> {
         let rows = again_if_it_lost_a_race(|| async {
-            let mut apart = self.apart().await?;
+            let mut apart = self.apart(true).await?;
             let rows = self
                 .query(&self.sql.steps.read_apart)
                 .bind(lease.scope.as_str())
@@ -577,7 +611,7 @@ impl SqlxStore {
     ) -> Result<Fenced, StoreError> {
         let n = place(recorded)?;
         let rows = again_if_it_lost_a_race(|| async {
-            let mut apart = self.apart().await?;
+            let mut apart = self.apart(true).await?;
             let rows = self
                 .query(&self.sql.steps.record_apart)
                 .bind(lease.scope.as_str())
