@@ -72,14 +72,18 @@ impl RunsRotation for OnPool<'_> {
         [a, b, c]: [&'a str; 3],
     ) -> BoxFuture<'a, Result<Vec<EmptiedRow>, String>> {
         Box::pin(async move {
+            // In a transaction of its own: behind a transaction pooler, the unnamed
+            // statement's parse and execution would otherwise reach two sessions.
+            let mut tx = self.0.begin().await.map_err(|e| e.to_string())?;
             let rows = ::sqlx::query(sql)
                 .persistent(false)
                 .bind(a)
                 .bind(b)
                 .bind(c)
-                .fetch_all(self.0)
+                .fetch_all(&mut *tx)
                 .await
                 .map_err(|e| e.to_string())?;
+            tx.commit().await.map_err(|e| e.to_string())?;
             rows.iter()
                 .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
                 .collect::<Result<_, ::sqlx::Error>>()
@@ -139,14 +143,15 @@ impl SqlxStore {
         // Responses past their TTL dropped first, their keys remembered.
         if let Some(reduce) = &rotator.reduce {
             loop {
-                let reduced = ::sqlx::query(reduce)
-                    .persistent(self.persistent)
-                    .bind(REDUCE_BATCH)
-                    .bind(lock)
-                    .execute(&self.pool)
-                    .await
-                    .map_err(|e| unavailable(e.to_string()))?
-                    .rows_affected();
+                // Behind a transaction pooler, in a transaction of its own (`execute`).
+                let reduced = self
+                    .execute(
+                        ::sqlx::query(reduce)
+                            .persistent(self.persistent)
+                            .bind(REDUCE_BATCH)
+                            .bind(lock),
+                    )
+                    .await?;
                 if reduced < REDUCE_BATCH as u64 {
                     break;
                 }
