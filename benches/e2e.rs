@@ -116,6 +116,8 @@ struct Settings {
     /// `with_batched_claims` of rows (c-b) and (e-b): connections, claims per batch.
     batch_connections: usize,
     batch_max: usize,
+    /// `SqlxStore::with_kept_connections` of the sqlx rows (`BENCH_SQLX_KEPT`).
+    sqlx_kept: usize,
     rows: Option<Vec<String>>,
     replay_keys: usize,
     url: String,
@@ -168,6 +170,7 @@ impl Settings {
             shared_claim_connections: env_or("BENCH_SHARED_CLAIM_CONNECTIONS", 4),
             batch_connections: env_or("BENCH_BATCH_CONNECTIONS", 2),
             batch_max: env_or("BENCH_BATCH_MAX", 64),
+            sqlx_kept: env_or("BENCH_SQLX_KEPT", 8),
             rows: env_list("BENCH_ROWS"),
             replay_keys: env_or("BENCH_REPLAY_KEYS", 2000),
             url: env_or(
@@ -1460,6 +1463,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
             peer_db = Some(pool.clone());
             let st = SqlxStore::new(pool)
                 .with_notification_pool(peer_pool(&db.row_url, 1))
+                .with_kept_connections(ctx.settings.sqlx_kept)
                 .with_schema_name(&ctx.schema)
                 .expect("schema name");
             Some(
@@ -1484,6 +1488,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
             let pool = peer_pool(&db.row_url, ctx.settings.pool_size);
             peer_db = Some(pool.clone());
             let st = SqlxStore::new(pool)
+                .with_kept_connections(ctx.settings.sqlx_kept)
                 .with_schema_name(&ctx.schema)
                 .expect("schema name");
             Some(

@@ -396,6 +396,16 @@ mod faults {
     /// The pool does not ping a connection before lending it (sqlx's
     /// `test_before_acquire`), so that what the proxy cuts is the store's own statement.
     async fn store_through(schema: &TestSchema, proxy: &PgProxy, size: u32) -> SqlxStore {
+        store_keeping(schema, proxy, size, 0).await
+    }
+
+    /// [`store_through`], keeping up to `kept` connections out of the pool.
+    async fn store_keeping(
+        schema: &TestSchema,
+        proxy: &PgProxy,
+        size: u32,
+        kept: usize,
+    ) -> SqlxStore {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(size)
             .test_before_acquire(false)
@@ -404,6 +414,7 @@ mod faults {
             .await
             .expect("pool");
         let store = SqlxStore::new(pool)
+            .with_kept_connections(kept)
             .with_schema_name(&schema.name)
             .expect("schema name");
         store.migrate().await.expect("migrate");
@@ -412,9 +423,18 @@ mod faults {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn cut_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+        cut_connections(0).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn cut_kept_connections_answer_503_or_recover_and_never_run_a_key_twice() {
+        cut_connections(2).await;
+    }
+
+    async fn cut_connections(kept: usize) {
         let schema = TestSchema::new();
         let proxy = PgProxy::start().await;
-        let store = store_through(&schema, &proxy, 4).await;
+        let store = store_keeping(&schema, &proxy, 4, kept).await;
         let (router, counter) = app(IdempotencyLayer::new(store));
         for i in 0..4 {
             let r = send(&router, post(&format!("k{i}"), "{}")).await;
@@ -440,16 +460,33 @@ mod faults {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_stalled_database_is_a_bounded_503_then_recovers() {
+        stalled_database(0).await;
+    }
+
+    /// On a kept connection: the statements after the stalled one are answered with
+    /// their own replies, whether the stalled one was given up on (its connection
+    /// closed) or finished late.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stalled_database_on_kept_connections_is_a_bounded_503_then_recovers() {
+        stalled_database(1).await;
+    }
+
+    async fn stalled_database(kept: usize) {
         let schema = TestSchema::new();
         let proxy = PgProxy::start().await;
-        let store = store_through(&schema, &proxy, 2).await;
-        let layer = IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300));
+        let store = store_keeping(&schema, &proxy, 2, kept).await;
+        let layer = IdempotencyLayer::new(store.clone()).store_timeout(Duration::from_millis(300));
         let (router, counter) = app(layer);
+        if kept > 0 {
+            // The kept connection opened, and idle when the database stalls.
+            assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+            assert_eq!(store.kept_connections(), 1);
+        }
         proxy.stall(true);
         let r = send_bounded(&router, post("k", "{}")).await;
         assert_eq!(r.status, 503);
         assert!(r.header("retry-after").is_some());
-        assert_eq!(counter.runs(), 0);
+        assert_eq!(counter.runs_of("k"), 0);
         proxy.stall(false);
         // The stalled claim may land once the proxy lets it through (it then holds the
         // key until its lease lapses); either way the key is run exactly once.
@@ -463,7 +500,7 @@ mod faults {
             assert!(statuses.len() < 1000, "{statuses:?}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(counter.runs(), 1, "{statuses:?}");
+        assert_eq!(counter.runs_of("k"), 1, "{statuses:?}");
     }
 
     /// A claim's answer lost with its connection (the database refusing connections for
@@ -566,6 +603,200 @@ mod faults {
         assert_eq!(replay.outcome, Some(Outcome::Replayed));
         assert_eq!(replay.body, first.body);
         assert_eq!(counter.runs(), 1);
+    }
+}
+
+/// Connections the store keeps out of the pool (`SqlxStore::with_kept_connections`):
+/// the layer suite over them, statements that go over them while the app holds every
+/// connection of its pool, one the server ended while idle tested and replaced, and a
+/// pool closed under them.
+mod kept {
+    use std::{sync::Arc, time::Duration};
+
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use tower_idempotency::{IdempotencyLayer, store::SqlxStore};
+
+    use crate::common::{TestSchema, app, database_url, post, send};
+
+    mod layer {
+        use std::sync::Arc;
+
+        use tower_idempotency::store::Store;
+
+        use crate::common::TestSchema;
+
+        /// Two kept connections, fewer than the suite's concurrent requests: its
+        /// statements go over both kept and pooled connections.
+        async fn make() -> (Arc<dyn Store>, TestSchema) {
+            let schema = TestSchema::new();
+            let store = super::super::store(&schema).await.with_kept_connections(2);
+            (Arc::new(store), schema)
+        }
+
+        crate::layer_suite!(make);
+    }
+
+    /// A store keeping up to `kept` connections, on a pool of `size` whose connections
+    /// are named after `schema` (to be counted, and ended, on the server), taking at
+    /// most 1 s to hand one out; it listens on a pool of its own.
+    async fn store(schema: &TestSchema, size: u32, kept: usize) -> SqlxStore {
+        let options: PgConnectOptions = database_url().parse().expect("url");
+        let pool = PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(Duration::from_secs(1))
+            .connect_lazy_with(options.application_name(&schema.name));
+        let store = SqlxStore::new(pool)
+            .with_notification_pool(super::pool(&database_url(), 1).await)
+            .with_kept_connections(kept)
+            .with_schema_name(&schema.name)
+            .expect("schema name");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    /// The server's sessions of the store's pool and kept connections.
+    async fn sessions(schema: &TestSchema) -> i64 {
+        schema
+            .query(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{}'",
+                schema.name
+            ))
+            .await[0]
+            .get(0)
+    }
+
+    /// With every connection of the pool held by the app, keys are still claimed,
+    /// completed and replayed: over the kept connections, opened beyond the pool's
+    /// `max_connections`. Without them, the same requests wait for the pool and fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn statements_go_over_kept_connections_while_the_app_holds_the_pool() {
+        for kept in [0, 2] {
+            let schema = TestSchema::new();
+            let store = store(&schema, 2, kept).await;
+            let (router, counter) = app(IdempotencyLayer::new(store.clone()));
+            // Opens the kept connections, if any: two requests at once.
+            let warm = tokio::join!(
+                send(&router, post("warm-1", "{}")),
+                send(&router, post("warm-2", "{}")),
+            );
+            assert_eq!((warm.0.status.as_u16(), warm.1.status.as_u16()), (201, 201));
+            let held = [
+                store.pool().acquire().await.expect("a connection"),
+                store.pool().acquire().await.expect("a connection"),
+            ];
+            let mut statuses = Vec::new();
+            for i in 0..10 {
+                statuses.push(send(&router, post(&format!("k{i}"), "{}")).await.status);
+            }
+            let replay = send(&router, post("k0", "{}")).await;
+            if kept == 0 {
+                assert!(statuses.iter().all(|s| *s == 503), "{statuses:?}");
+                assert_eq!(replay.status, 503);
+                continue;
+            }
+            assert!(statuses.iter().all(|s| *s == 201), "{statuses:?}");
+            assert_eq!(replay.status, 201);
+            assert_eq!(counter.runs_of("k0"), 1);
+            assert_eq!(counter.runs(), 12);
+            assert!((1..=kept).contains(&store.kept_connections()));
+            assert_eq!(
+                sessions(&schema).await,
+                (held.len() + store.kept_connections()) as i64,
+                "the kept connections are outside the pool"
+            );
+            drop(held);
+        }
+    }
+
+    /// Many tasks over a few keys, more at once than there are kept connections: each
+    /// key runs once, every duplicate gets its response, and the store never keeps
+    /// more than it was given.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_requests_over_kept_and_pooled_connections_run_each_key_once() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 4, 3).await;
+        let layer = IdempotencyLayer::new(store.clone()).wait_for_running(Duration::from_secs(10));
+        let (router, counter) = app(layer);
+        let barrier = Arc::new(tokio::sync::Barrier::new(48));
+        let tasks: Vec<_> = (0..48)
+            .map(|i| {
+                let (router, barrier) = (router.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    let key = format!("k{}", i % 8);
+                    (key.clone(), send(&router, post(&key, "{}")).await)
+                })
+            })
+            .collect();
+        let mut first = std::collections::HashMap::new();
+        for t in tasks {
+            let (key, r) = t.await.expect("task");
+            assert_eq!(r.status, 201, "{key}");
+            let body = first.entry(key.clone()).or_insert_with(|| r.body.clone());
+            assert_eq!(
+                *body, r.body,
+                "{key}: every duplicate gets the one response"
+            );
+        }
+        for i in 0..8 {
+            assert_eq!(counter.runs_of(&format!("k{i}")), 1);
+        }
+        assert!(store.kept_connections() <= 3);
+    }
+
+    /// A kept connection whose session the server ended while it sat idle is tested
+    /// before its next statement, closed and replaced: the request does not fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_kept_connection_ended_by_the_server_while_idle_is_replaced_unseen() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 2, 1).await;
+        let (router, counter) = app(IdempotencyLayer::new(store.clone()));
+        assert_eq!(send(&router, post("warm-up", "{}")).await.status, 201);
+        assert_eq!(store.kept_connections(), 1);
+        let ended = schema
+            .query(&format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE application_name = '{}'",
+                schema.name
+            ))
+            .await;
+        assert!(!ended.is_empty(), "the kept connection's session was ended");
+        // Idle for longer than a kept connection serves untested.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        for i in 0..3 {
+            let r = send(&router, post(&format!("k{i}"), "{}")).await;
+            assert_eq!(r.status, 201, "{:?}", r.body);
+        }
+        assert_eq!(counter.runs(), 4);
+        assert_eq!(store.kept_connections(), 1);
+    }
+
+    /// The app closing its pool does not wait for the store's kept connections, and
+    /// closes them: the store's next statement finds the pool closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn closing_the_pool_closes_the_kept_connections_without_waiting_for_them() {
+        let schema = TestSchema::new();
+        let store = store(&schema, 2, 2).await;
+        let (router, _counter) = app(IdempotencyLayer::new(store.clone()));
+        assert_eq!(send(&router, post("k", "{}")).await.status, 201);
+        assert_eq!(store.kept_connections(), 1);
+        tokio::time::timeout(Duration::from_secs(5), store.pool().close())
+            .await
+            .expect("the pool closed without waiting for the store");
+        let r = send(&router, post("k2", "{}")).await;
+        assert_eq!(r.status, 503);
+        assert_eq!(store.kept_connections(), 0);
+        for _ in 0..100 {
+            if sessions(&schema).await == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            sessions(&schema).await,
+            0,
+            "no session of the store is left"
+        );
     }
 }
 

@@ -54,6 +54,16 @@ async fn pool(url: &str, size: u32) -> PgPool {
 /// A migrated sqlx store in `schema` on `size` connections to `url` (through the
 /// pooler, if there is one, for the database's own URL), and the ledger table.
 async fn store_at(schema: &TestSchema, url: &str, size: u32) -> (SqlxStore, String) {
+    store_keeping_at(schema, url, size, 0).await
+}
+
+/// [`store_at`], the store keeping up to `kept` connections out of the pool.
+async fn store_keeping_at(
+    schema: &TestSchema,
+    url: &str,
+    size: u32,
+    kept: usize,
+) -> (SqlxStore, String) {
     let table = setup(schema, &schema.store_direct(1).await).await;
     let store = match pooler_url() {
         Some(pooler) if url == database_url() => SqlxStore::new(pool(&pooler, size).await)
@@ -61,7 +71,10 @@ async fn store_at(schema: &TestSchema, url: &str, size: u32) -> (SqlxStore, Stri
             .with_notification_pool(pool(&database_url(), 1).await),
         _ => SqlxStore::new(pool(url, size).await),
     };
-    let store = store.with_schema_name(&schema.name).unwrap();
+    let store = store
+        .with_kept_connections(kept)
+        .with_schema_name(&schema.name)
+        .unwrap();
     store.migrate().await.unwrap();
     (store, table)
 }
@@ -268,8 +281,17 @@ async fn a_rolled_back_transaction_keeps_its_recorded_step_and_the_commit_forget
 /// uncommitted row and replay its response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_duplicates_run_once_and_replay_the_commit() {
+    concurrent_duplicates(0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_run_once_and_replay_the_commit_on_kept_connections() {
+    concurrent_duplicates(2).await;
+}
+
+async fn concurrent_duplicates(kept: usize) {
     let schema = TestSchema::new();
-    let (store, table) = store_at(&schema, &database_url(), 16).await;
+    let (store, table) = store_keeping_at(&schema, &database_url(), 16, kept).await;
     let layer = IdempotencyLayer::transactional(store).wait_for_running(Duration::from_secs(10));
     let (router, counter) = app(layer, &table);
     let barrier = Arc::new(tokio::sync::Barrier::new(40));
@@ -347,9 +369,18 @@ async fn a_handler_error_or_panic_rolls_back_and_frees_the_key() {
 /// and the retry runs clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_connection_cut_mid_handler_rolls_back_and_the_retry_runs_clean() {
+    cut_mid_handler(0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_cut_mid_handler_rolls_back_and_the_retry_runs_clean_on_kept_connections() {
+    cut_mid_handler(2).await;
+}
+
+async fn cut_mid_handler(kept: usize) {
     let schema = TestSchema::new();
     let proxy = PgProxy::start().await;
-    let (store, table) = store_at(&schema, &proxy.url(), 2).await;
+    let (store, table) = store_keeping_at(&schema, &proxy.url(), 2, kept).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     let first = in_flight(&router, post_with("k", &[("x-delay-ms", "300")]), &counter).await;
     proxy.cut();
@@ -370,8 +401,19 @@ async fn a_connection_cut_mid_handler_rolls_back_and_the_retry_runs_clean() {
 /// the key is completed with `500 transaction-ended`, and a retry replays that.
 #[tokio::test]
 async fn a_handler_that_commits_itself_gets_transaction_ended_and_runs_once() {
+    commits_itself(0).await;
+}
+
+/// On a kept connection, which serves the requests after it once the layer's
+/// `ROLLBACK` has ended what is left of the transaction on it.
+#[tokio::test]
+async fn a_handler_that_commits_itself_gets_transaction_ended_and_runs_once_on_kept_connections() {
+    commits_itself(2).await;
+}
+
+async fn commits_itself(kept: usize) {
     let schema = TestSchema::new();
-    let (store, table) = store_at(&schema, &database_url(), 4).await;
+    let (store, table) = store_keeping_at(&schema, &database_url(), 4, kept).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
     let first = send_bounded(&router, post_with("k", &[("x-end", "commit")])).await;
     assert_eq!(first.status, 500, "{:?}", first.body);
@@ -381,15 +423,30 @@ async fn a_handler_that_commits_itself_gets_transaction_ended_and_runs_once() {
     assert_eq!(retry.body, first.body);
     assert_eq!(counter.runs(), 1, "the handler ran once");
     assert_eq!(rows_in(&schema, &table).await, 1, "its own COMMIT stays");
+    // The connections lent since serve as any other.
+    let next = send_bounded(&router, post_with("k2", &[])).await;
+    assert_eq!(next.status, 201, "{:?}", next.body);
+    assert_eq!(rows_in(&schema, &table).await, 2);
 }
 
 /// Work that keeps the transaction's connection past the response: the layer ends the
 /// transaction on the server, so nothing of it commits and a retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_connection_kept_past_the_response_does_not_hold_the_key() {
+    kept_past_the_response(0).await;
+}
+
+/// On a kept connection, which the layer's end of the transaction closes: it is not
+/// lent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_kept_past_the_response_does_not_hold_the_key_on_kept_connections() {
+    kept_past_the_response(2).await;
+}
+
+async fn kept_past_the_response(kept: usize) {
     let schema = TestSchema::new();
-    let (store, table) = store_at(&schema, &database_url(), 2).await;
-    let layer = IdempotencyLayer::transactional(store)
+    let (store, table) = store_keeping_at(&schema, &database_url(), 2, kept).await;
+    let layer = IdempotencyLayer::transactional(store.clone())
         .store_timeout(Duration::from_millis(500))
         .lock_timeout(Duration::from_millis(200));
     let (router, counter) = app(layer, &table);
@@ -409,9 +466,20 @@ async fn a_connection_kept_past_the_response_does_not_hold_the_key() {
     assert_eq!(retry.status, 201, "{statuses:?}");
     assert_eq!(retry.outcome, Some(Outcome::Executed));
     assert_eq!(counter.runs(), 2);
-    let kept = format!("SELECT count(*) FROM {table} WHERE body = 'kept'");
-    assert_eq!(count(&schema, &kept).await, 0, "the kept write rolled back");
+    let kept_write = format!("SELECT count(*) FROM {table} WHERE body = 'kept'");
+    assert_eq!(
+        count(&schema, &kept_write).await,
+        0,
+        "the kept write rolled back"
+    );
     assert_eq!(rows_in(&schema, &table).await, 1);
+    // The ended session is not lent again: the requests after it run.
+    for i in 0..4 {
+        let r = send(&router, post_with(&format!("after-{i}"), &[])).await;
+        assert_eq!(r.status, 201, "{:?}", r.body);
+    }
+    assert_eq!(rows_in(&schema, &table).await, 5);
+    assert!(store.kept_connections() <= kept);
 }
 
 /// A `COMMIT` whose answer is lost: the layer checks on another connection, and tells

@@ -233,8 +233,9 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// The idempotency store through sqlx (`--driver sqlx`): a pool of its own to `url`,
-/// its statements unnamed behind a transaction pooler, listening on `--listen-url`
+/// The idempotency store through sqlx (`--driver sqlx`): a pool of its own to `url`
+/// and up to 8 connections kept beside it, its statements unnamed behind a
+/// transaction pooler, listening on `--listen-url`
 /// there, migrated.
 #[cfg(feature = "sqlx")]
 async fn sqlx_store(
@@ -261,7 +262,10 @@ async fn sqlx_store(
                 .await
         }
     };
+    // A few connections kept out of the pool for the store's statements, which then
+    // skip the round trip sqlx's pool makes to test each connection given back to it.
     let mut store = SqlxStore::new(pool(url, 32).await?)
+        .with_kept_connections(8)
         .with_schema_name(&args.schema)?
         .with_transaction_pooling(args.transaction_pooler)
         .with_background_purge(Some(backend::PURGE_EVERY))

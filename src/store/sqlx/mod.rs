@@ -12,12 +12,14 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+mod kept;
 mod tx;
 
+use tx::Via as _;
 pub(crate) use tx::{SqlxConn, roll_back};
 
 use ::sqlx::{
-    Executor as _, PgPool, Postgres, Row as _, ValueRef as _,
+    Connection as _, Executor as _, PgPool, Postgres, Row as _, ValueRef as _,
     postgres::{PgArguments, PgListener, PgRow, PgValueFormat},
     query::Query,
 };
@@ -79,7 +81,9 @@ const PURGE_BATCH: i64 = 1000;
 ///
 /// sqlx's pool tests each connection given back to it with a round trip, and by default
 /// each one it hands out as well: build the pool with `test_before_acquire(false)` to
-/// leave the second out (docs/postgres.md, "CPU per request on sqlx").
+/// leave the second out, and let the store keep connections of its own
+/// ([`with_kept_connections`](Self::with_kept_connections)) to leave the first out of
+/// its statements (docs/postgres.md, "CPU per request on sqlx").
 ///
 /// Behind a transaction-pooling PgBouncer, turn the store's prepared statements off
 /// ([`with_transaction_pooling`](Self::with_transaction_pooling)) and the app's own
@@ -120,6 +124,8 @@ pub struct SqlxStore {
     /// The period of the table's generations, if it has them (`with_generations`).
     generations: Option<Duration>,
     rotator: Option<Arc<super::generations::Rotator>>,
+    /// The connections the store keeps out of the pool (`with_kept_connections`).
+    kept: Option<Arc<kept::Kept>>,
 }
 
 impl fmt::Debug for SqlxStore {
@@ -149,6 +155,7 @@ impl SqlxStore {
             Some(DEFAULT_EVERY),
             None,
             pool,
+            0,
         )
     }
 
@@ -162,6 +169,7 @@ impl SqlxStore {
         purge_every: Option<Duration>,
         generations: Option<Duration>,
         listen_pool: PgPool,
+        kept: usize,
     ) -> Self {
         let sql = Arc::new(Sql::new(&schema, &table, generations.is_some(), remember));
         let waiting = (pool.options().get_max_connections() / 2).max(1) as usize;
@@ -172,6 +180,7 @@ impl SqlxStore {
             listener: Arc::new(Listener::new(listen_pool, format!("{table}_done"))),
             purge: Arc::new(Purge::default()),
             liveness: None,
+            kept: (kept > 0).then(|| kept::Kept::new(pool.clone(), kept)),
             pool,
             schema,
             table,
@@ -185,6 +194,7 @@ impl SqlxStore {
     fn rebuilt(self, change: impl FnOnce(&mut Self)) -> Self {
         let listen_pool = self.listener.pool.clone();
         let live = self.liveness.is_some();
+        let kept = self.kept_most();
         let mut s = self;
         change(&mut s);
         Self::build(
@@ -196,6 +206,7 @@ impl SqlxStore {
             s.purge_every,
             s.generations,
             listen_pool,
+            kept,
         )
         .with_liveness(live)
     }
@@ -237,6 +248,7 @@ impl SqlxStore {
     #[must_use]
     pub fn with_notification_pool(self, pool: PgPool) -> Self {
         let live = self.liveness.is_some();
+        let kept = self.kept_most();
         Self::build(
             self.pool,
             self.schema,
@@ -246,6 +258,7 @@ impl SqlxStore {
             self.purge_every,
             self.generations,
             pool,
+            kept,
         )
         .with_liveness(live)
     }
@@ -262,6 +275,62 @@ impl SqlxStore {
     #[must_use]
     pub fn remember_keys_for(self, window: Duration) -> Self {
         self.rebuilt(|s| s.remember = window.min(crate::settings::TEN_YEARS))
+    }
+
+    /// Keeps up to `n` connections out of the pool for the store's own statements
+    /// (claims, completions, replays, renewals; in transactional mode, the request's
+    /// transaction), so that none of them pays the round trip sqlx's pool makes to test
+    /// every connection given back to it. `0` turns them off.
+    ///
+    /// They are made by the pool, with its `after_connect` hook, and then detached from
+    /// it: the store may have up to `n` connections open beyond the pool's
+    /// `max_connections` (count them against the server's), and the pool's
+    /// `before_acquire` and `after_release` hooks do not run on them. They are opened as
+    /// statements find none idle; past `n` at once, a statement takes a connection of
+    /// the pool as before. One is closed rather than kept when its statement ends
+    /// without the server's answer (a lost connection, a timeout, a request dropped),
+    /// when it is left in a transaction, once it is older than the pool's
+    /// `max_lifetime`, and once the pool is closed (docs/postgres.md, "CPU per request
+    /// on sqlx").
+    ///
+    /// ```no_run
+    /// use sqlx::postgres::PgPoolOptions;
+    /// use tower_idempotency::{IdempotencyLayer, store::SqlxStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = PgPoolOptions::new()
+    ///     .max_connections(16)
+    ///     .connect("postgres://app@db/app")
+    ///     .await?;
+    /// let layer = IdempotencyLayer::new(SqlxStore::new(pool).with_kept_connections(8));
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_kept_connections(self, n: usize) -> Self {
+        let listen_pool = self.listener.pool.clone();
+        let live = self.liveness.is_some();
+        Self::build(
+            self.pool,
+            self.schema,
+            self.table,
+            self.remember,
+            self.persistent,
+            self.purge_every,
+            self.generations,
+            listen_pool,
+            n,
+        )
+        .with_liveness(live)
+    }
+
+    fn kept_most(&self) -> usize {
+        self.kept.as_ref().map_or(0, |kept| kept.most())
+    }
+
+    /// How many connections the store keeps out of the pool now, idle or in use
+    /// ([`with_kept_connections`](Self::with_kept_connections)).
+    pub fn kept_connections(&self) -> usize {
+        self.kept.as_ref().map_or(0, |kept| kept.open())
     }
 
     /// The pool the store runs its statements on.
@@ -373,21 +442,55 @@ impl SqlxStore {
         ::sqlx::query(sql).persistent(self.persistent)
     }
 
-    /// Runs `query` on a connection of the pool for its rows. Behind a transaction
-    /// pooler, in a transaction of its own: sqlx sends an unnamed statement's parse and
-    /// its execution in two exchanges, which the pooler may give to two server sessions
-    /// unless a transaction holds one.
+    /// A connection for one of the store's statements: a kept one if one is idle or
+    /// may be opened (`with_kept_connections`), else one of the pool's.
+    async fn lend(&self) -> Result<kept::Lent, StoreError> {
+        kept::Lent::from(self.kept.as_ref(), &self.pool).await
+    }
+
+    /// `conn` after its statement ended with `result`: back for the next statement if
+    /// its answer was read in full, closed (a kept one) otherwise. An error the server
+    /// answered leaves a connection ready, unless it was in a transaction of the
+    /// store's (behind a transaction pooler), whose `ROLLBACK` is still to be sent.
+    fn handed_back<T>(
+        &self,
+        conn: kept::Lent,
+        result: Result<T, ::sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        match result {
+            Ok(done) => {
+                conn.done();
+                Ok(done)
+            }
+            Err(e) => {
+                if self.persistent && kept::leaves_it_ready(&e) {
+                    conn.done();
+                }
+                Err(classify(e))
+            }
+        }
+    }
+
+    /// Runs `query` for its rows on a connection [`lend`](Self::lend) gives. Behind a
+    /// transaction pooler, in a transaction of its own: sqlx sends an unnamed
+    /// statement's parse and its execution in two exchanges, which the pooler may give
+    /// to two server sessions unless a transaction holds one.
     async fn fetch_all(
         &self,
         query: Query<'_, Postgres, PgArguments>,
     ) -> Result<Vec<PgRow>, StoreError> {
-        if self.persistent {
-            return query.fetch_all(&self.pool).await.map_err(classify);
-        }
-        let mut tx = self.pool.begin().await.map_err(classify)?;
-        let rows = query.fetch_all(&mut *tx).await.map_err(classify)?;
-        tx.commit().await.map_err(classify)?;
-        Ok(rows)
+        let mut conn = self.lend().await?;
+        let rows = if self.persistent {
+            query.fetch_all_via(&mut conn).await
+        } else {
+            async {
+                let mut tx = conn.begin().await?;
+                let rows = query.fetch_all_via(&mut tx).await?;
+                tx.commit().await.map(|()| rows)
+            }
+            .await
+        };
+        self.handed_back(conn, rows)
     }
 
     /// [`fetch_all`](Self::fetch_all), for a statement of one row at most.
@@ -400,17 +503,18 @@ impl SqlxStore {
 
     /// [`fetch_all`](Self::fetch_all), for the count of rows a statement changed.
     async fn execute(&self, query: Query<'_, Postgres, PgArguments>) -> Result<u64, StoreError> {
-        if self.persistent {
-            return Ok(query
-                .execute(&self.pool)
-                .await
-                .map_err(classify)?
-                .rows_affected());
-        }
-        let mut tx = self.pool.begin().await.map_err(classify)?;
-        let done = query.execute(&mut *tx).await.map_err(classify)?;
-        tx.commit().await.map_err(classify)?;
-        Ok(done.rows_affected())
+        let mut conn = self.lend().await?;
+        let done = if self.persistent {
+            query.execute_via(&mut conn).await
+        } else {
+            async {
+                let mut tx = conn.begin().await?;
+                let done = query.execute_via(&mut tx).await?;
+                tx.commit().await.map(|()| done)
+            }
+            .await
+        };
+        self.handed_back(conn, done.map(|done| done.rows_affected()))
     }
 
     /// What an operator's removal did: the token of the row its statement returned, or

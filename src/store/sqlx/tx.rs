@@ -42,6 +42,7 @@ use super::{
         tx::{Backend, Ending, Resolution, begin, begin_claiming, ending, resolution},
     },
     SqlxRow, SqlxStore, classify,
+    kept::Lent,
 };
 use crate::{
     Fingerprint, StoredResponse,
@@ -51,20 +52,21 @@ use crate::{
     },
 };
 
-/// A connection of the app's pool that holds a transaction of the layer's: it goes
-/// back to the pool only once its work is done ([`done`](Self::done)); dropped before
-/// that (a timeout, a request dropped, work given up on), it is closed, which rolls
-/// back whatever transaction it holds.
-pub(crate) struct SqlxConn(Option<PoolConnection<Postgres>>);
+/// A connection that holds a transaction of the layer's (one the store keeps, or one
+/// of the app's pool): it goes back only once its work is done
+/// ([`done`](Self::done)); dropped before that (a timeout, a request dropped, work
+/// given up on), it is closed, which rolls back whatever transaction it holds.
+pub(crate) struct SqlxConn(Option<Lent>);
 
 impl SqlxConn {
-    /// The work is done: the connection goes back to the pool, unless sqlx still
-    /// counts a transaction open on it (one the handler leaked): then it is closed.
+    /// The work is done: the connection goes back, unless sqlx still counts a
+    /// transaction open on it (one the handler leaked): then it is closed.
     pub(crate) fn done(mut self) {
         if let Some(conn) = &self.0
             && PgTransactionManager::get_transaction_depth(conn) == 0
+            && let Some(conn) = self.0.take()
         {
-            drop(self.0.take());
+            conn.done();
         }
     }
 }
@@ -126,7 +128,7 @@ impl Encode<'_, Postgres> for Timestamp {
 /// whose futures the compiler cannot prove `Send` for every lifetime inside the
 /// layer's; the methods of `&mut PgConnection`'s own `Executor` return boxed `Send`
 /// futures. These send a statement through those.
-trait Via<'q>: ::sqlx::Execute<'q, Postgres> + Sized + 'q {
+pub(super) trait Via<'q>: ::sqlx::Execute<'q, Postgres> + Sized + 'q {
     fn fetch_all_via<'c>(
         self,
         conn: &'c mut PgConnection,
@@ -219,10 +221,9 @@ impl SqlxStore {
         }
     }
 
-    /// A connection of the app's pool, for a transaction.
+    /// A connection for a transaction: one the store keeps, else one of the pool's.
     pub(crate) async fn tx_connection(&self) -> Result<SqlxConn, StoreError> {
-        let conn = self.pool.acquire().await.map_err(classify)?;
-        Ok(SqlxConn(Some(conn)))
+        Ok(SqlxConn(Some(self.lend().await?)))
     }
 
     /// [`apart`](Apart): an idle pooled connection, else one of the store's own.
