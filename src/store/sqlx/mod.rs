@@ -51,6 +51,27 @@ use crate::{
     },
 };
 
+/// What a statement of the store's answered: its rows, or the count of rows it changed.
+enum Answer {
+    Rows(Vec<PgRow>),
+    Changed(u64),
+}
+
+impl Answer {
+    async fn of(
+        query: Query<'_, Postgres, PgArguments>,
+        conn: &mut ::sqlx::PgConnection,
+        rows: bool,
+    ) -> Result<Self, ::sqlx::Error> {
+        if rows {
+            query.fetch_all_via(conn).await.map(Self::Rows)
+        } else {
+            let done = query.execute_via(conn).await?;
+            Ok(Self::Changed(done.rows_affected()))
+        }
+    }
+}
+
 /// How often a waiter looks again while no notification connection listens.
 const FALLBACK_RECHECK: Duration = Duration::from_millis(250);
 
@@ -471,26 +492,39 @@ impl SqlxStore {
         }
     }
 
-    /// Runs `query` for its rows on a connection [`lend`](Self::lend) gives. Behind a
-    /// transaction pooler, in a transaction of its own: sqlx sends an unnamed
-    /// statement's parse and its execution in two exchanges, which the pooler may give
-    /// to two server sessions unless a transaction holds one.
+    /// Sends `query` on a connection [`lend`](Self::lend) gives, for its rows or for
+    /// the count of rows it changed (`rows`). Behind a transaction pooler, in a
+    /// transaction of its own: sqlx sends an unnamed statement's parse and its execution
+    /// in two exchanges, which the pooler may give to two server sessions unless a
+    /// transaction holds one.
+    async fn send(
+        &self,
+        query: Query<'_, Postgres, PgArguments>,
+        rows: bool,
+    ) -> Result<Answer, StoreError> {
+        let mut conn = self.lend().await?;
+        let answer = if self.persistent {
+            Answer::of(query, &mut conn, rows).await
+        } else {
+            async {
+                let mut tx = conn.begin().await?;
+                let answer = Answer::of(query, &mut tx, rows).await?;
+                tx.commit().await.map(|()| answer)
+            }
+            .await
+        };
+        self.handed_back(conn, answer)
+    }
+
+    /// [`send`](Self::send)s `query` for its rows.
     async fn fetch_all(
         &self,
         query: Query<'_, Postgres, PgArguments>,
     ) -> Result<Vec<PgRow>, StoreError> {
-        let mut conn = self.lend().await?;
-        let rows = if self.persistent {
-            query.fetch_all_via(&mut conn).await
-        } else {
-            async {
-                let mut tx = conn.begin().await?;
-                let rows = query.fetch_all_via(&mut tx).await?;
-                tx.commit().await.map(|()| rows)
-            }
-            .await
-        };
-        self.handed_back(conn, rows)
+        match self.send(query, true).await? {
+            Answer::Rows(rows) => Ok(rows),
+            Answer::Changed(_) => Ok(Vec::new()),
+        }
     }
 
     /// [`fetch_all`](Self::fetch_all), for a statement of one row at most.
@@ -501,20 +535,12 @@ impl SqlxStore {
         Ok(self.fetch_all(query).await?.into_iter().next())
     }
 
-    /// [`fetch_all`](Self::fetch_all), for the count of rows a statement changed.
+    /// [`send`](Self::send)s `query` for the count of rows it changed.
     async fn execute(&self, query: Query<'_, Postgres, PgArguments>) -> Result<u64, StoreError> {
-        let mut conn = self.lend().await?;
-        let done = if self.persistent {
-            query.execute_via(&mut conn).await
-        } else {
-            async {
-                let mut tx = conn.begin().await?;
-                let done = query.execute_via(&mut tx).await?;
-                tx.commit().await.map(|()| done)
-            }
-            .await
-        };
-        self.handed_back(conn, done.map(|done| done.rows_affected()))
+        match self.send(query, false).await? {
+            Answer::Changed(n) => Ok(n),
+            Answer::Rows(rows) => Ok(rows.len() as u64),
+        }
     }
 
     /// What an operator's removal did: the token of the row its statement returned, or
