@@ -949,6 +949,34 @@ mod liveness {
         (r.get(0), r.get(1), r.get(2))
     }
 
+    /// Before `migrate()`, the lock's connection cannot register, and `start_liveness`
+    /// says why, with the database's words and what to do; once migrated, the same
+    /// store holds its lock (its connection kept trying in the background).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn start_liveness_says_why_before_migrate_and_holds_after() {
+        use tower_idempotency::store::StoreErrorKind;
+        let schema = TestSchema::new();
+        let store = SqlxStore::new(super::pool(&database_url(), 4).await)
+            .with_schema_name(&schema.name)
+            .expect("schema")
+            .with_liveness(true);
+        let e = store
+            .start_liveness()
+            .await
+            .expect_err("registered before migrate()");
+        assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}");
+        assert!(e.to_string().contains("did not hold its lock"), "{e}");
+        assert!(e.to_string().contains("_holders"), "{e}");
+        assert!(e.hint().is_some_and(|h| h.contains("migrate")), "{e:?}");
+        assert!(!store.is_live());
+        store.migrate().await.expect("migrate");
+        store
+            .start_liveness()
+            .await
+            .expect("liveness once migrated");
+        assert!(store.is_live());
+    }
+
     /// Claims of a live holder's key find it running for several times the grace (1 s)
     /// after which a silent holder whose lock is free counts as gone; once the holder
     /// is killed, a claim takes the key over (the next token, this store as its holder)

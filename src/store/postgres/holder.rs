@@ -1,18 +1,19 @@
 //! What a holder of lease-mode claims does whichever driver holds its lock
 //! (`liveness` for tokio-postgres, `store/sqlx/liveness` for sqlx): its id, the
 //! settings of its lock's session, how long it may be silent, and when its heartbeat
-//! renews `seen_at` (while it runs claims, every `HEARTBEAT`). A driver owns the
+//! renews `seen_at` (while it runs claims, every `HEARTBEAT`), and the task that holds
+//! its lock: when it starts, whether the lock is held, why it is not. A driver owns the
 //! connections: the one that holds the lock and the heartbeat's.
 
 use std::{
     sync::{
-        Arc,
+        Arc, Mutex, PoisonError, Weak,
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
 
-use tokio::time::Instant;
+use tokio::{sync::watch, task::AbortHandle, time::Instant};
 
 use crate::store::{BoxFuture, StoreError, StoreErrorKind};
 
@@ -40,10 +41,148 @@ pub(crate) const SETTINGS: &str = "SELECT set_config(name, '0', false) FROM pg_s
                     'idle_session_timeout', 'transaction_timeout', 'tcp_keepalives_idle',
                     'tcp_keepalives_interval', 'tcp_keepalives_count', 'tcp_user_timeout')";
 
+/// How long `start_liveness` waits for the lock to be held.
+const START_BOUND: Duration = Duration::from_secs(5);
+
 /// A new holder id: positive and never 0, like a fencing token; any 63-bit number
 /// would do.
 pub(crate) fn new_holder_id() -> i64 {
     ((crate::random::u64() >> 1) as i64).max(1)
+}
+
+/// The heartbeat's statement, a simple query (the id is the store's own number):
+/// `holder`'s `seen_at` in `holders` renewed.
+pub(crate) fn heartbeat_statement(holders: &str, holder: i64) -> String {
+    format!("UPDATE {holders} SET seen_at = now() WHERE holder = {holder}")
+}
+
+/// The task that holds a holder's lock, as each driver runs it.
+pub(crate) trait Hold: Send + Sync + 'static {
+    /// The task's state.
+    fn holding(&self) -> &Holding;
+    /// Holds the lock on a connection of its own for as long as the holder lives
+    /// (`me`, not kept across a wait, so that the holder may go meanwhile), telling
+    /// its `holding` when the lock is held, lost, or failed to be held.
+    fn hold(me: Weak<Self>) -> BoxFuture<'static, ()>;
+}
+
+/// Where the task that holds a holder's lock is: whether it runs, whether the lock is
+/// held and the holder registered, and why its connection last failed to. The task
+/// stops with the holder.
+pub(crate) struct Holding {
+    /// The task, and whether it runs (read by every claim, so without the lock).
+    task: Mutex<Option<AbortHandle>>,
+    running: AtomicBool,
+    /// Whether the lock is held and the holder registered.
+    held: watch::Sender<bool>,
+    /// Why the connection last failed to hold its lock and register, until it does:
+    /// what `start_liveness` says when it gives up.
+    failed: Mutex<Option<StoreError>>,
+}
+
+impl Default for Holding {
+    fn default() -> Self {
+        Self {
+            task: Mutex::new(None),
+            running: AtomicBool::new(false),
+            held: watch::channel(false).0,
+            failed: Mutex::new(None),
+        }
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        if let Some(task) = self
+            .task
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            task.abort();
+        }
+    }
+}
+
+impl Holding {
+    /// Whether the lock is held and the holder registered.
+    pub(crate) fn is_held(&self) -> bool {
+        *self.held.borrow()
+    }
+
+    /// The lock is held and the holder registered.
+    pub(crate) fn held(&self) {
+        *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.held.send_replace(true);
+    }
+
+    /// The connection that held the lock ended.
+    pub(crate) fn lost(&self) {
+        self.held.send_replace(false);
+    }
+
+    /// The connection failed to hold the lock and register, with `e`.
+    pub(crate) fn failed(&self, e: StoreError) {
+        *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+    }
+}
+
+/// Starts the task that holds `holder`'s lock, if it is not running (needs a runtime;
+/// it runs on the one that first calls this, and again on the next if that one ended).
+pub(crate) fn start<H: Hold>(holder: &Arc<H>) {
+    let holding = holder.holding();
+    if holding.running.load(Ordering::Acquire) {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let mut task = holding.task.lock().unwrap_or_else(PoisonError::into_inner);
+    if !holding.running.load(Ordering::Acquire) {
+        holding.running.store(true, Ordering::Release);
+        let me = Arc::downgrade(holder);
+        let spawned = runtime.spawn(async move {
+            let _released = Released(me.clone());
+            H::hold(me).await;
+        });
+        *task = Some(spawned.abort_handle());
+    }
+}
+
+/// Held by the task that holds the lock: however it ends (its runtime shut down, say),
+/// the holder stops counting as held, and the next claim starts the task again.
+struct Released<H: Hold>(Weak<H>);
+
+impl<H: Hold> Drop for Released<H> {
+    fn drop(&mut self) {
+        if let Some(me) = self.0.upgrade() {
+            let holding = me.holding();
+            holding.held.send_replace(false);
+            holding.running.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// What `start_liveness` does: starts the task and waits (up to 5 s) until the lock is
+/// held and the holder registered; else why its connection last failed (`not_held`).
+pub(crate) async fn started<H: Hold>(holder: &Arc<H>) -> Result<(), StoreError> {
+    start(holder);
+    let holding = holder.holding();
+    let mut rx = holding.held.subscribe();
+    let held = tokio::time::timeout(START_BOUND, rx.wait_for(|held| *held))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    if held {
+        return Ok(());
+    }
+    Err(not_held(
+        holding
+            .failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(StoreError::copied),
+    ))
 }
 
 /// The heartbeat of a holder's `seen_at`, as each driver renews it.
@@ -183,7 +322,7 @@ pub(crate) fn backoff_after(backoff: Duration) -> Duration {
 /// What `start_liveness` says when the lock was not held within 5 s: why its
 /// connection last failed, as the database said it, and what to do where the cause is
 /// likely (the table not migrated, a right missing); `None`: it never said.
-pub(crate) fn not_held(last: Option<StoreError>) -> StoreError {
+fn not_held(last: Option<StoreError>) -> StoreError {
     let Some(e) = last else {
         return StoreError::new(
             StoreErrorKind::Unavailable,

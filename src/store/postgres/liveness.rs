@@ -38,10 +38,7 @@
 //! just then) cannot be told from a dead one: docs/postgres.md says so.
 
 use std::{
-    sync::{
-        Arc, Mutex, PoisonError, Weak,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex, PoisonError, Weak},
     task::Poll,
     time::Duration,
 };
@@ -52,7 +49,10 @@ pub(super) use super::holder::GRACE;
 use super::{
     checkout::POOL_WAIT,
     errors::{Shown, classify},
-    holder::{Activity, Beat, CONNECT_TIMEOUT, SETTINGS, backoff_after, new_holder_id},
+    holder::{
+        Activity, Beat, CONNECT_TIMEOUT, Hold, Holding, SETTINGS, backoff_after,
+        heartbeat_statement, new_holder_id,
+    },
     hosts::Hosts,
     reserve::SessionSetup,
     sql::Statement,
@@ -74,36 +74,16 @@ pub(super) struct Liveness {
     /// What the app runs on each connection the store makes outside its pool
     /// (`with_session_setup`): on the liveness connection and the heartbeat's.
     session_setup: Option<SessionSetup>,
-    /// Why the liveness connection last failed to hold its lock and register, until
-    /// it does: what `start_liveness` says when it gives up.
-    failed: Mutex<Option<StoreError>>,
     /// The heartbeat's connection, made by the pool's manager outside the pool (its
     /// configuration, its TLS, through the same pooler if any), kept between bursts
     /// of claims: the heartbeat neither waits for the pool, which the handlers may
     /// hold entirely, nor depends on the liveness connection, which it stands in for
     /// while that one reconnects.
     beat_on: Mutex<Option<ClientWrapper>>,
-    /// The task that holds the lock, and whether it runs (read by every claim, so
-    /// without the lock).
-    started: Mutex<Option<tokio::task::AbortHandle>>,
-    holding: AtomicBool,
-    /// Whether the lock is held and the holder registered.
-    held: tokio::sync::watch::Sender<bool>,
+    /// The task that holds the lock: whether it runs, whether the lock is held.
+    pub(super) holding: Holding,
     /// Whether it runs claims (its heartbeat's schedule), and what it counts.
     pub(super) activity: Activity,
-}
-
-impl Drop for Liveness {
-    fn drop(&mut self) {
-        if let Some(task) = self
-            .started
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
-            task.abort();
-        }
-    }
 }
 
 impl Liveness {
@@ -121,17 +101,11 @@ impl Liveness {
             connector,
             register: sql.register_holder.clone(),
             forget: sql.forget_holders.clone(),
-            heartbeat: format!(
-                "UPDATE {} SET seen_at = now() WHERE holder = {holder}",
-                sql.holders
-            ),
+            heartbeat: heartbeat_statement(&sql.holders, holder),
             pool,
             session_setup,
-            failed: Mutex::new(None),
             beat_on: Mutex::new(None),
-            started: Mutex::new(None),
-            holding: AtomicBool::new(false),
-            held: tokio::sync::watch::channel(false).0,
+            holding: Holding::default(),
             activity: Activity::default(),
         }
     }
@@ -141,52 +115,10 @@ impl Liveness {
         self.holder
     }
 
-    pub(super) fn is_held(&self) -> bool {
-        *self.held.borrow()
-    }
-
     /// Starts the task that holds the lock, if it is not running (needs a runtime; it
     /// runs on the one that first calls this, and again on the next if that one ended).
     pub(super) fn start(self: &Arc<Self>) {
-        if self.holding.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let mut started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
-        if !self.holding.load(Ordering::Acquire) {
-            self.holding.store(true, Ordering::Release);
-            let task = runtime.spawn(hold(Arc::downgrade(self)));
-            *started = Some(task.abort_handle());
-        }
-    }
-
-    /// Starts the task and waits until the lock is held and the holder registered, at
-    /// most `bound`; else why the liveness connection last failed, if it did.
-    pub(super) async fn held_within(
-        self: &Arc<Self>,
-        bound: Duration,
-    ) -> Result<(), Option<StoreError>> {
-        self.start();
-        let mut rx = self.held.subscribe();
-        let held = tokio::time::timeout(bound, rx.wait_for(|held| *held))
-            .await
-            .is_ok_and(|r| r.is_ok());
-        if held {
-            return Ok(());
-        }
-        Err(self
-            .failed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map(StoreError::copied))
-    }
-
-    /// The liveness connection failed with `e` (`None`: it holds its lock now).
-    fn failed(&self, e: Option<StoreError>) {
-        *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = e;
+        super::holder::start(self);
     }
 
     /// A claim of `lease` was acquired: the heartbeat runs while it does.
@@ -253,16 +185,13 @@ impl Beat for Liveness {
     }
 }
 
-/// Held by the task that holds the lock: however it ends (its runtime shut down, say),
-/// the holder stops counting as held, and the next claim starts the task again.
-struct Released(Weak<Liveness>);
+impl Hold for Liveness {
+    fn holding(&self) -> &Holding {
+        &self.holding
+    }
 
-impl Drop for Released {
-    fn drop(&mut self) {
-        if let Some(me) = self.0.upgrade() {
-            me.held.send_replace(false);
-            me.holding.store(false, Ordering::Release);
-        }
+    fn hold(me: Weak<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(hold(me))
     }
 }
 
@@ -271,7 +200,6 @@ impl Drop for Released {
 /// holder still has it on the server), registers, and waits for the connection to end;
 /// then connects again, at once the first time.
 async fn hold(me: Weak<Liveness>) {
-    let _released = Released(me.clone());
     let mut backoff = Duration::ZERO;
     loop {
         if !backoff.is_zero() {
@@ -293,7 +221,7 @@ async fn hold(me: Weak<Liveness>) {
             Ok(Err(e)) => {
                 tracing::warn!(error = %Shown(&e), "the idempotency liveness connection cannot connect");
                 if let Some(me) = me.upgrade() {
-                    me.failed(Some(classify(e)));
+                    me.holding.failed(classify(e));
                 }
                 backoff = backoff_after(backoff);
                 continue;
@@ -305,7 +233,8 @@ async fn hold(me: Weak<Liveness>) {
                 );
                 tracing::warn!("{why}");
                 if let Some(me) = me.upgrade() {
-                    me.failed(Some(StoreError::new(StoreErrorKind::Timeout, why)));
+                    me.holding
+                        .failed(StoreError::new(StoreErrorKind::Timeout, why));
                 }
                 backoff = backoff_after(backoff);
                 continue;
@@ -335,8 +264,7 @@ async fn hold(me: Weak<Liveness>) {
                 }
                 registered = true;
                 if let Some(me) = me.upgrade() {
-                    me.failed(None);
-                    me.held.send_replace(true);
+                    me.holding.held();
                 }
             }
             loop {
@@ -350,7 +278,7 @@ async fn hold(me: Weak<Liveness>) {
         })
         .await;
         let Some(liveness) = me.upgrade() else { return };
-        liveness.held.send_replace(false);
+        liveness.holding.lost();
         let error = ended.as_ref().map_or_else(
             || "closed by the server".to_owned(),
             |e| Shown(e).to_string(),
@@ -362,10 +290,10 @@ async fn hold(me: Weak<Liveness>) {
         } else {
             // Classified, with what to do where the cause is likely (the table not
             // migrated, a right missing), for `start_liveness` to say.
-            liveness.failed(Some(ended.map_or_else(
+            liveness.holding.failed(ended.map_or_else(
                 || StoreError::new(StoreErrorKind::Unavailable, "closed by the server"),
                 classify,
-            )));
+            ));
             drop(liveness);
             tracing::warn!(%error, "the idempotency liveness connection could not hold its lock");
             backoff = backoff_after(backoff);

@@ -309,17 +309,14 @@ impl PostgresStore {
                 "no liveness: build the store with connect() or with_notifications(), and leave with_liveness on",
             ));
         };
-        liveness
-            .held_within(Duration::from_secs(5))
-            .await
-            .map_err(holder::not_held)
+        holder::started(liveness).await
     }
 
     /// Whether the liveness connection holds the store's lock and has registered it:
     /// while it does, the keys this process runs are taken over within a second of its
     /// death ([`with_liveness`](Self::with_liveness)).
     pub fn is_live(&self) -> bool {
-        self.liveness.as_ref().is_some_and(|l| l.is_held())
+        self.liveness.as_ref().is_some_and(|l| l.holding.is_held())
     }
 
     /// The holder id this store's lease-mode claims carry (the `holder` column), if it

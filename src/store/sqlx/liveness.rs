@@ -19,10 +19,7 @@
 //! in the pool, not in its connect options.
 
 use std::{
-    sync::{
-        Arc, Mutex, PoisonError, Weak,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex, PoisonError, Weak, atomic::Ordering},
     time::Duration,
 };
 
@@ -32,10 +29,13 @@ use ::sqlx::{
 };
 
 use super::super::{
-    holder::{Activity, Beat, CONNECT_TIMEOUT, SETTINGS, backoff_after, new_holder_id},
+    holder::{
+        self, Activity, Beat, CONNECT_TIMEOUT, Hold, Holding, SETTINGS, backoff_after,
+        heartbeat_statement, new_holder_id,
+    },
     sql::Sql,
 };
-use super::{Task, classify};
+use super::classify;
 use crate::store::{BoxFuture, ClaimRequest, Fenced, StoreError, StoreErrorKind};
 
 /// One store's liveness: its holder id, its lock's connection, and its heartbeat.
@@ -49,16 +49,9 @@ pub(super) struct Liveness {
     forget: String,
     /// The heartbeat, a simple query (the id is the store's own number).
     heartbeat: String,
-    /// Why the lock's connection last failed to hold its lock and register, until it
-    /// does: what `start_liveness` says when it gives up.
-    failed: Mutex<Option<StoreError>>,
     beat_on: Mutex<Option<PgConnection>>,
-    /// The task that holds the lock, and whether it runs (read by every claim, so
-    /// without the lock).
-    started: Task,
-    holding: AtomicBool,
-    /// Whether the lock is held and the holder registered.
-    held: tokio::sync::watch::Sender<bool>,
+    /// The task that holds the lock: whether it runs, whether the lock is held.
+    holding: Holding,
     pub(super) activity: Activity,
 }
 
@@ -78,15 +71,9 @@ impl Liveness {
             beat_options: (*pool.connect_options()).clone(),
             register: sql.register_holder.to_string(),
             forget: sql.forget_holders.to_string(),
-            heartbeat: format!(
-                "UPDATE {} SET seen_at = now() WHERE holder = {holder}",
-                sql.holders
-            ),
-            failed: Mutex::new(None),
+            heartbeat: heartbeat_statement(&sql.holders, holder),
             beat_on: Mutex::new(None),
-            started: Task::default(),
-            holding: AtomicBool::new(false),
-            held: tokio::sync::watch::channel(false).0,
+            holding: Holding::default(),
             activity: Activity::default(),
         }
     }
@@ -96,60 +83,19 @@ impl Liveness {
         self.holder
     }
 
-    pub(super) fn is_held(&self) -> bool {
-        *self.held.borrow()
-    }
-
     /// Starts the task that holds the lock, if it is not running.
     pub(super) fn start(self: &Arc<Self>) {
-        if self.holding.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let mut started = self.started.lock();
-        if !self.holding.load(Ordering::Acquire) {
-            self.holding.store(true, Ordering::Release);
-            let task = runtime.spawn(hold(Arc::downgrade(self)));
-            *started = Some(task.abort_handle());
-        }
-    }
-
-    /// Starts the task and waits until the lock is held and the holder registered, at
-    /// most `bound`; else why the lock's connection last failed, if it did.
-    pub(super) async fn held_within(
-        self: &Arc<Self>,
-        bound: Duration,
-    ) -> Result<(), Option<StoreError>> {
-        self.start();
-        let mut rx = self.held.subscribe();
-        let held = tokio::time::timeout(bound, rx.wait_for(|held| *held))
-            .await
-            .is_ok_and(|r| r.is_ok());
-        if held {
-            return Ok(());
-        }
-        Err(self
-            .failed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map(StoreError::copied))
-    }
-
-    fn failed(&self, e: Option<StoreError>) {
-        *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = e;
+        holder::start(self);
     }
 
     /// A claim of `lease` was acquired: the heartbeat runs while it does.
     pub(super) fn acquired(self: &Arc<Self>, lease: Duration) {
-        super::super::holder::acquired(self, lease);
+        holder::acquired(self, lease);
     }
 
     /// A claim was renewed for `lease`.
     pub(super) fn renewed(self: &Arc<Self>, lease: Duration) {
-        super::super::holder::renewed(self, lease);
+        holder::renewed(self, lease);
     }
 
     /// A claim was completed or released (or found lost).
@@ -198,16 +144,13 @@ impl Beat for Liveness {
     }
 }
 
-/// Held by the task that holds the lock: however it ends, the holder stops counting
-/// as held, and the next claim starts the task again.
-struct Released(Weak<Liveness>);
+impl Hold for Liveness {
+    fn holding(&self) -> &Holding {
+        &self.holding
+    }
 
-impl Drop for Released {
-    fn drop(&mut self) {
-        if let Some(me) = self.0.upgrade() {
-            me.held.send_replace(false);
-            me.holding.store(false, Ordering::Release);
-        }
+    fn hold(me: Weak<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(hold(me))
     }
 }
 
@@ -249,7 +192,6 @@ async fn lock_and_register(
 /// lives: connects, takes the lock, registers, and waits for the connection to end;
 /// then connects again, at once the first time.
 async fn hold(me: Weak<Liveness>) {
-    let _released = Released(me.clone());
     let mut backoff = Duration::ZERO;
     loop {
         if !backoff.is_zero() {
@@ -269,15 +211,14 @@ async fn hold(me: Weak<Liveness>) {
             Err(e) => {
                 tracing::warn!(error = %e, "the idempotency liveness connection could not hold its lock");
                 if let Some(me) = me.upgrade() {
-                    me.failed(Some(classify(e)));
+                    me.holding.failed(classify(e));
                 }
                 backoff = backoff_after(backoff);
                 continue;
             }
         };
         if let Some(me) = me.upgrade() {
-            me.failed(None);
-            me.held.send_replace(true);
+            me.holding.held();
         }
         // Nothing is listened for: this returns when the connection ends.
         let ended = loop {
@@ -289,7 +230,7 @@ async fn hold(me: Weak<Liveness>) {
         };
         drop(session);
         let Some(liveness) = me.upgrade() else { return };
-        liveness.held.send_replace(false);
+        liveness.holding.lost();
         drop(liveness);
         tracing::warn!(error = %ended, "the idempotency liveness connection was lost; reconnecting");
         backoff = Duration::ZERO;
@@ -349,15 +290,12 @@ impl super::SqlxStore {
                 "no liveness: turn it on with with_liveness(true)",
             ));
         };
-        liveness
-            .held_within(Duration::from_secs(5))
-            .await
-            .map_err(super::super::holder::not_held)
+        holder::started(liveness).await
     }
 
     /// Whether the liveness connection holds the store's lock and has registered it.
     pub fn is_live(&self) -> bool {
-        self.liveness.as_ref().is_some_and(|l| l.is_held())
+        self.liveness.as_ref().is_some_and(|l| l.holding.is_held())
     }
 
     /// The holder id this store's claims carry (the `holder` column), if it has
