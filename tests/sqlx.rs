@@ -503,6 +503,52 @@ mod faults {
         assert_eq!(counter.runs_of("k"), 1, "{statuses:?}");
     }
 
+    /// A statement dropped before its answer (its caller gave up on it) closes the kept
+    /// connection it was sent on: given back, that connection would hand the late answer
+    /// to the next statement. The claims after it are answered as their own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_statement_dropped_before_its_answer_closes_its_kept_connection() {
+        use tower_idempotency::{
+            Fingerprint, Scope,
+            store::{Claim, ClaimRequest, Store},
+        };
+
+        let schema = TestSchema::new();
+        let proxy = PgProxy::start().await;
+        let store = store_keeping(&schema, &proxy, 2, 1).await;
+        let scope = Scope::new("dropped");
+        let request = |key: &'static str| ClaimRequest {
+            scope: &scope,
+            key,
+            fingerprint: Fingerprint::new([1; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        assert!(matches!(
+            store.claim(&request("warm-up")).await,
+            Ok(Claim::Acquired(_))
+        ));
+        assert_eq!(store.kept_connections(), 1);
+        proxy.stall(true);
+        let given_up =
+            tokio::time::timeout(Duration::from_millis(300), store.claim(&request("k"))).await;
+        assert!(given_up.is_err(), "the stalled claim was answered");
+        assert_eq!(
+            store.kept_connections(),
+            0,
+            "the connection of the dropped claim is closed"
+        );
+        proxy.stall(false);
+        // The dropped claim may have landed: `k` is then running (or released by its
+        // token); a new key is acquired, answered by its own reply.
+        let fresh = store.claim(&request("k2")).await.expect("the next claim");
+        let Claim::Acquired(lease) = fresh else {
+            panic!("a new key is acquired, not {fresh:?}")
+        };
+        assert_eq!(&*lease.key, "k2");
+        assert_eq!(store.kept_connections(), 1);
+    }
+
     /// A claim's answer lost with its connection (the database refusing connections for
     /// a while after, if `away`) may have committed: it is released by its token, and a
     /// retry runs within seconds, not after the 60 s lease.
