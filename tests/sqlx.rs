@@ -755,10 +755,11 @@ mod kept {
     }
 
     /// Many tasks over a few keys, more at once than there are kept connections: each
-    /// key runs once, every duplicate gets its response, and the store never keeps
-    /// more than it was given.
+    /// key runs once, every duplicate gets its response, the store never keeps more
+    /// than it was given, and it waits for them rather than make the pool open more
+    /// (the pool's one session is the migration's, if the kept ones did not take it).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn concurrent_requests_over_kept_and_pooled_connections_run_each_key_once() {
+    async fn concurrent_requests_share_the_kept_connections_and_run_each_key_once() {
         let schema = TestSchema::new();
         let store = store(&schema, 4, 3).await;
         let layer = IdempotencyLayer::new(store.clone()).wait_for_running(Duration::from_secs(10));
@@ -788,6 +789,11 @@ mod kept {
             assert_eq!(counter.runs_of(&format!("k{i}")), 1);
         }
         assert!(store.kept_connections() <= 3);
+        assert!(
+            store.pool().size() <= 1,
+            "the pool opened {} sessions for the store",
+            store.pool().size()
+        );
     }
 
     /// A kept connection whose session the server ended while it sat idle is tested

@@ -10,8 +10,11 @@
 //! They are made by the pool (so the pool's `after_connect` hook has run on them) and
 //! detached from it, so they are outside its `max_connections`: the pool can open
 //! others in their place, and the app's `pool.close()` does not wait for them. They
-//! are opened when a statement finds none idle, up to the number set; past that, a
-//! statement takes a connection of the pool as before. A kept connection is closed,
+//! are opened when a statement finds none idle, up to the number set. While all of
+//! them are lent out, a statement takes an idle connection of the pool if it has one,
+//! else waits for the first kept one given back: the store never makes the pool open
+//! connections for it beyond the kept ones, which would only add sessions for
+//! PostgreSQL to switch between. A kept connection is closed,
 //! not kept, when its statement fails without the server's answer (a connection lost,
 //! a timeout, a future dropped mid-statement), when it is left in a transaction, once it
 //! is older than the pool's `max_lifetime`, and once the pool is closed. One idle for
@@ -30,6 +33,8 @@ use ::sqlx::{
 };
 use sqlx::postgres::PgTransactionManager;
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
 use super::classify;
 use crate::store::StoreError;
 
@@ -37,6 +42,8 @@ use crate::store::StoreError;
 pub(super) struct Kept {
     pool: PgPool,
     most: usize,
+    /// A permit for each kept connection lent out.
+    lending: Arc<Semaphore>,
     state: Mutex<State>,
 }
 
@@ -63,6 +70,7 @@ impl Kept {
         Arc::new(Self {
             pool,
             most,
+            lending: Arc::new(Semaphore::new(most)),
             state: Mutex::new(State::default()),
         })
     }
@@ -81,21 +89,40 @@ impl Kept {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// An idle kept connection, or a new one from the pool while fewer than `most` are
-    /// open; `None` when all are lent out (or the pool is closed). One idle for longer
-    /// than [`TEST_IDLE_AFTER`] is tested first, and closed if it fails the test.
-    async fn take(self: &Arc<Self>) -> Result<Option<KeptConn>, StoreError> {
+    /// A connection for one statement (or one transaction): a kept one at once if one
+    /// is idle or fewer than `most` are open; while all `most` are lent out, an idle
+    /// connection of the pool if it has one, else the first kept one given back. So
+    /// the store's statements never make the pool open a connection for them beyond
+    /// the kept ones. Once the pool is closed, the pool's answer (an error).
+    async fn lend(self: &Arc<Self>) -> Result<Lent, StoreError> {
+        if self.pool.is_closed() {
+            self.close_idle();
+            return Ok(Lent::Pooled(self.pool.acquire().await.map_err(classify)?));
+        }
+        let permit = match self.lending.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                if let Some(pooled) = self.pool.try_acquire() {
+                    return Ok(Lent::Pooled(pooled));
+                }
+                match self.lending.clone().acquire_owned().await {
+                    Ok(permit) => permit,
+                    Err(_) => unreachable!("the lending semaphore is never closed"),
+                }
+            }
+        };
+        let mut lent = self.take().await?;
+        lent.permit = Some(permit);
+        Ok(Lent::Kept(lent))
+    }
+
+    /// An idle kept connection, or a new one from the pool: the caller holds a permit,
+    /// so fewer than `most` are lent out. One idle for longer than
+    /// [`TEST_IDLE_AFTER`] is tested first, and closed if it fails the test.
+    async fn take(self: &Arc<Self>) -> Result<KeptConn, StoreError> {
         loop {
             let idle = {
                 let mut state = self.state();
-                if self.pool.is_closed() {
-                    state.open -= state.idle.len();
-                    state.idle.clear();
-                    return Ok(None);
-                }
-                if state.idle.is_empty() && state.open >= self.most {
-                    return Ok(None);
-                }
                 if state.idle.is_empty() {
                     state.open += 1;
                 }
@@ -111,11 +138,11 @@ impl Kept {
             };
             let mut lent = self.lent(conn, opened);
             if since.elapsed() < TEST_IDLE_AFTER {
-                return Ok(Some(lent));
+                return Ok(lent);
             }
             let conn = lent.conn.as_mut().unwrap_or_else(|| unreachable!());
             if conn.ping().await.is_ok() {
-                return Ok(Some(lent));
+                return Ok(lent);
             }
             // Dropped: closed, and the next one looked at.
         }
@@ -124,7 +151,14 @@ impl Kept {
         let opening = Opening(self);
         let conn = self.pool.acquire().await.map_err(classify)?;
         std::mem::forget(opening);
-        Ok(Some(self.lent(conn.detach(), Instant::now())))
+        Ok(self.lent(conn.detach(), Instant::now()))
+    }
+
+    /// Closes the idle ones (the pool is closed).
+    fn close_idle(&self) {
+        let mut state = self.state();
+        state.open -= state.idle.len();
+        state.idle.clear();
     }
 
     fn lent(self: &Arc<Self>, conn: PgConnection, since: Instant) -> KeptConn {
@@ -132,6 +166,7 @@ impl Kept {
             conn: Some(conn),
             since,
             kept: self.clone(),
+            permit: None,
         }
     }
 }
@@ -151,6 +186,9 @@ pub(super) struct KeptConn {
     conn: Option<PgConnection>,
     since: Instant,
     kept: Arc<Kept>,
+    /// One of the `most` lent out at once; let go after the connection is idle again
+    /// (or closed), for the next statement waiting.
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl KeptConn {
@@ -197,14 +235,13 @@ pub(crate) enum Lent {
 }
 
 impl Lent {
-    /// A kept connection if one is idle or may be opened, else one of the pool's.
+    /// A kept connection (see `Kept::lend`) if the store keeps any, else one of the
+    /// pool's.
     pub(super) async fn from(kept: Option<&Arc<Kept>>, pool: &PgPool) -> Result<Self, StoreError> {
-        if let Some(kept) = kept
-            && let Some(conn) = kept.take().await?
-        {
-            return Ok(Self::Kept(conn));
+        match kept {
+            Some(kept) => kept.lend().await,
+            None => Ok(Self::Pooled(pool.acquire().await.map_err(classify)?)),
         }
-        Ok(Self::Pooled(pool.acquire().await.map_err(classify)?))
     }
 
     /// Its statement is done, its answer read: a kept connection goes back to the idle

@@ -307,8 +307,11 @@ impl SqlxStore {
     /// it: the store may have up to `n` connections open beyond the pool's
     /// `max_connections` (count them against the server's), and the pool's
     /// `before_acquire` and `after_release` hooks do not run on them. They are opened as
-    /// statements find none idle; past `n` at once, a statement takes a connection of
-    /// the pool as before. One is closed rather than kept when its statement ends
+    /// statements find none idle. With all `n` lent out, a statement takes an idle
+    /// connection of the pool if there is one, else waits for a kept one: in
+    /// transactional mode, where a request holds its connection while its handler
+    /// runs, `n` bounds the requests running at once beyond the pool's idle
+    /// connections. One is closed rather than kept when its statement ends
     /// without the server's answer (a lost connection, a timeout, a request dropped),
     /// when it is left in a transaction, once it is older than the pool's
     /// `max_lifetime`, and once the pool is closed (docs/postgres.md, "CPU per request
