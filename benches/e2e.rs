@@ -116,7 +116,8 @@ struct Settings {
     /// `with_batched_claims` of rows (c-b) and (e-b): connections, claims per batch.
     batch_connections: usize,
     batch_max: usize,
-    /// `SqlxStore::with_kept_connections` of the sqlx rows (`BENCH_SQLX_KEPT`).
+    /// `SqlxStore::with_kept_connections` of the sqlx rows (`BENCH_SQLX_KEPT`; the
+    /// pool's size unless set).
     sqlx_kept: usize,
     rows: Option<Vec<String>>,
     replay_keys: usize,
@@ -170,7 +171,7 @@ impl Settings {
             shared_claim_connections: env_or("BENCH_SHARED_CLAIM_CONNECTIONS", 4),
             batch_connections: env_or("BENCH_BATCH_CONNECTIONS", 2),
             batch_max: env_or("BENCH_BATCH_MAX", 64),
-            sqlx_kept: env_or("BENCH_SQLX_KEPT", 8),
+            sqlx_kept: env_or("BENCH_SQLX_KEPT", env_or("BENCH_POOL_SIZE", 16)),
             rows: env_list("BENCH_ROWS"),
             replay_keys: env_or("BENCH_REPLAY_KEYS", 2000),
             url: env_or(
