@@ -91,10 +91,11 @@ const PURGE_BATCH: i64 = 1000;
 /// With [`with_generations`](Self::with_generations), the table is kept in
 /// generations, rotated in place of the purge, as the PostgreSQL store's.
 ///
-/// Not on sqlx: transactional mode, and batched or shared
-/// claims, which rest on tokio-postgres's pipelining (docs/postgres.md, "The sqlx
-/// driver", says why). TLS is the pool's own (one of sqlx's TLS features and its
-/// `sslmode`); the connections the store makes itself take the pools' options.
+/// Not on sqlx: batched or shared claims, which rest on tokio-postgres's pipelining
+/// (docs/postgres.md, "The sqlx driver", says why). TLS is the pool's own (one of
+/// sqlx's TLS features, e.g. `tls-rustls-ring-webpki`, and `sslmode` in its options);
+/// the connections the store makes itself (`LISTEN`'s, liveness's, transactional
+/// mode's apart from the pool) take the pools' options, TLS included.
 ///
 /// A pool handed to [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) or
 /// [`JobRunner::new`](crate::job::JobRunner::new) becomes a `SqlxStore` with its
