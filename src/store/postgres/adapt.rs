@@ -19,10 +19,16 @@
 //! From there it only comes down where batching wins, found by trying: every window of
 //! `WINDOW` claims and completions (and at least `WINDOW_TIME`),
 //!
-//! - if hardly any queued (under 1.25 claims or completions a statement on average) and
-//!   hardly any claim found every pooled connection checked out (under one in eight),
-//!   fewer are waiting than there are slots: twice the slots (up to the most), as a
-//!   claim alone on a connection of its own is then what a claim without batching gets;
+//! - if hardly any queued (under 1.25 claims or completions a statement on average;
+//!   at the most, under 1.0625) and hardly any claim found every pooled connection
+//!   checked out (under one in eight), fewer are waiting than there are slots: twice
+//!   the slots (up to the most), as a claim alone on a connection of its own is then
+//!   what a claim without batching gets. At the most, claims queue only behind a slot
+//!   that is sending while every other one is too, so batches there, even small ones,
+//!   mean more are waiting than there are slots: with the 1.25 of below, a load that
+//!   reached the most stayed there with batches of about one (0.88 statements a replay
+//!   of 64 clients over 16 slots, at a third of the rate the same load had where it
+//!   started with fewer slots and settled at 0.09), never trying fewer;
 //! - else batches form, or claims wait for the pool as they would without batching:
 //!   the mean time a claim or completion took, from its arrival to its answer, is
 //!   compared with the previous window's. Better than before, one more step the same
@@ -128,7 +134,7 @@ impl InFlight {
             w.last = None;
             w.up = false;
             self.max
-        } else if 4 * w.count < 5 * statements && 8 * starved < w.count {
+        } else if few_queued(w.count, statements, limit == self.max) && 8 * starved < w.count {
             // Hardly any batches, and the pool's connections enough for those
             // waiting: as many in flight as waiting, up to the most.
             w.last = None;
@@ -158,6 +164,17 @@ impl InFlight {
         w.started = now;
         w.waited = Duration::ZERO;
         w.count = 0;
+    }
+}
+
+/// Whether hardly any of a window's `count` claims and completions queued, for its
+/// `statements`: under 1.25 a statement, or under 1.0625 at the most (see the module's
+/// docs).
+fn few_queued(count: u32, statements: u32, at_most: bool) -> bool {
+    if at_most {
+        16 * u64::from(count) < 17 * u64::from(statements)
+    } else {
+        4 * u64::from(count) < 5 * u64::from(statements)
     }
 }
 
@@ -290,6 +307,31 @@ mod tests {
             in_flight.record(Duration::from_millis(1), start + Duration::from_millis(50));
         }
         assert_eq!(in_flight.limit(), 8);
+    }
+
+    #[test]
+    fn tries_fewer_when_small_batches_form_at_the_most() {
+        let in_flight = InFlight::new(16);
+        let start = in_flight.window.lock().unwrap().started;
+        // Every slot sending, and about one claim in eight queued behind one: batches
+        // of one or two, which the 1.25 a statement below the most counts as none.
+        let seen = climb(&in_flight, start, 2, |_| Duration::from_millis(1), |_| 1);
+        assert_eq!(seen, [16, 16]);
+        for i in 0..WINDOW {
+            if i % 8 != 0 {
+                in_flight.sent();
+            }
+            in_flight.record(Duration::from_millis(1), start + Duration::from_millis(150));
+        }
+        assert_eq!(in_flight.limit(), 8);
+        // Below the most, batches that small still grow it back.
+        for i in 0..WINDOW {
+            if i % 8 != 0 {
+                in_flight.sent();
+            }
+            in_flight.record(Duration::from_millis(1), start + Duration::from_millis(200));
+        }
+        assert_eq!(in_flight.limit(), 16);
     }
 
     #[test]
