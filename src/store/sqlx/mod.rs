@@ -216,9 +216,9 @@ impl SqlxStore {
     fn rebuilt(self, change: impl FnOnce(&mut Self)) -> Self {
         let listen_pool = self.listener.pool.clone();
         let live = self.liveness.is_some();
-        let kept = self.kept_most();
         let mut s = self;
         change(&mut s);
+        let kept = s.kept_most();
         Self::build(
             s.pool,
             s.schema,
@@ -332,20 +332,7 @@ impl SqlxStore {
     /// ```
     #[must_use]
     pub fn with_kept_connections(self, n: usize) -> Self {
-        let listen_pool = self.listener.pool.clone();
-        let live = self.liveness.is_some();
-        Self::build(
-            self.pool,
-            self.schema,
-            self.table,
-            self.remember,
-            self.persistent,
-            self.purge_every,
-            self.generations,
-            listen_pool,
-            n,
-        )
-        .with_liveness(live)
+        self.rebuilt(|s| s.kept = (n > 0).then(|| kept::Kept::new(s.pool.clone(), n)))
     }
 
     fn kept_most(&self) -> usize {
