@@ -163,7 +163,9 @@ impl PgProxy {
         Self { addr, shared, task }
     }
 
-    /// The database URL through this proxy.
+    /// The database URL through this proxy, in plain text (`sslmode=disable`): the proxy
+    /// reads the protocol, which TLS would hide from it, and refuses a client that asks
+    /// for TLS (a driver built with a TLS stack asks by default: `sslmode=prefer`).
     pub fn url(&self) -> String {
         let (_, config) = upstream();
         let user = config.get_user().unwrap_or("postgres");
@@ -173,7 +175,7 @@ impl PgProxy {
             .map(|p| format!(":{}", String::from_utf8_lossy(p)))
             .unwrap_or_default();
         format!(
-            "postgres://{user}{password}@{}/{db}?connect_timeout=2",
+            "postgres://{user}{password}@{}/{db}?connect_timeout=2&sslmode=disable",
             self.addr
         )
     }
@@ -190,7 +192,7 @@ impl PgProxy {
             .map(|p| format!(":{}", String::from_utf8_lossy(p)))
             .unwrap_or_default();
         format!(
-            "postgres://{user}{password}@{},{upstream}/{db}?target_session_attrs=read-write",
+            "postgres://{user}{password}@{},{upstream}/{db}?target_session_attrs=read-write&sslmode=disable",
             self.addr
         )
     }
@@ -367,6 +369,7 @@ async fn pump_frontend(
     let mut pending: Vec<u8> = Vec::new();
     let mut started = false;
     let mut dropping = false;
+    let mut refused_encryption = false;
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -421,9 +424,17 @@ async fn pump_frontend(
                 }
                 let code = u32::from_be_bytes([pending[4], pending[5], pending[6], pending[7]]);
                 // 80877103: SSLRequest, 80877104: GSSENCRequest; anything else starts up.
-                if code != 80_877_103 && code != 80_877_104 {
-                    started = true;
+                // An encrypted session would hide every message this proxy reads (it
+                // would count no COMMIT, lose none, hold none): the client is refused,
+                // so that a test through the proxy fails at its connection, not later.
+                if code == 80_877_103 || code == 80_877_104 {
+                    eprintln!(
+                        "the test proxy refused a client that asked for an encrypted session: connect through it with sslmode=disable"
+                    );
+                    refused_encryption = true;
+                    break;
                 }
+                started = true;
                 pending.drain(..len);
             } else {
                 if pending.len() < 5 {
@@ -464,8 +475,8 @@ async fn pump_frontend(
                 pending.drain(..1 + len);
             }
         }
-        if dropping {
-            // Closed with the COMMIT unsent: the server sees the client go, and rolls
+        if dropping || refused_encryption {
+            // Closed with the COMMIT (or the request for TLS) unsent: the server sees the client go, and rolls
             // back; the client sees the connection close.
             break;
         }
