@@ -32,8 +32,11 @@
 //! - else batches form, or claims wait for the pool as they would without batching:
 //!   the mean time a claim or completion took, from its arrival to its answer, is
 //!   compared with the previous window's. Better than before, one more step the same
-//!   way; worse, one step back the other way; a step halves or doubles the number, the
-//!   first one halving it (bigger batches). Fewer, bigger batches cost the database
+//!   way; worse, one step back the other way, where it then stays for `HOLD` windows
+//!   before it tries the other side; a step halves or doubles the number, the first
+//!   one halving it (bigger batches). Without the stay, a number that had found where
+//!   claims are fastest left it every other window to try a side it had just found
+//!   slower. Fewer, bigger batches cost the database
 //!   less for the same claims, so they are kept unless more are clearly faster: a
 //!   halving counts as worse if it made the mean over 1/16 longer, a doubling unless
 //!   it made it over 1/16 shorter.
@@ -58,6 +61,10 @@ const WINDOW: u32 = 128;
 /// A window's shortest time: a burst of fast statements does not decide alone.
 const WINDOW_TIME: Duration = Duration::from_millis(50);
 
+/// Windows a number stays at once a step from it was undone, before the other side is
+/// tried.
+const HOLD: u32 = 4;
+
 /// A window taking this long to fill: the load is light.
 const LIGHT: Duration = Duration::from_secs(1);
 
@@ -80,6 +87,8 @@ struct Window {
     last: Option<Duration>,
     /// The direction of the last step.
     up: bool,
+    /// Windows left to stay at the number a step was undone back to.
+    hold: u32,
 }
 
 impl InFlight {
@@ -97,6 +106,7 @@ impl InFlight {
                 count: 0,
                 last: None,
                 up: false,
+                hold: 0,
             }),
         }
     }
@@ -133,32 +143,43 @@ impl InFlight {
         let next = if elapsed >= LIGHT {
             w.last = None;
             w.up = false;
+            w.hold = 0;
             self.max
         } else if few_queued(w.count, statements, limit == self.max) && 8 * starved < w.count {
             // Hardly any batches, and the pool's connections enough for those
             // waiting: as many in flight as waiting, up to the most.
             w.last = None;
             w.up = false;
+            w.hold = 0;
             limit * 2
         } else {
             // Fewer, bigger batches unless more are clearly faster: a step down is
             // undone if it made claims over 1/16 slower, a step up unless it made them
-            // over 1/16 faster.
-            let worse = w.last.is_some_and(|last| {
+            // over 1/16 faster. Undone, the number stays where it was faster for `HOLD`
+            // windows before it tries the other side: a climb that tried a side every
+            // window would spend half its time where it had just found it slower.
+            let holding = w.hold > 0;
+            if holding {
+                w.hold -= 1;
+            } else if w.last.is_some_and(|last| {
                 if w.up {
                     mean + last / 16 > last
                 } else {
                     mean > last + last / 16
                 }
-            });
-            if worse {
+            }) {
                 w.up = !w.up;
+                w.hold = HOLD;
             }
             w.last = Some(mean);
-            if w.up && limit == self.max || !w.up && limit == 1 {
-                w.up = !w.up;
+            if holding && w.hold > 0 {
+                limit
+            } else {
+                if w.up && limit == self.max || !w.up && limit == 1 {
+                    w.up = !w.up;
+                }
+                if w.up { limit * 2 } else { limit / 2 }
             }
-            if w.up { limit * 2 } else { limit / 2 }
         };
         self.limit.store(next.clamp(1, self.max), Ordering::Relaxed);
         w.started = now;
@@ -250,9 +271,15 @@ mod tests {
         // Best at 4: fewer hold claims back, more split the batches too fine.
         let cost = |n: usize| Duration::from_millis(10 + 3 * (n as u64).abs_diff(4));
         let seen = climb(&in_flight, start, 30, cost, shared_by(64));
-        // Half the windows there, the others trying either side of it.
-        let at_best = seen[1..].iter().filter(|&&n| n == 4).count();
-        assert!(2 * at_best >= seen.len() - 1, "{seen:?}");
+        // Most windows there once found (without the hold after a step undone, half),
+        // the others trying either side of it.
+        let found = seen.iter().position(|&n| n == 4).expect("found") + 1;
+        let at_best = seen[found..].iter().filter(|&&n| n == 4).count();
+        assert!(4 * at_best >= 3 * (seen.len() - found), "{seen:?}");
+        assert!(
+            seen[found..].contains(&2) && seen[found..].contains(&8),
+            "{seen:?}"
+        );
         assert!(seen.iter().all(|n| [2, 4, 8].contains(n)), "{seen:?}");
     }
 
@@ -268,9 +295,10 @@ mod tests {
             |n| Duration::from_millis(64 / n as u64),
             shared_by(64),
         );
-        // Half the windows at the most, the others trying half as many.
+        // Most windows at the most (without the hold, half), the others trying half as
+        // many now and then.
         let at_most = seen.iter().filter(|&&n| n == 8).count();
-        assert!(2 * at_most >= seen.len(), "{seen:?}");
+        assert!(4 * at_most >= 3 * seen.len(), "{seen:?}");
         assert!(seen.iter().all(|&n| n >= 4), "{seen:?}");
     }
 
