@@ -558,7 +558,8 @@ impl PostgresStore {
                     batcher.batches.fetch_add(1, Ordering::Relaxed);
                     batcher.batched.fetch_add(1, Ordering::Relaxed);
                     batcher.in_flight.sent();
-                    let claimed = lead.run(self.claim_checked_out(req, token, client)).await;
+                    let claiming = std::pin::pin!(self.claim_checked_out(req, token, client));
+                    let claimed = lead.run(claiming).await;
                     return Answer::Inline(claimed);
                 }
                 // Every pooled connection checked out: it waits for one as a batch,

@@ -311,7 +311,8 @@ impl PostgresStore {
             // meanwhile queue behind it.
             let mut lead = Lead::new(self, completions, slot);
             completions.in_flight.sent();
-            return lead.run(self.complete_alone(lease, response, ttl)).await;
+            let completing = std::pin::pin!(self.complete_alone(lease, response, ttl));
+            return lead.run(completing).await;
         }
         match answer.await {
             Ok(Done::Kept(fenced)) => Ok(fenced),

@@ -62,39 +62,57 @@ impl PostgresStore {
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
         if let Some(shared) = &self.shared
-            && let Some(mut client) = shared.get(&self.pool).await?
+            && let Some(claimed) = self.claim_shared(shared, request, token).await?
         {
-            let claimed = {
-                let mut claiming = std::pin::pin!(again_if_it_lost_a_race(|| {
-                    self.claim_on(&client, request, token)
-                }));
-                match tokio::time::timeout(shared::STALLED, claiming.as_mut()).await {
-                    Ok(claimed) => claimed,
-                    Err(_) => {
-                        // The next claims go to another connection; this one waits on
-                        // (its caller's own bound answers its client).
-                        shared.evict(&client);
-                        claiming.await
-                    }
-                }
-            };
-            client.answered();
-            match claimed {
-                Err(e) if waited_for_a_lock(&e) => shared.moved_off(),
-                Err(e) => {
-                    if lost_its_connection(&e) {
-                        shared.evict(&client);
-                        self.release_in_doubt(request, token);
-                    }
-                    return Err(e);
-                }
-                claimed => return claimed,
-            }
+            return Ok(claimed);
         }
         if let Some(batcher) = &self.batcher {
             return self.claim_batched(batcher, request, token).await;
         }
         self.claim_pooled(request, token).await
+    }
+
+    /// Claims on a shared connection if there is one with room; `None` when there is
+    /// none, or the claim waited there on another's lock, and goes elsewhere. A future
+    /// of its own, so that its pinned claim does not take room in every claim's.
+    async fn claim_shared(
+        &self,
+        shared: &shared::Shared,
+        request: &ClaimRequest<'_>,
+        token: FencingToken,
+    ) -> Result<Option<Claim>, StoreError> {
+        let Some(mut client) = shared.get(&self.pool).await? else {
+            return Ok(None);
+        };
+        let claimed = {
+            let mut claiming = std::pin::pin!(again_if_it_lost_a_race(|| {
+                self.claim_on(&client, request, token)
+            }));
+            match tokio::time::timeout(shared::STALLED, claiming.as_mut()).await {
+                Ok(claimed) => claimed,
+                Err(_) => {
+                    // The next claims go to another connection; this one waits on
+                    // (its caller's own bound answers its client).
+                    shared.evict(&client);
+                    claiming.await
+                }
+            }
+        };
+        client.answered();
+        match claimed {
+            Err(e) if waited_for_a_lock(&e) => {
+                shared.moved_off();
+                Ok(None)
+            }
+            Err(e) => {
+                if lost_its_connection(&e) {
+                    shared.evict(&client);
+                    self.release_in_doubt(request, token);
+                }
+                Err(e)
+            }
+            Ok(claimed) => Ok(Some(claimed)),
+        }
     }
 
     /// Claims on a pooled connection of its own; a claim whose connection is lost once

@@ -11,7 +11,7 @@
 //! whose caller gave up, then starts the slot's `drive` task for those left, or, with
 //! nothing left, leaves the slot idle for the next to lead.
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, pin::Pin, sync::Arc};
 
 use super::{PostgresStore, shared::STALLED};
 
@@ -87,9 +87,10 @@ impl<L: Lanes> Lead<L> {
     }
 
     /// Runs `work`, the lone statement. Unanswered for `STALLED`, it hands the slot over
-    /// and waits on for its own answer.
-    pub(super) async fn run<T>(&mut self, work: impl Future<Output = T>) -> T {
-        let mut work = std::pin::pin!(work);
+    /// and waits on for its own answer. Pinned by the caller: taken by value, the
+    /// statement's future would be held twice over in this one's (as the argument, and
+    /// pinned), and every claim's and completion's future with it, kilobytes each.
+    pub(super) async fn run<T>(&mut self, mut work: Pin<&mut impl Future<Output = T>>) -> T {
         match tokio::time::timeout(STALLED, work.as_mut()).await {
             Ok(done) => done,
             Err(_) => {
