@@ -369,7 +369,6 @@ async fn pump_frontend(
     let mut pending: Vec<u8> = Vec::new();
     let mut started = false;
     let mut dropping = false;
-    let mut refused_encryption = false;
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -431,7 +430,7 @@ async fn pump_frontend(
                     eprintln!(
                         "the test proxy refused a client that asked for an encrypted session: connect through it with sslmode=disable"
                     );
-                    refused_encryption = true;
+                    dropping = true;
                     break;
                 }
                 started = true;
@@ -475,9 +474,9 @@ async fn pump_frontend(
                 pending.drain(..1 + len);
             }
         }
-        if dropping || refused_encryption {
-            // Closed with the COMMIT (or the request for TLS) unsent: the server sees the client go, and rolls
-            // back; the client sees the connection close.
+        if dropping {
+            // Closed with the COMMIT (or the request for TLS) unsent: the server sees
+            // the client go, and rolls back; the client sees the connection close.
             break;
         }
         // Held before this read reaches the server, if it holds a statement so.

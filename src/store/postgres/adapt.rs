@@ -36,10 +36,9 @@
 //!   before it tries the other side; a step halves or doubles the number, the first
 //!   one halving it (bigger batches). Without the stay, a number that had found where
 //!   claims are fastest left it every other window to try a side it had just found
-//!   slower. Fewer, bigger batches cost the database
-//!   less for the same claims, so they are kept unless more are clearly faster: a
-//!   halving counts as worse if it made the mean over 1/16 longer, a doubling unless
-//!   it made it over 1/16 shorter.
+//!   slower. Fewer, bigger batches cost the database less for the same claims, so
+//!   they are kept unless more are clearly faster: a halving counts as worse if it
+//!   made the mean over 1/16 longer, a doubling unless it made it over 1/16 shorter.
 //!
 //! A window taking `LIGHT` to fill puts the number back at the most: at light load a
 //! claim finds a slot idle and is sent alone by its caller, whatever the number, and
