@@ -216,6 +216,7 @@ enum Kind {
     HttpFloorLease,
     HttpFloorTx,
     HttpFloorReplay,
+    HttpFloorSelect,
     LeaseUnnamed,
     ReplayUnnamed,
     Peer,
@@ -228,7 +229,7 @@ enum Kind {
     ReplayUnbatched,
 }
 
-const KINDS: [Kind; 29] = [
+const KINDS: [Kind; 30] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Lease,
@@ -248,6 +249,7 @@ const KINDS: [Kind; 29] = [
     Kind::HttpFloorLease,
     Kind::HttpFloorTx,
     Kind::HttpFloorReplay,
+    Kind::HttpFloorSelect,
     Kind::LeaseUnnamed,
     Kind::ReplayUnnamed,
     Kind::Peer,
@@ -262,7 +264,7 @@ const KINDS: [Kind; 29] = [
 
 /// The order rows run in, within each concurrency: each row next to its floor, so that
 /// both see the same conditions.
-const RUN_ORDER: [Kind; 29] = [
+const RUN_ORDER: [Kind; 30] = [
     Kind::Bare,
     Kind::PassThrough,
     Kind::Memory,
@@ -290,6 +292,7 @@ const RUN_ORDER: [Kind; 29] = [
     Kind::HttpFloorReplay,
     Kind::PeerReplay,
     Kind::FloorSelect,
+    Kind::HttpFloorSelect,
     Kind::FloorReplayShared,
     Kind::Dup,
 ];
@@ -316,6 +319,7 @@ impl Kind {
             Kind::HttpFloorLease => "http_floor_lease",
             Kind::HttpFloorTx => "http_floor_tx",
             Kind::HttpFloorReplay => "http_floor_replay",
+            Kind::HttpFloorSelect => "http_floor_select",
             Kind::LeaseUnnamed => "lease_unnamed",
             Kind::ReplayUnnamed => "replay_unnamed",
             Kind::Peer => "peer",
@@ -350,6 +354,7 @@ impl Kind {
             Kind::HttpFloorLease => "(h″) floor (h) in a bare handler, over HTTP",
             Kind::HttpFloorTx => "(i″) floor (i) in a bare handler, over HTTP",
             Kind::HttpFloorReplay => "(j″) floor (j) in a bare handler, over HTTP",
+            Kind::HttpFloorSelect => "(j′ over HTTP) floor (j′) in a bare handler",
             Kind::LeaseUnnamed => {
                 "(c‴) lease mode, new keys, unnamed statements (transaction pooling's mode)"
             }
@@ -389,6 +394,7 @@ impl Kind {
             | Kind::ReplayUnbatched
             | Kind::PeerReplay => Some(Kind::FloorSelect),
             Kind::HttpFloorReplay => Some(Kind::FloorReplay),
+            Kind::HttpFloorSelect => Some(Kind::FloorSelect),
             _ => None,
         }
     }
@@ -475,7 +481,8 @@ impl Kind {
             | Kind::FloorReplayShared
             | Kind::ReplayBatched
             | Kind::ReplayUnbatched
-            | Kind::HttpFloorReplay => 1.0,
+            | Kind::HttpFloorReplay
+            | Kind::HttpFloorSelect => 1.0,
             Kind::Bare | Kind::PassThrough | Kind::Memory => 0.0,
             // Parsed with every execution: nothing prepared.
             Kind::LeaseUnnamed | Kind::ReplayUnnamed => 0.0,
@@ -1111,7 +1118,25 @@ async fn floor_replay_handler(
     let Some(key) = key_of(&headers) else {
         return no_key();
     };
-    match floor.replay(key).await {
+    replayed(floor.replay(key).await)
+}
+
+/// (j′) in a handler: the stored response read by its primary key and sent back, what
+/// an app answering retries from its own table would do per request, with the HTTP
+/// that every row of the layer carries.
+async fn floor_select_handler(
+    State(floor): State<Arc<Floor>>,
+    headers: HeaderMap,
+    _body: Bytes,
+) -> Response {
+    let Some(key) = key_of(&headers) else {
+        return no_key();
+    };
+    replayed(floor.select(key).await)
+}
+
+fn replayed(stored: Result<(StatusCode, HeaderMap, Bytes), String>) -> Response {
+    match stored {
         Ok((status, headers, body)) => {
             let mut res = (status, body).into_response();
             *res.headers_mut() = headers;
@@ -1513,12 +1538,16 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                 post(create),
             ))
         }
-        Kind::HttpFloorLease | Kind::HttpFloorTx | Kind::HttpFloorReplay => {
+        Kind::HttpFloorLease
+        | Kind::HttpFloorTx
+        | Kind::HttpFloorReplay
+        | Kind::HttpFloorSelect => {
             let f = ctx.floor();
             floor = Some(f.clone());
             let handler = match kind {
                 Kind::HttpFloorLease => post(floor_lease_handler),
                 Kind::HttpFloorTx => post(floor_tx_handler),
+                Kind::HttpFloorSelect => post(floor_select_handler),
                 _ => post(floor_replay_handler),
             };
             Some(Router::new().route("/payments", handler).with_state(f))
@@ -1571,6 +1600,7 @@ async fn run_row(ctx: &Ctx, kind: Kind, c: usize, round: usize) -> RowResult {
                     | Kind::SqlxReplay
                     | Kind::ReplayUnbatched
                     | Kind::HttpFloorReplay
+                    | Kind::HttpFloorSelect
                     | Kind::PeerReplay => Some(replay_key(w, seq, n_replay)),
                     Kind::Dup => Some(format!("{tag}-round-{seq}")),
                     _ => Some(format!("{tag}-w{w}-{seq}")),
@@ -2484,7 +2514,8 @@ async fn run() {
                 Kind::Replay
                 | Kind::ReplayShared
                 | Kind::ReplayUnbatched
-                | Kind::HttpFloorReplay => Kind::PeerReplay,
+                | Kind::HttpFloorReplay
+                | Kind::HttpFloorSelect => Kind::PeerReplay,
                 _ => return None,
             };
             paired(rs, peer).map(|ratio| (kind, rs[0].c, peer, ratio))

@@ -6,7 +6,8 @@
 
 Runs `cargo bench -p benches --bench e2e` three times, with the rows
 
-    lease, lease_unbatched, peer, floor_lease, floor_select, replay, replay_unbatched
+    lease, lease_unbatched, peer, floor_lease, http_floor_lease, floor_select,
+    http_floor_select, replay, replay_unbatched
 
 at the concurrencies of BENCH_CONCURRENCY (1, 16, 64 by default):
 
@@ -20,8 +21,9 @@ at the concurrencies of BENCH_CONCURRENCY (1, 16, 64 by default):
 
 Each run writes its CSV under --out/<setting>/e2e.csv and its tables to
 --out/<setting>.txt. Then it prints one Markdown table of the three (req/s and p50
-of each row, and the ratios the targets are stated in, each taken within one run) and
-writes it to --out/standard.md. Every other BENCH_* variable (BENCH_SECS,
+of each row, the ratios the targets are stated in, each taken within one run, and the
+CPU each row spent a request in the app and in PostgreSQL) and writes it to
+--out/standard.md. Every other BENCH_* variable (BENCH_SECS,
 BENCH_REPEAT, BENCH_POOL_SIZE, ...) is passed on as it is. `--table-only` rebuilds the
 table from CSVs already there; `--plot` draws each setting with benches/plot.py
 (matplotlib) into docs/benchmarks-<setting>.png.
@@ -40,7 +42,9 @@ ROWS = [
     ("lease_unbatched", "(c-u) lease, batching off"),
     ("peer", "(k) peer, new keys"),
     ("floor_lease", "(h) floor: claim + completion"),
+    ("http_floor_lease", "(h″) floor (h) in a bare handler, over HTTP"),
     ("floor_select", "(j′) floor: SELECT by primary key"),
+    ("http_floor_select", "(j′ over HTTP) floor (j′) in a bare handler"),
     ("replay", "(e) replays, default (batched)"),
     ("replay_unbatched", "(e-u) replays, batching off"),
 ]
@@ -128,7 +132,19 @@ def table(out, commit_delay_us):
                 "default lease p50 ÷ floor (h) p50",
                 lambda c: ratio(p50("lease", c), p50("floor_lease", c)),
             ),
+            (
+                "default lease ÷ (h″), over HTTP both",
+                lambda c: ratio(rps("lease", c), rps("http_floor_lease", c)),
+            ),
+            (
+                "default lease p50 ÷ (h″) p50, over HTTP both",
+                lambda c: ratio(p50("lease", c), p50("http_floor_lease", c)),
+            ),
             ("replay default ÷ floor (j′)", lambda c: ratio(rps("replay", c), rps("floor_select", c))),
+            (
+                "replay default ÷ (j′ over HTTP)",
+                lambda c: ratio(rps("replay", c), rps("http_floor_select", c)),
+            ),
             (
                 "replay default ÷ replay unbatched",
                 lambda c: ratio(rps("replay", c), rps("replay_unbatched", c)),
@@ -136,6 +152,21 @@ def table(out, commit_delay_us):
         ]
         for label, f in ratios:
             lines.append(f"| *{label}* | " + " | ".join(f(c) for c in cs) + " |")
+        lines.append("")
+        # Where the app, its HTTP client and PostgreSQL share the machine's CPUs, a
+        # row's rate is bound by the CPU it spends a request, on both sides.
+        lines.append("| CPU a request, µs: app + PostgreSQL | " + " | ".join(f"c = {c}" for c in cs) + " |")
+        lines.append("|---|" + "---:|" * len(cs))
+        for row, label in ROWS:
+            cells = []
+            for c in cs:
+                r = rows.get((row, c))
+                cells.append(
+                    f"{float(r['app_cpu_us_per_req']):.0f} + {float(r['pg_cpu_us_per_req']):.0f}"
+                    if r
+                    else "—"
+                )
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     text = "\n".join(lines)
     with open(os.path.join(out, "standard.md"), "w") as f:
