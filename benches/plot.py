@@ -45,6 +45,7 @@ E2E_ROWS = [
     ("floor_replay", "floor (j)"),
     ("peer_replay", "peer (l)\nreplays"),
     ("floor_select", "SELECT\nby PK"),
+    ("http_floor_select", "SELECT by PK\nover HTTP"),
     ("dup", "duplicates"),
 ]
 
