@@ -104,15 +104,22 @@ def table(out, commit_delay_us):
         if rows is None:
             continue
         cs = sorted({c for _, c in rows})
+        def per_row(head, columns, cell):
+            lines.append(f"| {head} | " + " | ".join(columns(c) for c in cs) + " |")
+            lines.append("|---|" + "---:|" * len(cs))
+            for row, label in ROWS:
+                cells = []
+                for c in cs:
+                    r = rows.get((row, c))
+                    cells.append(cell(r) if r else "—")
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
         lines.append(f"**{title}**\n")
-        lines.append("| row | " + " | ".join(f"c = {c}: req/s, p50 ms" for c in cs) + " |")
-        lines.append("|---|" + "---:|" * len(cs))
-        for row, label in ROWS:
-            cells = []
-            for c in cs:
-                r = rows.get((row, c))
-                cells.append(f"{float(r['rps']):.0f}, {float(r['p50_ms']):.2f}" if r else "—")
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        per_row(
+            "row",
+            lambda c: f"c = {c}: req/s, p50 ms",
+            lambda r: f"{float(r['rps']):.0f}, {float(r['p50_ms']):.2f}",
+        )
 
         def rps(row, c):
             r = rows.get((row, c))
@@ -155,18 +162,11 @@ def table(out, commit_delay_us):
         lines.append("")
         # Where the app, its HTTP client and PostgreSQL share the machine's CPUs, a
         # row's rate is bound by the CPU it spends a request, on both sides.
-        lines.append("| CPU a request, µs: app + PostgreSQL | " + " | ".join(f"c = {c}" for c in cs) + " |")
-        lines.append("|---|" + "---:|" * len(cs))
-        for row, label in ROWS:
-            cells = []
-            for c in cs:
-                r = rows.get((row, c))
-                cells.append(
-                    f"{float(r['app_cpu_us_per_req']):.0f} + {float(r['pg_cpu_us_per_req']):.0f}"
-                    if r
-                    else "—"
-                )
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        per_row(
+            "CPU a request, µs: app + PostgreSQL",
+            lambda c: f"c = {c}",
+            lambda r: f"{float(r['app_cpu_us_per_req']):.0f} + {float(r['pg_cpu_us_per_req']):.0f}",
+        )
         lines.append("")
     text = "\n".join(lines)
     with open(os.path.join(out, "standard.md"), "w") as f:
