@@ -399,26 +399,45 @@ async fn cut_mid_handler(kept: usize) {
 
 /// A handler that sends `COMMIT` itself: its row committed without the response, so
 /// the key is completed with `500 transaction-ended`, and a retry replays that.
+///
+/// Behind a transaction pooler (the suite's second run), the session goes back to the
+/// pooler with the handler's `COMMIT`: the layer finds its transaction ended before it
+/// sends a statement of two exchanges, which the pooler could give to two sessions.
 #[tokio::test]
 async fn a_handler_that_commits_itself_gets_transaction_ended_and_runs_once() {
-    commits_itself(0).await;
+    commits_itself(0, &[]).await;
 }
 
 /// On a kept connection, which serves the requests after it once the layer's
 /// `ROLLBACK` has ended what is left of the transaction on it.
 #[tokio::test]
 async fn a_handler_that_commits_itself_gets_transaction_ended_and_runs_once_on_kept_connections() {
-    commits_itself(2).await;
+    commits_itself(2, &[]).await;
 }
 
-async fn commits_itself(kept: usize) {
+/// Then answers 500, which the layer rolls back: the check that goes with its
+/// `ROLLBACK` finds the transaction ended.
+#[tokio::test]
+async fn a_handler_that_commits_then_answers_500_gets_transaction_ended_and_runs_once() {
+    commits_itself(2, &[("x-status", "500")]).await;
+}
+
+/// With a step recorded, which the commit forgets in the transaction: not in one that
+/// has ended.
+#[tokio::test]
+async fn a_handler_with_a_step_that_commits_itself_gets_transaction_ended_and_runs_once() {
+    commits_itself(2, &[("x-step", "1")]).await;
+}
+
+async fn commits_itself(kept: usize, headers: &[(&str, &str)]) {
     let schema = TestSchema::new();
     let (store, table) = store_keeping_at(&schema, &database_url(), 4, kept).await;
     let (router, counter) = app(IdempotencyLayer::transactional(store), &table);
-    let first = send_bounded(&router, post_with("k", &[("x-end", "commit")])).await;
+    let headers = [&[("x-end", "commit")], headers].concat();
+    let first = send_bounded(&router, post_with("k", &headers)).await;
     assert_eq!(first.status, 500, "{:?}", first.body);
     assert_eq!(first.problem(), "transaction-ended");
-    let retry = send_bounded(&router, post_with("k", &[("x-end", "commit")])).await;
+    let retry = send_bounded(&router, post_with("k", &headers)).await;
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(retry.body, first.body);
     assert_eq!(counter.runs(), 1, "the handler ran once");

@@ -149,9 +149,9 @@ impl TxConn {
         }
     }
 
-    /// The `PgConnection` of a sqlx connection.
+    /// The sqlx connection.
     #[cfg(feature = "sqlx")]
-    fn sqlx(&mut self) -> &mut ::sqlx::PgConnection {
+    fn sqlx(&mut self) -> &mut SqlxConn {
         match self {
             Self::Sqlx(conn) => conn,
             Self::Deadpool(_) => unreachable!("a deadpool connection given to the sqlx driver"),
@@ -430,7 +430,7 @@ impl TxStore {
             }
             #[cfg(feature = "sqlx")]
             Self::Sqlx(store) => {
-                let conn = conn.map(TxConn::sqlx);
+                let conn = conn.map(|conn| &mut **conn.sqlx());
                 store.claim_committed_alone(conn, lease, backend).await
             }
         }
@@ -472,7 +472,7 @@ impl TxStore {
             }
             #[cfg(feature = "sqlx")]
             Self::Sqlx(store) => {
-                let conn = conn.map(TxConn::sqlx);
+                let conn = conn.map(|conn| &mut **conn.sqlx());
                 let finishing =
                     store.finish_ended(conn, lease, backend, fingerprint, response, ttl);
                 finishing.await

@@ -245,6 +245,16 @@ pub(super) fn begin_claiming(
     )
 }
 
+/// A statement that answers a row only in the transaction a claim's `BEGIN` opened
+/// (its mark set, `begin_claiming`), with no parameters: sent in one exchange. Behind
+/// a transaction pooler it reaches the claim's server session while that transaction
+/// holds it; once the transaction has ended (a `COMMIT` or `ROLLBACK` of the
+/// handler's), an idle session, or the handler's next transaction, neither of which
+/// carries the mark.
+pub(super) fn in_claim_transaction() -> String {
+    format!("SELECT 1 WHERE current_setting('{CLAIM_MARK}', true) <> ''")
+}
+
 /// A `lock_timeout` in milliseconds, at least 1: zero would mean no bound.
 fn millis(lock_timeout: Duration) -> u128 {
     lock_timeout.as_millis().max(1)

@@ -12,7 +12,10 @@
 //!
 //! sqlx does not pipeline: `BEGIN` and the claim go in two round trips, and the
 //! completion and its `COMMIT` in two, where the tokio-postgres driver sends each pair
-//! in one.
+//! in one. Behind a transaction pooler, where a statement with parameters takes two
+//! exchanges, the transaction is asked first whether it still holds its session
+//! ([`SqlxStore::in_claim_transaction`]), and every statement outside it runs in a
+//! transaction of its own.
 
 use std::{
     ops::{Deref, DerefMut},
@@ -39,7 +42,10 @@ use super::{
         row::{Columns, need},
         sql::col,
         steps::{place, step},
-        tx::{Backend, Ending, Resolution, begin, begin_claiming, ending, resolution},
+        tx::{
+            Backend, Ending, Resolution, begin, begin_claiming, ending, in_claim_transaction,
+            resolution,
+        },
     },
     SqlxRow, SqlxStore, classify,
     kept::Lent,
@@ -56,15 +62,20 @@ use crate::{
 /// of the app's pool): it goes back only once its work is done
 /// ([`done`](Self::done)); dropped before that (a timeout, a request dropped, work
 /// given up on), it is closed, which rolls back whatever transaction it holds.
-pub(crate) struct SqlxConn(Option<Lent>);
+pub(crate) struct SqlxConn {
+    conn: Option<Lent>,
+    /// Behind a transaction pooler, whether the claim's transaction was found still
+    /// open once the handler had run ([`SqlxStore::in_claim_transaction`]), once asked.
+    held: Option<bool>,
+}
 
 impl SqlxConn {
     /// The work is done: the connection goes back, unless sqlx still counts a
     /// transaction open on it (one the handler leaked): then it is closed.
     pub(crate) fn done(mut self) {
-        if let Some(conn) = &self.0
+        if let Some(conn) = &self.conn
             && PgTransactionManager::get_transaction_depth(conn) == 0
-            && let Some(conn) = self.0.take()
+            && let Some(conn) = self.conn.take()
         {
             conn.done();
         }
@@ -75,7 +86,7 @@ impl Deref for SqlxConn {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        match &self.0 {
+        match &self.conn {
             Some(conn) => conn,
             None => unreachable!("the connection leaves a SqlxConn only when it is done"),
         }
@@ -84,7 +95,7 @@ impl Deref for SqlxConn {
 
 impl DerefMut for SqlxConn {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        match &mut self.0 {
+        match &mut self.conn {
             Some(conn) => conn,
             None => unreachable!("the connection leaves a SqlxConn only when it is done"),
         }
@@ -93,7 +104,7 @@ impl DerefMut for SqlxConn {
 
 impl Drop for SqlxConn {
     fn drop(&mut self) {
-        if let Some(mut conn) = self.0.take() {
+        if let Some(mut conn) = self.conn.take() {
             // Closed, not handed to the next user: it may hold a transaction, or a
             // statement whose answer never came.
             conn.close_on_drop();
@@ -169,7 +180,8 @@ impl<'q> Via<'q> for RawSql<'q> {}
 /// made with the pool's options and closed after the statement. Behind a transaction
 /// pooler, the statement runs in a transaction of its own (`transaction`): sqlx sends an
 /// unnamed statement's parse and its execution in two exchanges, which the pooler may
-/// give to two server sessions unless a transaction holds one.
+/// give to two server sessions unless a transaction holds one (the execution then
+/// finds no statement, or another session's).
 struct Apart {
     conn: ApartConn,
     transaction: bool,
@@ -223,14 +235,15 @@ impl SqlxStore {
 
     /// A connection for a transaction: one the store keeps, else one of the pool's.
     pub(crate) async fn tx_connection(&self) -> Result<SqlxConn, StoreError> {
-        Ok(SqlxConn(Some(self.lend().await?)))
+        Ok(SqlxConn {
+            conn: Some(self.lend().await?),
+            held: None,
+        })
     }
 
-    /// [`apart`](Apart): an idle pooled connection, else one of the store's own.
-    /// `alone_behind_pooler`: behind a transaction pooler, the statement in a
-    /// transaction of its own (a step's read and record: sent unnamed, their parse and
-    /// execution could reach two server sessions otherwise).
-    async fn apart(&self, alone_behind_pooler: bool) -> Result<Apart, StoreError> {
+    /// [`apart`](Apart): an idle pooled connection, else one of the store's own; behind
+    /// a transaction pooler, in a transaction of its own.
+    async fn apart(&self) -> Result<Apart, StoreError> {
         let conn = match self.pool.try_acquire() {
             Some(conn) => ApartConn::Pooled(conn),
             None => {
@@ -245,7 +258,7 @@ impl SqlxStore {
             conn,
             transaction: false,
         };
-        if alone_behind_pooler && !self.persistent {
+        if !self.persistent {
             PgTransactionManager::begin(apart.conn(), None)
                 .await
                 .map_err(classify)?;
@@ -375,15 +388,45 @@ impl SqlxStore {
         PgTransactionManager::commit(conn).await.map_err(classify)
     }
 
+    /// Whether the transaction that claimed the key still holds `conn`, once the
+    /// handler has run. Straight to the database, `true` unasked: the completion and
+    /// the check before a `ROLLBACK` match only a row the transaction wrote, and find
+    /// out themselves. Behind a transaction pooler, asked once, in one exchange
+    /// ([`in_claim_transaction`]): a statement with parameters goes in two, and had the
+    /// handler ended the transaction, the pooler could give them to two server
+    /// sessions, the second executing another session's statement, or none.
+    pub(crate) async fn in_claim_transaction(
+        &self,
+        conn: &mut SqlxConn,
+    ) -> Result<bool, StoreError> {
+        if self.persistent {
+            return Ok(true);
+        }
+        if let Some(held) = conn.held {
+            return Ok(held);
+        }
+        let sql = in_claim_transaction();
+        let row = ::sqlx::raw_sql(&sql)
+            .fetch_optional_via(conn)
+            .await
+            .map_err(classify)?;
+        conn.held = Some(row.is_some());
+        Ok(row.is_some())
+    }
+
     /// Stores `response` under `lease` on `conn`, in the transaction that claimed it
-    /// (see `PostgresStore::complete_in_transaction`).
+    /// (see `PostgresStore::complete_in_transaction`): [`Fenced::LeaseLost`] if that
+    /// transaction had ended ([`in_claim_transaction`](Self::in_claim_transaction)).
     pub(crate) async fn complete_in_transaction(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut SqlxConn,
         lease: &Lease,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
+        if !self.in_claim_transaction(conn).await? {
+            return Ok(Fenced::LeaseLost);
+        }
         let headers = StoredResponse::encode_headers(&response.headers);
         let id = self.key_id(&lease.scope, &lease.key);
         let rows = self
@@ -397,7 +440,7 @@ impl SqlxStore {
             .bind(ms(ttl))
             .bind(&self.listener.channel)
             .bind(&id)
-            .fetch_all_via(conn)
+            .fetch_all_via(&mut *conn)
             .await
             .map_err(classify)?;
         Ok(Fenced::kept_if(rows.len() == 1))
@@ -406,15 +449,18 @@ impl SqlxStore {
     /// Whether the transaction on `conn` is still the one that claimed `lease`.
     pub(crate) async fn still_ours(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut SqlxConn,
         lease: &Lease,
     ) -> Result<bool, StoreError> {
+        if !self.in_claim_transaction(conn).await? {
+            return Ok(false);
+        }
         let rows = self
             .query(&self.sql.tx.ours)
             .bind(lease.scope.as_str())
             .bind(&*lease.key)
             .bind(lease.token.get())
-            .fetch_all_via(conn)
+            .fetch_all_via(&mut *conn)
             .await
             .map_err(classify)?;
         Ok(rows.len() == 1)
@@ -460,6 +506,28 @@ impl SqlxStore {
         resolved
     }
 
+    /// The rows of `query`, a statement outside the claim's transaction, which has
+    /// ended: on `conn` (back outside any transaction) straight to the database; on a
+    /// connection [`apart`](Apart) with `None`, and always behind a transaction pooler,
+    /// where only a transaction of its own keeps the statement's two exchanges on one
+    /// server session.
+    async fn outside(
+        &self,
+        conn: Option<&mut PgConnection>,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<Vec<PgRow>, StoreError> {
+        let rows = match conn {
+            Some(conn) if self.persistent => query.fetch_all_via(conn).await,
+            _ => {
+                let mut apart = self.apart().await?;
+                let rows = query.fetch_all_via(apart.conn()).await;
+                apart.done().await;
+                rows
+            }
+        };
+        rows.map_err(classify)
+    }
+
     /// Whether the claim of `lease`, made on `backend`, is committed `running` with
     /// nothing else (see `PostgresStore::claim_committed_alone`): on `conn`, or, with
     /// `None`, on a connection apart from the pool's queue.
@@ -475,16 +543,7 @@ impl SqlxStore {
             .bind(&*lease.key)
             .bind(lease.token.get())
             .bind(Timestamp(backend.started));
-        let rows = match conn {
-            Some(conn) => query.fetch_all_via(conn).await,
-            None => {
-                let mut apart = self.apart(false).await?;
-                let rows = query.fetch_all_via(apart.conn()).await;
-                apart.done().await;
-                rows
-            }
-        };
-        Ok(rows.map_err(classify)?.len() == 1)
+        Ok(self.outside(conn, query).await?.len() == 1)
     }
 
     /// Renews for `duration` the lease of the claim of `lease`, made on `backend`, if
@@ -496,7 +555,7 @@ impl SqlxStore {
         backend: &Backend,
         duration: Duration,
     ) -> Result<bool, StoreError> {
-        let mut apart = self.apart(false).await?;
+        let mut apart = self.apart().await?;
         let renewed = self
             .query(&self.sql.tx.renew_alone)
             .bind(lease.scope.as_str())
@@ -537,22 +596,13 @@ impl SqlxStore {
             .bind(Timestamp(backend.started))
             .bind(&self.listener.channel)
             .bind(&id);
-        let rows = match conn {
-            Some(conn) => query.fetch_all_via(conn).await,
-            None => {
-                let mut apart = self.apart(false).await?;
-                let rows = query.fetch_all_via(apart.conn()).await;
-                apart.done().await;
-                rows
-            }
-        };
-        Ok(rows.map_err(classify)?.len() == 1)
+        Ok(self.outside(conn, query).await?.len() == 1)
     }
 
     /// Ends the transaction `backend` runs, from another session (see
     /// `PostgresStore::end_transaction`), on a connection apart from the pool's queue.
     pub(crate) async fn end_transaction(&self, backend: &Backend) -> Result<Ending, StoreError> {
-        let mut apart = self.apart(false).await?;
+        let mut apart = self.apart().await?;
         let row = self
             .query(&self.sql.tx.end)
             .bind(backend.pid)
@@ -563,16 +613,21 @@ impl SqlxStore {
         Ok(ending(row.map_err(classify)?.map(SqlxRow).as_ref()))
     }
 
-    /// Forgets the steps of `lease`'s key on `conn`, in the claim's transaction.
+    /// Forgets the steps of `lease`'s key on `conn`, in the claim's transaction; not
+    /// if that transaction had ended ([`in_claim_transaction`](Self::in_claim_transaction)),
+    /// which the completion then finds.
     pub(crate) async fn forget_steps_on(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut SqlxConn,
         lease: &Lease,
     ) -> Result<(), StoreError> {
+        if !self.in_claim_transaction(conn).await? {
+            return Ok(());
+        }
         self.query(&self.sql.steps.forget)
             .bind(lease.scope.as_str())
             .bind(&*lease.key)
-            .execute_via(conn)
+            .execute_via(&mut *conn)
             .await
             .map(drop)
             .map_err(classify)
@@ -586,7 +641,7 @@ impl SqlxStore {
         fingerprint: &Fingerprint,
     ) -> Result<Vec<RecordedStep>, StoreError> {
         let rows = again_if_it_lost_a_race(|| async {
-            let mut apart = self.apart(true).await?;
+            let mut apart = self.apart().await?;
             let rows = self
                 .query(&self.sql.steps.read_apart)
                 .bind(lease.scope.as_str())
@@ -612,7 +667,7 @@ impl SqlxStore {
     ) -> Result<Fenced, StoreError> {
         let n = place(recorded)?;
         let rows = again_if_it_lost_a_race(|| async {
-            let mut apart = self.apart(true).await?;
+            let mut apart = self.apart().await?;
             let rows = self
                 .query(&self.sql.steps.record_apart)
                 .bind(lease.scope.as_str())
