@@ -90,6 +90,22 @@ async fn until(schema: &TestSchema, sql: &str) {
     panic!("never held: {sql}");
 }
 
+/// Polls until no statement on the test's schema runs but the poll's own. Behind a
+/// transaction pooler, which sends no cancel request, a statement given up on while it
+/// waits on a lock lands once the lock is let go, and is released in doubt after: until
+/// it has landed, its key has no row for a moment, which is not yet the end.
+async fn until_no_statement_runs(schema: &TestSchema) {
+    until(
+        schema,
+        &format!(
+            "SELECT count(*) = 0 FROM pg_stat_activity
+              WHERE state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%{}%'",
+            schema.name
+        ),
+    )
+    .await;
+}
+
 /// A connection of its own, outside every pool under test, holding a transaction open
 /// after `BEGIN` and `sql` (`{t}`: the test's table): what it locks stays locked until
 /// the test sends `COMMIT` or `ROLLBACK`, or drops it.
@@ -475,6 +491,7 @@ async fn a_batch_whose_callers_all_gave_up_leaves_no_key_held() {
         .batch_execute("ROLLBACK")
         .await
         .expect("let b-held go");
+    until_no_statement_runs(&schema).await;
     until(
         &schema,
         "SELECT count(*) = 0 FROM {t} WHERE key IN ('a-free', 'b-held')",
@@ -857,7 +874,9 @@ async fn a_lone_claim_given_up_on_leaves_no_key_held_and_lets_the_queue_go() {
         .batch_execute("ROLLBACK")
         .await
         .expect("let given-up go");
-    // Nothing holds the key: no row, so no row claimed by the dropped caller's token.
+    until_no_statement_runs(&schema).await;
+    // Nothing holds the key: no row, so no row claimed by the dropped caller's token
+    // (behind a pooler, the one that landed is released in doubt).
     until(
         &schema,
         "SELECT count(*) = 0 FROM {t} WHERE key = 'given-up'",
