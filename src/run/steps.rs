@@ -104,6 +104,7 @@ impl StepLog {
     /// Whether the run read or recorded any step: in transactional mode its steps are
     /// then forgotten in its transaction, which commits with the response.
     /// A step still under way (in a task the handler left running) counts.
+    #[cfg(feature = "postgres")]
     pub(crate) fn has_steps(&self) -> bool {
         let Ok(progress) = self.progress.try_lock() else {
             return true;

@@ -251,6 +251,7 @@ pub(super) fn begin_claiming(
 /// holds it; once the transaction has ended (a `COMMIT` or `ROLLBACK` of the
 /// handler's), an idle session, or the handler's next transaction, neither of which
 /// carries the mark.
+#[cfg(feature = "sqlx")]
 pub(super) fn in_claim_transaction() -> String {
     format!("SELECT 1 WHERE current_setting('{CLAIM_MARK}', true) <> ''")
 }
