@@ -1350,7 +1350,16 @@ mod generations {
             .remember_keys_for(Duration::ZERO)
             .with_background_purge(Some(Duration::from_millis(10)));
         completed(&store, "brief", Duration::from_millis(1), "b").await;
-        assert_eq!(generation_of(&schema, "brief").await, 1);
+        // Stored in generation 1, unless the purge (every 10 ms from the first claim)
+        // has already taken it with its generation by the time it is read.
+        let stored = schema
+            .query(&format!(
+                "SELECT generation FROM \"{}\".idempotency_keys WHERE key = 'brief'",
+                schema.name
+            ))
+            .await;
+        let generation = stored.first().map(|row| row.get::<_, i64>(0));
+        assert!(matches!(generation, None | Some(1)), "{generation:?}");
         // Waits (up to 10 s) for generation 1 to go with its expired row.
         for _ in 0..1000 {
             if !partitions(&schema)
