@@ -42,7 +42,7 @@ use crate::{
         Leased,
         job::{found, started, stored},
         previous::{Reader, job_answer},
-        renewal::Renewal,
+        renewal::{Renewal, Renewals},
         sealing::Sealing,
         storing::Completion,
     },
@@ -62,6 +62,7 @@ pub struct JobRunner {
     store_timeout: Duration,
     shutdown: ShutdownHandle,
     sealing: Sealing,
+    renewals: Renewals,
     #[cfg(feature = "postgres")]
     transactional: Option<(crate::store::transaction::TxStore, Duration)>,
 }
@@ -195,6 +196,7 @@ impl JobRunner {
             store_timeout: Duration::from_secs(5),
             shutdown: ShutdownHandle::default(),
             sealing: Sealing::default(),
+            renewals: Renewals::default(),
             #[cfg(feature = "postgres")]
             transactional: None,
         }
@@ -514,7 +516,7 @@ impl JobRunner {
         task: tokio::task::JoinHandle<Result<Bytes, E>>,
         in_flight: InFlight,
     ) -> Result<JobOutcome, JobError<E>> {
-        let mut renewal = Renewal::start(&self.store, &lease, self.lease);
+        let mut renewal = Renewal::start(&self.renewals, &self.store, &lease, self.lease);
         let joined = renewal.watch(task).await;
         match joined {
             Ok(Ok(result)) => {
@@ -557,6 +559,7 @@ impl JobRunner {
             ttl: self.ttl,
             store_timeout: self.store_timeout,
             sealing: self.sealing.clone(),
+            renewals: self.renewals.clone(),
         }
     }
 }

@@ -87,6 +87,8 @@ pub(crate) struct Config {
     pub(crate) hash_keys_in_traces: bool,
     pub(crate) problems: Arc<Problems>,
     pub(crate) sealing: crate::run::sealing::Sealing,
+    /// Renews the leases of the layer's running claims, one task per runtime.
+    pub(crate) renewals: crate::run::renewal::Renewals,
     #[cfg(feature = "postgres")]
     pub(crate) transactional: Option<crate::store::transaction::TxStore>,
     #[cfg(feature = "postgres")]
@@ -104,6 +106,7 @@ impl Config {
             ttl: self.ttl,
             store_timeout: self.store_timeout,
             sealing: self.sealing.clone(),
+            renewals: self.renewals.clone(),
         }
     }
 
@@ -149,6 +152,7 @@ impl IdempotencyLayer {
                 hash_keys_in_traces: true,
                 problems: Arc::default(),
                 sealing: crate::run::sealing::Sealing::default(),
+                renewals: crate::run::renewal::Renewals::default(),
                 #[cfg(feature = "postgres")]
                 transactional: None,
                 #[cfg(feature = "postgres")]
@@ -240,8 +244,8 @@ impl IdempotencyLayer {
     /// every third of this, so it bounds how long a crashed request blocks its key, not
     /// how long a handler may run.
     ///
-    /// The renewals run in a task of their own, not in the future that polls the
-    /// handler: a handler that blocks its thread for a while (a blocking SDK call,
+    /// The renewals are sent by a task of their own (one per runtime for all of the
+    /// layer's running claims), not by the future that polls the handler: a handler that blocks its thread for a while (a blocking SDK call,
     /// bcrypt, a PDF render) keeps its lease too, as long as the runtime has another
     /// worker thread to renew on (on a current-thread runtime nothing else runs while a
     /// handler blocks, renewals included). Block in `tokio::task::block_in_place` or

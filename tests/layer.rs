@@ -14,15 +14,39 @@ mod memory {
     crate::layer_suite!(make);
 
     /// A handler that blocks its worker outright (`std::thread::sleep`, a blocking call
-    /// without `block_in_place`) keeps its lease too: the renewal task, spawned on that
-    /// worker, runs once before the handler is first polled, and its timer wakes it on
-    /// another worker from then on. (On this store a renewal needs nothing else; a
+    /// without `block_in_place`) keeps its lease too: the renewing task, spawned on that
+    /// worker for the layer's first claim, runs once before the handler is first polled,
+    /// and its timer wakes it on another worker from then on. (On this store a renewal needs nothing else; a
     /// database's connection tasks queued on the blocked worker can be held up with it,
     /// which is why blocking calls belong in `block_in_place` or `spawn_blocking`.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_handler_that_blocks_its_worker_outright_keeps_its_lease() {
         let layer = tower_idempotency::IdempotencyLayer::new(MemoryStore::new());
         crate::common::a_blocked_handler_keeps_its_lease(layer, false).await;
+    }
+
+    /// The same, while another claim of the layer runs under a lease of the same
+    /// length: the blocked handler's lease joins the renewals of the task already
+    /// running (no task is spawned for it, nothing yields), asleep on its timer, which
+    /// wakes it on another worker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_handler_that_blocks_its_worker_outright_keeps_its_lease_beside_a_running_claim() {
+        use std::time::Duration;
+
+        use crate::common::{app, eventually, post_with_headers, send};
+
+        let layer = tower_idempotency::IdempotencyLayer::new(MemoryStore::new())
+            .lease_duration(Duration::from_millis(300));
+        let (router, counter) = app(layer.clone());
+        let held = tokio::spawn(async move {
+            send(&router, post_with_headers("held", &[("x-held", "1")])).await
+        });
+        eventually(|| counter.runs_of("held") == 1).await;
+        crate::common::a_blocked_handler_keeps_its_lease(layer, false).await;
+        counter.let_go(1);
+        let held = held.await.expect("the held request");
+        assert_eq!(held.status, 201);
+        assert_eq!(counter.runs_of("held"), 1);
     }
 
     /// A store at its bound: completed keys make room for new ones, soonest to expire

@@ -331,7 +331,7 @@ async fn a_completion_that_lands_before_its_answer_raises_no_false_alarm() {
     );
 }
 
-/// The lease is renewed in a task of its own, whose warnings are still the request's:
+/// The lease is renewed by a task of its own, whose warnings are still the request's:
 /// in its span, with its key.
 #[tokio::test]
 async fn a_failed_renewal_is_logged_in_the_request_s_span() {

@@ -231,10 +231,10 @@ where
     ResBody::Error: Into<BoxError>,
 {
     // The handler is polled inline, not spawned: no second task to hand the result
-    // over. Its lease is renewed in a task of its own, so that a handler that blocks
+    // over. Its lease is renewed by a task of its own, so that a handler that blocks
     // its thread keeps it too, through the first attempt to store its result.
     let leased = config.leased();
-    let mut renewal = Renewal::start(&leased.store, &lease, leased.lease);
+    let mut renewal = Renewal::start(&leased.renewals, &leased.store, &lease, leased.lease);
     let produced = renewal.watch(run_inner(inner, req, &config)).await;
     match produced {
         Produced::ServiceFailed(e) => {

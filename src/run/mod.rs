@@ -46,4 +46,6 @@ pub(crate) struct Leased {
     pub(crate) store_timeout: Duration,
     /// Seals what is stored, if the owner has keys.
     pub(crate) sealing: sealing::Sealing,
+    /// Renews the leases of the owner's running claims.
+    pub(crate) renewals: renewal::Renewals,
 }

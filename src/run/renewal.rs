@@ -1,67 +1,145 @@
-//! [`Renewal`]: a running claim's lease, renewed in a task of its own.
+//! [`Renewal`]: a running claim's lease, renewed by a task shared with every other
+//! running claim of the layer (or job runner) on the same runtime.
 //!
 //! A lease must outlive its handler for as long as the handler runs, however it runs.
 //! Renewed from the future that polls the handler, it was renewed only while that
 //! future was polled: a handler that blocks its thread (a blocking SDK call, bcrypt, a
 //! PDF render, `block_in_place`) renewed nothing, its lease lapsed, and a retry took
-//! the key over and ran the handler a second time. Here the renewals run in a task of
-//! their own, on whatever worker is free, while the handler is still polled where it
-//! was (the connection's task, or the job's).
+//! the key over and ran the handler a second time. Here the renewals are sent by a
+//! task of their own (the runner), on whatever worker is free, while the handler is
+//! still polled where it was (the connection's task, or the job's).
+//!
+//! One runner per runtime serves all of a layer's running claims: a claim registers
+//! its lease ([`Renewal::start`], a lock and an insert) and takes it back when it is
+//! done (dropping the [`Renewal`]). The runner sleeps until the earliest renewal is
+//! due, at most one period (a third of the shortest lease it has served) at a time,
+//! and sends each due renewal in a task of its own. Most claims end before their first
+//! renewal is due, and they cost no task, no timer and no wake-up.
 //!
 //! The layer's lease mode and [`JobRunner`](crate::job::JobRunner) start one renewal
 //! when a claim is acquired, keep it through the handler (or the job's work) and the
 //! first attempt to store the result, and stop it by dropping it.
 
 use std::{
+    collections::HashMap,
     future::Future,
-    pin::{Pin, pin},
+    pin::pin,
     sync::{
-        Arc, Mutex, PoisonError,
+        Arc, Mutex, MutexGuard, PoisonError, Weak,
         atomic::{AtomicBool, Ordering},
     },
-    task::Poll,
+    task::{Poll, Waker},
     time::Duration,
 };
 
-use tokio::{sync::Notify, task::JoinHandle};
+use tokio::{
+    runtime::{self, Handle},
+    task::JoinHandle,
+    time::Instant,
+};
 use tracing::Span;
 
-use crate::store::{Fenced, Lease, Store};
+use crate::{
+    catch_panic::{Panicked, catch_panic},
+    store::{Fenced, Lease, Store},
+};
 
-/// Renews a lease every third of its duration, in a task of its own, until dropped.
+/// The renewals of one layer's (or job runner's) running claims, and the runners that
+/// send them, one per runtime the claims run on. Cloning it shares them.
+#[derive(Clone, Default)]
+pub(crate) struct Renewals(Arc<Hub>);
+
+#[derive(Default)]
+struct Hub(Mutex<Registered>);
+
+/// What a [`Hub`] holds under its lock.
+#[derive(Default)]
+struct Registered {
+    /// Numbers the registrations, and the runners.
+    next: u64,
+    leases: HashMap<u64, Entry>,
+    runners: Vec<Runner>,
+}
+
+/// A running claim's lease, as its runner sees it.
+struct Entry {
+    control: Arc<Control>,
+    runtime: runtime::Id,
+    /// When its next renewal is to be sent.
+    due: Instant,
+    /// A renewal of it is on its way: the runner sends no second one meanwhile.
+    sending: bool,
+}
+
+/// A lease whose renewal is due: its registration, and what renews it.
+type Due = (u64, Arc<Control>);
+
+/// The task that sends the renewals of the claims on one runtime.
+struct Runner {
+    runtime: runtime::Id,
+    /// Its number: a runner replaced by another, or ended, finds it gone and stops.
+    number: u64,
+    /// It wakes at least this often: the shortest period of the leases it has served,
+    /// so that a lease registered while it sleeps is never due before it wakes.
+    period: Duration,
+    task: JoinHandle<()>,
+}
+
+impl Hub {
+    fn lock(&self) -> MutexGuard<'_, Registered> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Renews a lease every third of its duration until dropped, from the layer's runner
+/// (see the [module](self)), never from the future that polls the handler.
 ///
 /// - A renewal is bounded by the period (a third of the lease): one that gets no
 ///   answer by then is given up, and the next is sent at the next period. A slow or
 ///   stalled store delays renewals, never the handler.
-/// - A renewal on its way when the renewal is dropped finishes in the task, unwatched:
+/// - A renewal on its way when the renewal is dropped finishes in its task, unwatched:
 ///   dropped midway, it would close (and cancel on) a pooled connection that is fine.
 /// - A renewal that finds the lease gone (taken over, released, completed) logs it
 ///   once, and renewals stop.
-/// - A store that panics while it renews ends the task; the panic is raised again in
-///   the future [`watch`](Self::watch) polls, as if that future had panicked, so that
-///   its owner releases the key (the layer) or stops the work (a `JobRunner`).
+/// - A store that panics while it renews stops the renewals; the panic is raised again
+///   in the future [`watch`](Self::watch) polls, as if that future had panicked, so
+///   that its owner releases the key (the layer) or stops the work (a `JobRunner`).
 ///
-/// Costs one task and one shared allocation per claim run.
+/// Costs one shared allocation per claim run, and a task only when a renewal is due
+/// (or the runtime has no runner yet).
 pub(crate) struct Renewal {
+    /// `None` outside a Tokio runtime: nothing renews the lease.
+    hub: Option<Arc<Hub>>,
+    id: u64,
     control: Arc<Control>,
-    /// `None` outside a Tokio runtime, and once the task has ended.
-    task: Option<JoinHandle<()>>,
-    /// Whether the owner has let the task have its first poll (see `watch`).
-    first_poll: bool,
+    /// This start spawned the runner, which must have its first poll before the
+    /// handler's (see `watch`).
+    spawned: bool,
 }
 
-/// What the owner of a [`Renewal`] shares with its task.
+/// What the owner of a [`Renewal`] shares with the runner and the renewals it sends.
 struct Control {
-    /// Set, then notified, when the owner is done with the lease.
+    store: Arc<dyn Store>,
+    lease: Lease,
+    duration: Duration,
+    /// Set when the owner is done with the lease.
     stopped: AtomicBool,
-    stop: Notify,
     /// The first attempt to store the result is on its way: a renewal that finds the
     /// lease gone may only have come after it landed, which the attempt reports itself.
     storing: AtomicBool,
-    /// The owner's span (the request's, the job's), for the task's events; taken back
-    /// when the owner is done, so that the task, which may run a moment longer, does
+    /// A panic of the store while it renewed, for the watched future to raise.
+    panic: Mutex<Raised>,
+    /// The owner's span (the request's, the job's), for the renewals' events; taken
+    /// back when the owner is done, so that a renewal that runs a moment longer does
     /// not keep it open (its closing is when apps count the request's outcome).
     span: Mutex<Option<Span>>,
+}
+
+#[derive(Default)]
+struct Raised {
+    panic: Option<Panicked>,
+    /// The watched future's waker, woken when a panic is left here.
+    waker: Option<Waker>,
 }
 
 impl Control {
@@ -77,34 +155,67 @@ impl Control {
             None => log(),
         }
     }
+
+    fn period(&self) -> Duration {
+        self.duration / 3
+    }
+
+    fn raised(&self) -> MutexGuard<'_, Raised> {
+        self.panic.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl Renewal {
-    /// Starts renewing `lease` for `duration` at a time, every third of `duration`.
-    pub(crate) fn start(store: &Arc<dyn Store>, lease: &Lease, duration: Duration) -> Self {
+    /// Starts renewing `lease` in `store` for `duration` at a time, every third of
+    /// `duration`, from `renewals`' runner on the current runtime.
+    pub(crate) fn start(
+        renewals: &Renewals,
+        store: &Arc<dyn Store>,
+        lease: &Lease,
+        duration: Duration,
+    ) -> Self {
         let control = Arc::new(Control {
+            store: store.clone(),
+            lease: lease.clone(),
+            duration,
             stopped: AtomicBool::new(false),
-            stop: Notify::new(),
             storing: AtomicBool::new(false),
+            panic: Mutex::default(),
             span: Mutex::new(Some(Span::current())),
         });
-        let task = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let renewing = renew(store.clone(), lease.clone(), duration, control.clone());
-                Some(runtime.spawn(renewing))
-            }
-            Err(_) => {
-                tracing::warn!(
-                    token = %lease.token,
-                    "outside a Tokio runtime the lease cannot be renewed; it lapses after its duration"
-                );
-                None
-            }
+        let Ok(runtime) = Handle::try_current() else {
+            tracing::warn!(
+                token = %lease.token,
+                "outside a Tokio runtime the lease cannot be renewed; it lapses after its duration"
+            );
+            return Self {
+                hub: None,
+                id: 0,
+                control,
+                spawned: false,
+            };
         };
+        let hub = &renewals.0;
+        let period = control.period();
+        let mut registered = hub.lock();
+        let id = registered.next;
+        registered.next += 1;
+        registered.leases.insert(
+            id,
+            Entry {
+                control: control.clone(),
+                runtime: runtime.id(),
+                due: Instant::now() + period,
+                sending: false,
+            },
+        );
+        let spawned = registered.run_on(hub, &runtime, period);
+        drop(registered);
         Self {
+            hub: Some(hub.clone()),
+            id,
             control,
-            task,
-            first_poll: false,
+            spawned,
         }
     }
 
@@ -117,27 +228,29 @@ impl Renewal {
     /// Awaits `future`, polled here, raising in it a panic of the store while it renews
     /// (see [`Renewal`]). Renewals go on, whether or not `future` is polled.
     pub(crate) async fn watch<F: Future>(&mut self, future: F) -> F::Output {
-        // The task was spawned from this worker, which keeps it in a slot of its own
+        // A runner just spawned from this worker is kept in a slot of the worker's own
         // that no other worker takes tasks from: a handler that blocked this worker
-        // before the task first ran would hold it back for as long as it blocked, and
+        // before the runner first ran would hold it back for as long as it blocked, and
         // nothing would renew. Yielding once lets it run first (it then waits on its
         // timer, which wakes it on whichever worker is free).
-        if !std::mem::replace(&mut self.first_poll, true) && self.task.is_some() {
+        if std::mem::replace(&mut self.spawned, false) {
             tokio::task::yield_now().await;
         }
+        let watching = self.hub.is_some();
         let mut future = pin!(future);
         std::future::poll_fn(|cx| {
             if let Poll::Ready(output) = future.as_mut().poll(cx) {
                 return Poll::Ready(output);
             }
-            if let Some(task) = &mut self.task
-                && let Poll::Ready(ended) = Pin::new(task).poll(cx)
-            {
-                self.task = None;
-                if let Err(e) = ended
-                    && e.is_panic()
-                {
-                    std::panic::resume_unwind(e.into_panic());
+            if watching {
+                let mut raised = self.control.raised();
+                if let Some(panic) = raised.panic.take() {
+                    drop(raised);
+                    std::panic::resume_unwind(panic);
+                }
+                match &mut raised.waker {
+                    Some(waker) if waker.will_wake(cx.waker()) => {}
+                    waker => *waker = Some(cx.waker().clone()),
                 }
             }
             Poll::Pending
@@ -149,8 +262,9 @@ impl Renewal {
 impl Drop for Renewal {
     fn drop(&mut self) {
         self.control.stopped.store(true, Ordering::Release);
-        // Kept as a permit if the task is not waiting now: it stops when it next looks.
-        self.control.stop.notify_one();
+        if let Some(hub) = &self.hub {
+            hub.lock().leases.remove(&self.id);
+        }
         let span = self
             .control
             .span
@@ -161,45 +275,142 @@ impl Drop for Renewal {
     }
 }
 
-/// The renewal task: renews every period until stopped, or until the lease is lost.
-async fn renew(store: Arc<dyn Store>, lease: Lease, duration: Duration, control: Arc<Control>) {
-    let period = duration / 3;
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            () = control.stop.notified() => return,
-            _ = ticker.tick() => {}
-        }
-        // Not raced against the stop: a renewal on its way finishes.
-        let renewed =
-            crate::store::within(period, "a lease renewal", store.renew(&lease, duration)).await;
-        if control.stopped.load(Ordering::Acquire) {
-            // Its owner is done with the lease, which may be stored or released by now.
-            return;
-        }
-        match renewed {
-            Ok(Fenced::Kept) => {}
-            Ok(Fenced::LeaseLost) => {
-                control.log(|| {
-                    if control.storing.load(Ordering::Relaxed) {
-                        tracing::debug!(
-                            token = %lease.token,
-                            "a renewal found the lease gone while the result was being stored (the result may just have landed)"
-                        );
-                    } else {
-                        tracing::warn!(
-                            token = %lease.token,
-                            "the lease was lost while the handler ran; its result will not be stored"
-                        );
-                    }
-                });
-                return;
+impl Registered {
+    /// Makes sure a runner serves `runtime`, waking at least every `period`; whether it
+    /// had to spawn one. A runner that wakes less often is replaced: a lease of this
+    /// period, due before it wakes, would be renewed late.
+    fn run_on(&mut self, hub: &Arc<Hub>, runtime: &Handle, period: Duration) -> bool {
+        // Those of runtimes shut down are done.
+        self.runners.retain(|runner| !runner.task.is_finished());
+        let id = runtime.id();
+        let period = match self.runners.iter().position(|r| r.runtime == id) {
+            Some(at) if self.runners[at].period <= period => return false,
+            Some(at) => {
+                let slower = self.runners.swap_remove(at);
+                slower.task.abort();
+                period
             }
-            Err(e) => {
-                crate::observe::store_failed("renew");
-                control.log(|| tracing::warn!(error = %e, "lease renewal failed"));
+            None => period,
+        };
+        let number = self.next;
+        self.next += 1;
+        let task = runtime.spawn(run(Arc::downgrade(hub), id, number));
+        self.runners.push(Runner {
+            runtime: id,
+            number,
+            period,
+            task,
+        });
+        true
+    }
+
+    /// Marks the leases on `runtime` due by `now` as being renewed, and returns them
+    /// with when the runner `number` is to wake next; `None` if it is to stop: replaced,
+    /// or no lease left to renew (a lease registered later spawns another).
+    fn due(
+        &mut self,
+        runtime: runtime::Id,
+        number: u64,
+        now: Instant,
+    ) -> Option<(Vec<Due>, Instant)> {
+        let at = self.runners.iter().position(|r| r.number == number)?;
+        let mut wake = now + self.runners[at].period;
+        let mut due = Vec::new();
+        let mut any = false;
+        for (id, entry) in &mut self.leases {
+            if entry.runtime != runtime {
+                continue;
+            }
+            any = true;
+            if entry.sending {
+                // Its task sets the next one.
+                continue;
+            }
+            if entry.due <= now {
+                entry.sending = true;
+                entry.due = now + entry.control.period();
+                due.push((*id, entry.control.clone()));
+            } else {
+                wake = wake.min(entry.due);
+            }
+        }
+        if !any {
+            self.runners.swap_remove(at);
+            return None;
+        }
+        Some((due, wake))
+    }
+}
+
+/// A runner: sends the renewals due on `runtime` and sleeps until the next, until no
+/// lease is left there, it is replaced, or its layer is gone.
+async fn run(hub: Weak<Hub>, runtime: runtime::Id, number: u64) {
+    loop {
+        let wake = {
+            let Some(hub) = hub.upgrade() else { return };
+            let Some((due, wake)) = hub.lock().due(runtime, number, Instant::now()) else {
+                return;
+            };
+            for (id, control) in due {
+                tokio::spawn(renew(Arc::downgrade(&hub), id, control));
+            }
+            wake
+        };
+        tokio::time::sleep_until(wake).await;
+    }
+}
+
+/// Sends one renewal of the lease registered as `id`.
+async fn renew(hub: Weak<Hub>, id: u64, control: Arc<Control>) {
+    let period = control.period();
+    // Not raced against the owner's drop: a renewal on its way finishes.
+    let renewed = catch_panic(crate::store::within(period, "a lease renewal", async {
+        control.store.renew(&control.lease, control.duration).await
+    }))
+    .await;
+    let lost = match &renewed {
+        Ok(Ok(Fenced::Kept) | Err(_)) => false,
+        Ok(Ok(Fenced::LeaseLost)) | Err(_) => true,
+    };
+    if let Some(hub) = hub.upgrade() {
+        let mut registered = hub.lock();
+        if lost {
+            registered.leases.remove(&id);
+        } else if let Some(entry) = registered.leases.get_mut(&id) {
+            entry.sending = false;
+        }
+    }
+    if control.stopped.load(Ordering::Acquire) {
+        // Its owner is done with the lease, which may be stored or released by now.
+        return;
+    }
+    match renewed {
+        Ok(Ok(Fenced::Kept)) => {}
+        Ok(Ok(Fenced::LeaseLost)) => control.log(|| {
+            if control.storing.load(Ordering::Relaxed) {
+                tracing::debug!(
+                    token = %control.lease.token,
+                    "a renewal found the lease gone while the result was being stored (the result may just have landed)"
+                );
+            } else {
+                tracing::warn!(
+                    token = %control.lease.token,
+                    "the lease was lost while the handler ran; its result will not be stored"
+                );
+            }
+        }),
+        Ok(Err(e)) => {
+            crate::observe::store_failed("renew");
+            control.log(|| tracing::warn!(error = %e, "lease renewal failed"));
+        }
+        Err(panic) => {
+            let waker = {
+                let mut raised = control.raised();
+                raised.panic = Some(panic);
+                raised.waker.take()
+            };
+            if let Some(waker) = waker {
+                waker.wake();
             }
         }
     }
@@ -208,6 +419,8 @@ async fn renew(store: Arc<dyn Store>, lease: Lease, duration: Duration, control:
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
+
+    use tokio::sync::Notify;
 
     use super::*;
     use crate::{
@@ -290,7 +503,12 @@ mod tests {
         let store = Arc::new(Gated::default());
         let lease = claimed(&store).await;
         let dynamic: Arc<dyn Store> = store.clone();
-        let renewal = Renewal::start(&dynamic, &lease, Duration::from_secs(3));
+        let renewal = Renewal::start(
+            &Renewals::default(),
+            &dynamic,
+            &lease,
+            Duration::from_secs(3),
+        );
         until(|| store.started.load(Ordering::SeqCst) == 1).await;
         drop(renewal);
         store.gate.notify_one();
@@ -308,7 +526,12 @@ mod tests {
         let store = Arc::new(Gated::default());
         let lease = claimed(&store).await;
         let dynamic: Arc<dyn Store> = store.clone();
-        let renewal = Renewal::start(&dynamic, &lease, Duration::from_secs(3));
+        let renewal = Renewal::start(
+            &Renewals::default(),
+            &dynamic,
+            &lease,
+            Duration::from_secs(3),
+        );
         // Nothing watches: each renewal is answered and the next one sent on time.
         for n in 1..=3 {
             until(|| store.started.load(Ordering::SeqCst) == n).await;
@@ -316,6 +539,213 @@ mod tests {
             until(|| store.answered.load(Ordering::SeqCst) == n).await;
         }
         drop(renewal);
+    }
+
+    /// A memory store that counts the renewals of each key.
+    #[derive(Default)]
+    struct Counting {
+        inner: MemoryStore,
+        renewed: Mutex<HashMap<String, usize>>,
+    }
+
+    impl Counting {
+        fn renewals_of(&self, key: &str) -> usize {
+            self.renewed.lock().unwrap().get(key).copied().unwrap_or(0)
+        }
+
+        async fn claimed(&self, key: &str) -> Lease {
+            let scope = crate::Scope::anonymous();
+            let request = ClaimRequest {
+                scope: &scope,
+                key,
+                fingerprint: crate::Fingerprint::new([0; 32]),
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(60),
+            };
+            match self.inner.claim(&request).await {
+                Ok(Claim::Acquired(lease)) => lease,
+                other => panic!("not acquired: {other:?}"),
+            }
+        }
+    }
+
+    impl Store for Counting {
+        fn claim<'a>(
+            &'a self,
+            request: &'a ClaimRequest<'a>,
+        ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+            self.inner.claim(request)
+        }
+
+        fn complete<'a>(
+            &'a self,
+            lease: &'a Lease,
+            response: &'a StoredResponse,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.inner.complete(lease, response, ttl)
+        }
+
+        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.inner.release(lease)
+        }
+
+        fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
+            self.inner.purge(batch)
+        }
+
+        fn renew<'a>(
+            &'a self,
+            lease: &'a Lease,
+            duration: Duration,
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            *self
+                .renewed
+                .lock()
+                .unwrap()
+                .entry(lease.key.to_string())
+                .or_default() += 1;
+            self.inner.renew(lease, duration)
+        }
+    }
+
+    fn alive_tasks() -> usize {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_running_claims_share_one_task_and_each_is_renewed_every_period() {
+        let store = Arc::new(Counting::default());
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewals = Renewals::default();
+        let before = alive_tasks();
+        let mut running = Vec::new();
+        for n in 0..50 {
+            let lease = store.claimed(&format!("k{n}")).await;
+            running.push(Renewal::start(
+                &renewals,
+                &dynamic,
+                &lease,
+                Duration::from_secs(3),
+            ));
+        }
+        assert_eq!(alive_tasks(), before + 1, "one runner for all the claims");
+        // Periods of 1 s: renewed at 1, 2 and 3 s.
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        for n in 0..50 {
+            assert_eq!(store.renewals_of(&format!("k{n}")), 3, "k{n}");
+        }
+        drop(running);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(store.renewals_of("k0"), 3, "renewed after the drop");
+        // With no lease left to renew, the runner has stopped.
+        assert_eq!(alive_tasks(), before);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leases_registered_while_the_runner_sleeps_are_renewed_on_time() {
+        let store = Arc::new(Counting::default());
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewals = Renewals::default();
+        let long = store.claimed("long").await;
+        let _long = Renewal::start(&renewals, &dynamic, &long, Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Registered while the runner sleeps until the long lease's first renewal, 10 s
+        // away, with a period of its own of 1 s.
+        let short = store.claimed("short").await;
+        let _short = Renewal::start(&renewals, &dynamic, &short, Duration::from_secs(3));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let same = store.claimed("same").await;
+        let _same = Renewal::start(&renewals, &dynamic, &same, Duration::from_secs(3));
+        // At 1.5 s `short` (due at 1.5 s) was just renewed, `same` (1.7 s) not yet.
+        tokio::time::sleep(Duration::from_millis(850)).await;
+        assert_eq!(
+            (store.renewals_of("short"), store.renewals_of("same")),
+            (1, 0)
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            (store.renewals_of("short"), store.renewals_of("same")),
+            (1, 1)
+        );
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert_eq!(store.renewals_of("long"), 1, "renewed at 10 s");
+        assert_eq!(store.renewals_of("short"), 10, "renewed every second");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_runner_that_stopped_is_started_again_for_the_next_claim() {
+        let store = Arc::new(Counting::default());
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewals = Renewals::default();
+        let before = alive_tasks();
+        let first = store.claimed("first").await;
+        drop(Renewal::start(
+            &renewals,
+            &dynamic,
+            &first,
+            Duration::from_secs(3),
+        ));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(alive_tasks(), before, "the idle runner stopped");
+        let second = store.claimed("second").await;
+        let _second = Renewal::start(&renewals, &dynamic, &second, Duration::from_secs(3));
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(store.renewals_of("second"), 2);
+        assert_eq!(store.renewals_of("first"), 0);
+    }
+
+    /// Claims of one layer run on two runtimes: each runtime has a runner of its own
+    /// (a runner on the other, not driven here, renews nothing), and a runtime's
+    /// claims go on being renewed once the other has shut down.
+    #[test]
+    fn each_runtime_has_a_runner_of_its_own() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap()
+        };
+        let (a, b) = (runtime(), runtime());
+        let store = Arc::new(Counting::default());
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewals = Renewals::default();
+        let start = |key: &'static str| {
+            let (store, dynamic, renewals) = (&store, &dynamic, &renewals);
+            async move {
+                let lease = store.claimed(key).await;
+                Renewal::start(renewals, dynamic, &lease, Duration::from_millis(30))
+            }
+        };
+        // Periods of 10 ms.
+        let on_a = a.block_on(start("a"));
+        b.block_on(async {
+            let _on_b = start("b").await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        });
+        assert!(
+            store.renewals_of("b") >= 2,
+            "b renewed {}",
+            store.renewals_of("b")
+        );
+        assert_eq!(
+            store.renewals_of("a"),
+            0,
+            "renewed on a runtime not running"
+        );
+        drop(on_a);
+        drop(a);
+        b.block_on(async {
+            let _on_b = start("c").await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        });
+        assert!(
+            store.renewals_of("c") >= 2,
+            "c renewed {}",
+            store.renewals_of("c")
+        );
     }
 
     #[tokio::test]
@@ -359,7 +789,12 @@ mod tests {
             key: Arc::from("k"),
             token: crate::store::FencingToken::new(1),
         };
-        let mut renewal = Renewal::start(&store, &lease, Duration::from_millis(30));
+        let mut renewal = Renewal::start(
+            &Renewals::default(),
+            &store,
+            &lease,
+            Duration::from_millis(30),
+        );
         let watched = crate::catch_panic::catch_panic(renewal.watch(std::future::pending::<()>()));
         let panic = watched
             .await
