@@ -151,7 +151,7 @@ impl PostgresStore {
     ) -> Result<Claim, StoreError> {
         self.claim_within(Within::Alone, client, req, token, self.holder())
             .await
-            .map(|(claim, _)| claim)
+            .map(|(claim, ..)| claim)
     }
 
     /// Claims on `client`, `within` its own statement or the transaction a `BEGIN` sent
@@ -159,7 +159,8 @@ impl PostgresStore {
     /// not committed yet is then waited for), for `holder` (`None`: judged by its lease
     /// alone, as transactional mode's claims are). Returns the database's `now()` as
     /// the claim read it: inside a transaction, the time it started, which a claim row
-    /// inserted or taken over in it carries as `created_at`.
+    /// inserted or taken over in it carries as `created_at`; and, within its
+    /// transaction, the pid of the backend that runs it.
     pub(super) async fn claim_within(
         &self,
         within: Within,
@@ -167,12 +168,14 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: FencingToken,
         holder: Option<i64>,
-    ) -> Result<(Claim, SystemTime), StoreError> {
+    ) -> Result<(Claim, SystemTime, Option<i32>), StoreError> {
         // A store in use purges what it expires (`with_background_purge`).
         self.purge.start();
         for _ in 0..CLAIM_ATTEMPTS {
-            if let (Some(claim), now) = self.claim_once(within, client, req, token, holder).await? {
-                return Ok((claim, now));
+            if let (Some(claim), now, pid) =
+                self.claim_once(within, client, req, token, holder).await?
+            {
+                return Ok((claim, now, pid));
             }
         }
         Err(StoreError::new(
@@ -266,7 +269,7 @@ impl PostgresStore {
         req: &ClaimRequest<'_>,
         token: FencingToken,
         holder: Option<i64>,
-    ) -> Result<(Option<Claim>, SystemTime), StoreError> {
+    ) -> Result<(Option<Claim>, SystemTime, Option<i32>), StoreError> {
         let lease_ms = ms(req.lease);
         let ttl_ms = ms(req.ttl);
         let fp: &[u8] = req.fingerprint.as_bytes();
@@ -299,10 +302,14 @@ impl PostgresStore {
                 ));
             }
         };
+        let pid = match within {
+            Within::Alone => None,
+            Within::ItsTransaction => Some(need(row.int4(col::TX_PID), col::TX_PID)?),
+        };
         match found(row, req, self.sql.remember)? {
-            (Found::Claim(claim), now) => Ok((claim, now)),
+            (Found::Claim(claim), now) => Ok((claim, now, pid)),
             (Found::TakeOver(seen), now) => {
-                Ok((self.take_over(client, req, seen, holder).await?, now))
+                Ok((self.take_over(client, req, seen, holder).await?, now, pid))
             }
         }
     }

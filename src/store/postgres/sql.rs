@@ -199,9 +199,7 @@ pub(super) mod col {
     /// When the row was completed: what a remembered key's refusal says.
     pub(in crate::store::postgres) const CLAIM_COMPLETED_AT: usize = 11;
     /// Transactional mode's claim's own: the pid of the backend running its
-    /// transaction (`tx::Statements::claim`), read where the claim is not pipelined
-    /// (sqlx).
-    #[cfg(feature = "sqlx")]
+    /// transaction (`tx::Statements::claim`).
     pub(in crate::store::postgres) const TX_PID: usize = 12;
     /// The batched claim's own: the claim's position in its batch, from 1.
     pub(in crate::store::postgres) const N: usize = 12;
