@@ -95,8 +95,9 @@ impl Hub {
 /// (see the [module](self)), never from the future that polls the handler.
 ///
 /// - A renewal is bounded by the period (a third of the lease): one that gets no
-///   answer by then is given up, and the next is sent at the next period. A slow or
+///   answer by then is given up, and the next, due by then, is sent at once. A slow or
 ///   stalled store delays renewals, never the handler.
+/// - A renewal found due as the owner drops the `Renewal` is not sent.
 /// - A renewal on its way when the renewal is dropped finishes in its task, unwatched:
 ///   dropped midway, it would close (and cancel on) a pooled connection that is fine.
 /// - A renewal that finds the lease gone (taken over, released, completed) logs it
@@ -360,58 +361,84 @@ async fn run(hub: Weak<Hub>, runtime: runtime::Id, number: u64) {
     }
 }
 
-/// Sends one renewal of the lease registered as `id`.
+/// Sends the renewals of the lease registered as `id`: one, and another at once each
+/// time the next fell due while it was on its way (one that went unanswered for its
+/// whole period, given up on): as a missed tick of a timer, not a period later, when
+/// the lease may be ending.
 async fn renew(hub: Weak<Hub>, id: u64, control: Arc<Control>) {
     let period = control.period();
-    // Not raced against the owner's drop: a renewal on its way finishes.
-    let renewed = catch_panic(crate::store::within(period, "a lease renewal", async {
-        control.store.renew(&control.lease, control.duration).await
-    }))
-    .await;
-    let lost = match &renewed {
-        Ok(Ok(Fenced::Kept) | Err(_)) => false,
-        Ok(Ok(Fenced::LeaseLost)) | Err(_) => true,
-    };
-    if let Some(hub) = hub.upgrade() {
-        let mut registered = hub.lock();
-        if lost {
-            registered.leases.remove(&id);
-        } else if let Some(entry) = registered.leases.get_mut(&id) {
-            entry.sending = false;
+    loop {
+        if control.stopped.load(Ordering::Acquire) {
+            // Its owner dropped it after the runner found it due: nothing to renew.
+            return;
         }
-    }
-    if control.stopped.load(Ordering::Acquire) {
-        // Its owner is done with the lease, which may be stored or released by now.
-        return;
-    }
-    match renewed {
-        Ok(Ok(Fenced::Kept)) => {}
-        Ok(Ok(Fenced::LeaseLost)) => control.log(|| {
-            if control.storing.load(Ordering::Relaxed) {
-                tracing::debug!(
-                    token = %control.lease.token,
-                    "a renewal found the lease gone while the result was being stored (the result may just have landed)"
-                );
-            } else {
-                tracing::warn!(
-                    token = %control.lease.token,
-                    "the lease was lost while the handler ran; its result will not be stored"
-                );
+        // Not raced against the owner's drop: a renewal on its way finishes.
+        let renewed = catch_panic(crate::store::within(period, "a lease renewal", async {
+            control.store.renew(&control.lease, control.duration).await
+        }))
+        .await;
+        let lost = match &renewed {
+            Ok(Ok(Fenced::Kept) | Err(_)) => false,
+            Ok(Ok(Fenced::LeaseLost)) | Err(_) => true,
+        };
+        let again = match hub.upgrade() {
+            Some(hub) => {
+                let mut registered = hub.lock();
+                if lost {
+                    registered.leases.remove(&id);
+                    false
+                } else if let Some(entry) = registered.leases.get_mut(&id) {
+                    let now = Instant::now();
+                    if entry.due <= now {
+                        // Still marked sending, so that the runner sends no other.
+                        entry.due = now + period;
+                        true
+                    } else {
+                        entry.sending = false;
+                        false
+                    }
+                } else {
+                    false
+                }
             }
-        }),
-        Ok(Err(e)) => {
-            crate::observe::store_failed("renew");
-            control.log(|| tracing::warn!(error = %e, "lease renewal failed"));
+            None => false,
+        };
+        if control.stopped.load(Ordering::Acquire) {
+            // Its owner is done with the lease, which may be stored or released by now.
+            return;
         }
-        Err(panic) => {
-            let waker = {
-                let mut raised = control.raised();
-                raised.panic = Some(panic);
-                raised.waker.take()
-            };
-            if let Some(waker) = waker {
-                waker.wake();
+        match renewed {
+            Ok(Ok(Fenced::Kept)) => {}
+            Ok(Ok(Fenced::LeaseLost)) => control.log(|| {
+                if control.storing.load(Ordering::Relaxed) {
+                    tracing::debug!(
+                        token = %control.lease.token,
+                        "a renewal found the lease gone while the result was being stored (the result may just have landed)"
+                    );
+                } else {
+                    tracing::warn!(
+                        token = %control.lease.token,
+                        "the lease was lost while the handler ran; its result will not be stored"
+                    );
+                }
+            }),
+            Ok(Err(e)) => {
+                crate::observe::store_failed("renew");
+                control.log(|| tracing::warn!(error = %e, "lease renewal failed"));
             }
+            Err(panic) => {
+                let waker = {
+                    let mut raised = control.raised();
+                    raised.panic = Some(panic);
+                    raised.waker.take()
+                };
+                if let Some(waker) = waker {
+                    waker.wake();
+                }
+            }
+        }
+        if !again {
+            return;
         }
     }
 }
@@ -675,6 +702,76 @@ mod tests {
         assert_eq!(store.renewals_of("short"), 10, "renewed every second");
     }
 
+    /// A memory store whose first renewal never answers.
+    #[derive(Default)]
+    struct FirstStalls {
+        inner: Counting,
+    }
+
+    impl Store for FirstStalls {
+        fn claim<'a>(
+            &'a self,
+            request: &'a ClaimRequest<'a>,
+        ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+            self.inner.claim(request)
+        }
+
+        fn complete<'a>(
+            &'a self,
+            lease: &'a Lease,
+            response: &'a StoredResponse,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.inner.complete(lease, response, ttl)
+        }
+
+        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            self.inner.release(lease)
+        }
+
+        fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
+            self.inner.purge(batch)
+        }
+
+        fn renew<'a>(
+            &'a self,
+            lease: &'a Lease,
+            duration: Duration,
+        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
+            let first = self.inner.renewals_of(&lease.key) == 0;
+            let renewed = self.inner.renew(lease, duration);
+            Box::pin(async move {
+                if first {
+                    std::future::pending::<()>().await;
+                }
+                renewed.await
+            })
+        }
+    }
+
+    /// A renewal given up on after its period (the store stalled) is followed at once by
+    /// the next, as a timer's missed tick: a period later, the lease would be ending.
+    #[tokio::test(start_paused = true)]
+    async fn after_a_renewal_given_up_on_the_next_is_sent_at_once() {
+        let store = Arc::new(FirstStalls::default());
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewals = Renewals::default();
+        let lease = store.inner.claimed("k").await;
+        let _renewal = Renewal::start(&renewals, &dynamic, &lease, Duration::from_secs(3));
+        // Sent at 1 s, given up on at 2 s; the next sent then, not at 3 s.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(store.inner.renewals_of("k"), 1);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert_eq!(
+            store.inner.renewals_of("k"),
+            2,
+            "the next was not sent at once"
+        );
+        // And the ones after, every period from there.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(store.inner.renewals_of("k"), 3);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_runner_that_stopped_is_started_again_for_the_next_claim() {
         let store = Arc::new(Counting::default());
@@ -719,17 +816,23 @@ mod tests {
                 Renewal::start(renewals, dynamic, &lease, Duration::from_millis(30))
             }
         };
-        // Periods of 10 ms.
+        // Periods of 10 ms; bounded, so that a broken runner fails the test, not hangs it.
+        let renewed_twice = |key: &'static str| {
+            let store = &store;
+            async move {
+                let twice = async {
+                    while store.renewals_of(key) < 2 {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                };
+                tokio::time::timeout(Duration::from_secs(10), twice).await
+            }
+        };
         let on_a = a.block_on(start("a"));
         b.block_on(async {
             let _on_b = start("b").await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            renewed_twice("b").await.expect("b renewed on its runtime");
         });
-        assert!(
-            store.renewals_of("b") >= 2,
-            "b renewed {}",
-            store.renewals_of("b")
-        );
         assert_eq!(
             store.renewals_of("a"),
             0,
@@ -738,14 +841,11 @@ mod tests {
         drop(on_a);
         drop(a);
         b.block_on(async {
-            let _on_b = start("c").await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _on_c = start("c").await;
+            renewed_twice("c")
+                .await
+                .expect("c renewed once the other runtime is gone");
         });
-        assert!(
-            store.renewals_of("c") >= 2,
-            "c renewed {}",
-            store.renewals_of("c")
-        );
     }
 
     #[tokio::test]
@@ -796,8 +896,9 @@ mod tests {
             Duration::from_millis(30),
         );
         let watched = crate::catch_panic::catch_panic(renewal.watch(std::future::pending::<()>()));
-        let panic = watched
+        let panic = tokio::time::timeout(Duration::from_secs(10), watched)
             .await
+            .expect("the panic raised within 10 s")
             .expect_err("the renewal's panic reaches the watched future");
         assert_eq!(
             crate::catch_panic::message(&panic),
