@@ -455,129 +455,48 @@ mod tests {
         store::{BoxFuture, Claim, ClaimRequest, MemoryStore, StoreError},
     };
 
-    /// A memory store that counts renewals, and holds each until `gate` lets it go.
+    /// A memory store that counts the renewals of each key as they are sent, and answers
+    /// them as told: each held until `gate` lets it go, the first never, or none at all
+    /// (a panic).
     #[derive(Default)]
-    struct Gated {
-        inner: MemoryStore,
-        started: AtomicUsize,
-        answered: AtomicUsize,
-        gate: Notify,
-    }
-
-    impl Store for Gated {
-        fn claim<'a>(
-            &'a self,
-            request: &'a ClaimRequest<'a>,
-        ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-            self.inner.claim(request)
-        }
-
-        fn complete<'a>(
-            &'a self,
-            lease: &'a Lease,
-            response: &'a StoredResponse,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            self.inner.complete(lease, response, ttl)
-        }
-
-        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            self.inner.release(lease)
-        }
-
-        fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
-            self.inner.purge(batch)
-        }
-
-        fn renew<'a>(
-            &'a self,
-            lease: &'a Lease,
-            duration: Duration,
-        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            Box::pin(async move {
-                self.started.fetch_add(1, Ordering::SeqCst);
-                self.gate.notified().await;
-                let renewed = self.inner.renew(lease, duration).await;
-                self.answered.fetch_add(1, Ordering::SeqCst);
-                renewed
-            })
-        }
-    }
-
-    async fn claimed(store: &Arc<Gated>) -> Lease {
-        let scope = crate::Scope::anonymous();
-        let request = ClaimRequest {
-            scope: &scope,
-            key: "k",
-            fingerprint: crate::Fingerprint::new([0; 32]),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(60),
-        };
-        match store.claim(&request).await {
-            Ok(Claim::Acquired(lease)) => lease,
-            other => panic!("not acquired: {other:?}"),
-        }
-    }
-
-    async fn until(f: impl Fn() -> bool) {
-        while !f() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_renewal_on_its_way_when_dropped_finishes_and_no_other_starts() {
-        let store = Arc::new(Gated::default());
-        let lease = claimed(&store).await;
-        let dynamic: Arc<dyn Store> = store.clone();
-        let renewal = Renewal::start(
-            &Renewals::default(),
-            &dynamic,
-            &lease,
-            Duration::from_secs(3),
-        );
-        until(|| store.started.load(Ordering::SeqCst) == 1).await;
-        drop(renewal);
-        store.gate.notify_one();
-        until(|| store.answered.load(Ordering::SeqCst) == 1).await;
-        tokio::time::sleep(Duration::from_secs(10)).await;
-        assert_eq!(
-            store.started.load(Ordering::SeqCst),
-            1,
-            "renewed after the drop"
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn renewals_go_on_while_the_watched_future_is_not_polled() {
-        let store = Arc::new(Gated::default());
-        let lease = claimed(&store).await;
-        let dynamic: Arc<dyn Store> = store.clone();
-        let renewal = Renewal::start(
-            &Renewals::default(),
-            &dynamic,
-            &lease,
-            Duration::from_secs(3),
-        );
-        // Nothing watches: each renewal is answered and the next one sent on time.
-        for n in 1..=3 {
-            until(|| store.started.load(Ordering::SeqCst) == n).await;
-            store.gate.notify_one();
-            until(|| store.answered.load(Ordering::SeqCst) == n).await;
-        }
-        drop(renewal);
-    }
-
-    /// A memory store that counts the renewals of each key.
-    #[derive(Default)]
-    struct Counting {
+    struct Probe {
         inner: MemoryStore,
         renewed: Mutex<HashMap<String, usize>>,
+        answered: AtomicUsize,
+        gated: bool,
+        gate: Notify,
+        first_stalls: bool,
+        panics: bool,
     }
 
-    impl Counting {
+    impl Probe {
+        fn gated() -> Self {
+            Self {
+                gated: true,
+                ..Self::default()
+            }
+        }
+
+        fn first_stalls() -> Self {
+            Self {
+                first_stalls: true,
+                ..Self::default()
+            }
+        }
+
+        fn panicking() -> Self {
+            Self {
+                panics: true,
+                ..Self::default()
+            }
+        }
+
         fn renewals_of(&self, key: &str) -> usize {
             self.renewed.lock().unwrap().get(key).copied().unwrap_or(0)
+        }
+
+        fn answered(&self) -> usize {
+            self.answered.load(Ordering::SeqCst)
         }
 
         async fn claimed(&self, key: &str) -> Lease {
@@ -596,7 +515,7 @@ mod tests {
         }
     }
 
-    impl Store for Counting {
+    impl Store for Probe {
         fn claim<'a>(
             &'a self,
             request: &'a ClaimRequest<'a>,
@@ -626,14 +545,72 @@ mod tests {
             lease: &'a Lease,
             duration: Duration,
         ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            *self
-                .renewed
-                .lock()
-                .unwrap()
-                .entry(lease.key.to_string())
-                .or_default() += 1;
-            self.inner.renew(lease, duration)
+            if self.panics {
+                panic!("the store broke while renewing");
+            }
+            let sent = {
+                let mut renewed = self.renewed.lock().unwrap();
+                let sent = renewed.entry(lease.key.to_string()).or_default();
+                *sent += 1;
+                *sent
+            };
+            Box::pin(async move {
+                if self.first_stalls && sent == 1 {
+                    std::future::pending::<()>().await;
+                }
+                if self.gated {
+                    self.gate.notified().await;
+                }
+                let renewed = self.inner.renew(lease, duration).await;
+                self.answered.fetch_add(1, Ordering::SeqCst);
+                renewed
+            })
         }
+    }
+
+    async fn until(f: impl Fn() -> bool) {
+        while !f() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_on_its_way_when_dropped_finishes_and_no_other_starts() {
+        let store = Arc::new(Probe::gated());
+        let lease = store.claimed("k").await;
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewal = Renewal::start(
+            &Renewals::default(),
+            &dynamic,
+            &lease,
+            Duration::from_secs(3),
+        );
+        until(|| store.renewals_of("k") == 1).await;
+        drop(renewal);
+        store.gate.notify_one();
+        until(|| store.answered() == 1).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(store.renewals_of("k"), 1, "renewed after the drop");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewals_go_on_while_the_watched_future_is_not_polled() {
+        let store = Arc::new(Probe::gated());
+        let lease = store.claimed("k").await;
+        let dynamic: Arc<dyn Store> = store.clone();
+        let renewal = Renewal::start(
+            &Renewals::default(),
+            &dynamic,
+            &lease,
+            Duration::from_secs(3),
+        );
+        // Nothing watches: each renewal is answered and the next one sent on time.
+        for n in 1..=3 {
+            until(|| store.renewals_of("k") == n).await;
+            store.gate.notify_one();
+            until(|| store.answered() == n).await;
+        }
+        drop(renewal);
     }
 
     fn alive_tasks() -> usize {
@@ -644,7 +621,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn many_running_claims_share_one_task_and_each_is_renewed_every_period() {
-        let store = Arc::new(Counting::default());
+        let store = Arc::new(Probe::default());
         let dynamic: Arc<dyn Store> = store.clone();
         let renewals = Renewals::default();
         let before = alive_tasks();
@@ -673,7 +650,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn leases_registered_while_the_runner_sleeps_are_renewed_on_time() {
-        let store = Arc::new(Counting::default());
+        let store = Arc::new(Probe::default());
         let dynamic: Arc<dyn Store> = store.clone();
         let renewals = Renewals::default();
         let long = store.claimed("long").await;
@@ -702,79 +679,28 @@ mod tests {
         assert_eq!(store.renewals_of("short"), 10, "renewed every second");
     }
 
-    /// A memory store whose first renewal never answers.
-    #[derive(Default)]
-    struct FirstStalls {
-        inner: Counting,
-    }
-
-    impl Store for FirstStalls {
-        fn claim<'a>(
-            &'a self,
-            request: &'a ClaimRequest<'a>,
-        ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-            self.inner.claim(request)
-        }
-
-        fn complete<'a>(
-            &'a self,
-            lease: &'a Lease,
-            response: &'a StoredResponse,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            self.inner.complete(lease, response, ttl)
-        }
-
-        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            self.inner.release(lease)
-        }
-
-        fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
-            self.inner.purge(batch)
-        }
-
-        fn renew<'a>(
-            &'a self,
-            lease: &'a Lease,
-            duration: Duration,
-        ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-            let first = self.inner.renewals_of(&lease.key) == 0;
-            let renewed = self.inner.renew(lease, duration);
-            Box::pin(async move {
-                if first {
-                    std::future::pending::<()>().await;
-                }
-                renewed.await
-            })
-        }
-    }
-
     /// A renewal given up on after its period (the store stalled) is followed at once by
     /// the next, as a timer's missed tick: a period later, the lease would be ending.
     #[tokio::test(start_paused = true)]
     async fn after_a_renewal_given_up_on_the_next_is_sent_at_once() {
-        let store = Arc::new(FirstStalls::default());
+        let store = Arc::new(Probe::first_stalls());
         let dynamic: Arc<dyn Store> = store.clone();
         let renewals = Renewals::default();
-        let lease = store.inner.claimed("k").await;
+        let lease = store.claimed("k").await;
         let _renewal = Renewal::start(&renewals, &dynamic, &lease, Duration::from_secs(3));
         // Sent at 1 s, given up on at 2 s; the next sent then, not at 3 s.
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        assert_eq!(store.inner.renewals_of("k"), 1);
+        assert_eq!(store.renewals_of("k"), 1);
         tokio::time::sleep(Duration::from_millis(700)).await;
-        assert_eq!(
-            store.inner.renewals_of("k"),
-            2,
-            "the next was not sent at once"
-        );
+        assert_eq!(store.renewals_of("k"), 2, "the next was not sent at once");
         // And the ones after, every period from there.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        assert_eq!(store.inner.renewals_of("k"), 3);
+        assert_eq!(store.renewals_of("k"), 3);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_runner_that_stopped_is_started_again_for_the_next_claim() {
-        let store = Arc::new(Counting::default());
+        let store = Arc::new(Probe::default());
         let dynamic: Arc<dyn Store> = store.clone();
         let renewals = Renewals::default();
         let before = alive_tasks();
@@ -806,7 +732,7 @@ mod tests {
                 .unwrap()
         };
         let (a, b) = (runtime(), runtime());
-        let store = Arc::new(Counting::default());
+        let store = Arc::new(Probe::default());
         let dynamic: Arc<dyn Store> = store.clone();
         let renewals = Renewals::default();
         let start = |key: &'static str| {
@@ -850,40 +776,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_store_that_panics_while_it_renews_panics_the_watched_future() {
-        struct Panicking(MemoryStore);
-        impl Store for Panicking {
-            fn claim<'a>(
-                &'a self,
-                request: &'a ClaimRequest<'a>,
-            ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-                self.0.claim(request)
-            }
-            fn complete<'a>(
-                &'a self,
-                lease: &'a Lease,
-                response: &'a StoredResponse,
-                ttl: Duration,
-            ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-                self.0.complete(lease, response, ttl)
-            }
-            fn release<'a>(
-                &'a self,
-                lease: &'a Lease,
-            ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-                self.0.release(lease)
-            }
-            fn purge<'a>(&'a self, batch: usize) -> BoxFuture<'a, Result<u64, StoreError>> {
-                self.0.purge(batch)
-            }
-            fn renew<'a>(
-                &'a self,
-                _: &'a Lease,
-                _: Duration,
-            ) -> BoxFuture<'a, Result<Fenced, StoreError>> {
-                panic!("the store broke while renewing")
-            }
-        }
-        let store: Arc<dyn Store> = Arc::new(Panicking(MemoryStore::new()));
+        let store: Arc<dyn Store> = Arc::new(Probe::panicking());
         let lease = Lease {
             scope: crate::Scope::anonymous(),
             key: Arc::from("k"),
